@@ -1,0 +1,309 @@
+"""Pydantic models for every pipeline stage and the whole pipeline, loaded from YAML with one-sentence errors."""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from draftline.errors import ConfigError
+
+_SECRET_KEY = re.compile(r"(secret|password|passwd|token_value|access_key|api_key|credentials?)$", re.I)
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class Strict(BaseModel):
+    """Base for all config sections: unknown keys are errors, and models are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _check_store_uri(value: str) -> str:
+    if value.startswith("s3://"):
+        rest = value[len("s3://"):]
+        bucket = rest.split("/", 1)[0]
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+            raise ValueError(
+                f"{value!r} has no valid bucket name; write s3://BUCKET/optional/prefix "
+                "with a bucket of 3-63 lowercase letters, digits, dots or dashes"
+            )
+        return value.rstrip("/")
+    if "://" in value:
+        raise ValueError(f"{value!r} uses an unsupported scheme; use a local path or s3://bucket/prefix")
+    if not value:
+        raise ValueError("the store location is empty; use a local path such as ./runs or s3://bucket/prefix")
+    return value
+
+
+class StoreConfig(Strict):
+    """Where artifacts live: a local folder (default) or s3://bucket/prefix (credentials from the AWS environment)."""
+
+    root: str = "./runs"
+
+    @field_validator("root")
+    @classmethod
+    def _valid_uri(cls, v):
+        return _check_store_uri(v)
+
+
+class TargetConfig(Strict):
+    """The target model: a transformers checkpoint directory (local path or store URI)."""
+
+    path: str
+    name: str | None = None  # shown in reports; defaults to the directory name
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+
+    @property
+    def display_name(self) -> str:
+        return self.name or Path(self.path.rstrip("/")).name
+
+
+class TracesConfig(Strict):
+    """Trace generation: the target answers the prompts so the drafter learns its own distribution."""
+
+    prompts: str
+    backend: Literal["transformers", "vllm"] = "transformers"
+    use_chat_template: bool = True
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(128, ge=1, le=65536)
+    seed: int = 0
+    max_prompts: int | None = Field(None, ge=1)
+    min_response_tokens: int = Field(1, ge=0)
+    max_total_tokens: int = Field(4096, ge=8)
+    drop_duplicates: bool = True
+    traces_per_shard: int = Field(256, ge=1)
+    batch_size: int = Field(16, ge=1)
+
+
+class ExtractConfig(Strict):
+    """Hidden-state extraction: which layers, in which convention, how batches are formed and sharded."""
+
+    # Inputs of these layers, in vLLM's convention; None means the default (2, L//2, L-3).
+    aux_layer_ids: list[int] | None = None
+    batch_tokens: int = Field(4096, ge=16)
+    tokens_per_shard: int = Field(65536, ge=16)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_ids(cls, v):
+        if v is not None and (len(v) != 3 or len(set(v)) != 3 or any(i < 0 for i in v)):
+            raise ValueError(f"{v} must be three distinct non-negative layer ids, e.g. [2, 4, 5]")
+        return v
+
+
+class DrafterConfig(Strict):
+    """Shape of the EAGLE-3 head; sizes default to the target's."""
+
+    draft_vocab_size: int = Field(32000, ge=2)
+    intermediate_size: int | None = Field(None, ge=1)
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+
+
+class TrainConfig(Strict):
+    """Drafter training with training-time test (TTT)."""
+
+    ttt_steps: int = Field(7, ge=1, le=16)
+    step_weight_decay: float = Field(0.8, gt=0.0, le=1.0)
+    learning_rate: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(50, ge=0)
+    max_steps: int = Field(1000, ge=1)
+    tokens_per_batch: int = Field(8192, ge=16)
+    max_seq_len: int = Field(2048, ge=8)
+    grad_clip: float = Field(0.5, gt=0.0)
+    val_every: int = Field(100, ge=1)
+    checkpoint_every: int = Field(200, ge=1)
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    logits_chunk_tokens: int = Field(1024, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    warm_start: str | None = None  # an existing drafter directory in the SGLang/EAGLE format
+    num_threads: int | None = Field(None, ge=1)
+
+
+class ExportConfig(Strict):
+    """Which engine formats to write; each carries aux-layer ids in its engine's own convention."""
+
+    formats: list[Literal["vllm", "sglang", "speculators"]] = ["vllm", "sglang", "speculators"]
+
+
+class EngineConfig(Strict):
+    """One engine evaluation: how to launch it and how to load it."""
+
+    engine: Literal["vllm", "sglang"]
+    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    concurrency: list[int] = [1]
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_model_len: int = Field(2048, ge=16)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    require_gpu: bool = False
+    # Supervision of the flaky model load.
+    ready_timeout_s: float = Field(600.0, gt=0)
+    ready_timeout_s_per_gb: float = Field(120.0, ge=0)
+    no_progress_timeout_s: float = Field(300.0, gt=0)
+    first_request_timeout_s: float = Field(120.0, gt=0)
+    retries: int = Field(2, ge=0)
+    retry_backoff_s: float = Field(5.0, ge=0)
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v):
+        if not v or any(c < 1 for c in v):
+            raise ValueError(f"{v} must be a non-empty list of positive integers, e.g. [1, 8, 32]")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets(cls, v):
+        for key in v:
+            if _SECRET_KEY.search(key):
+                raise ValueError(f"{key!r} looks like a secret; set it in the worker's environment, not in the config")
+        return v
+
+
+class ReferenceConfig(Strict):
+    """The engine-independent reference decoder used for parity."""
+
+    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    max_prompts: int | None = Field(None, ge=1)
+    batch_size: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class EvalConfig(Strict):
+    """Evaluation: prompts, sampling, engines, and the parity check against the reference decoder."""
+
+    prompts: str
+    max_prompts: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    use_chat_template: bool = True
+    engines: list[EngineConfig] = [EngineConfig(engine="vllm"), EngineConfig(engine="sglang")]
+    reference: ReferenceConfig = ReferenceConfig()
+    parity_threshold: float = Field(0.8, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _reference_matches_engines(self):
+        ks = {e.num_speculative_tokens for e in self.engines}
+        if ks and self.reference.num_speculative_tokens not in ks:
+            raise ValueError(
+                f"reference.num_speculative_tokens={self.reference.num_speculative_tokens} differs from the engines' "
+                f"{sorted(ks)}; parity compares like with like, so set them equal"
+            )
+        return self
+
+
+class RegressionConfig(Strict):
+    """Nightly thresholds: relative drops that fail the run, against the last good run and a rolling median."""
+
+    max_acceptance_drop: float = Field(0.10, ge=0.0, le=1.0)
+    max_speedup_drop: float = Field(0.15, ge=0.0, le=1.0)
+    max_throughput_drop: float = Field(0.20, ge=0.0, le=1.0)
+    parity_floor: float = Field(0.8, ge=0.0, le=1.0)
+    median_window: int = Field(7, ge=1)
+
+
+class PipelineConfig(Strict):
+    """The whole job: traces → extraction → training → export → evaluation."""
+
+    run: str = "demo"
+    store: StoreConfig = StoreConfig()
+    target: TargetConfig
+    traces: TracesConfig
+    extract: ExtractConfig = ExtractConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    train: TrainConfig = TrainConfig()
+    export: ExportConfig = ExportConfig()
+    eval: EvalConfig
+    regression: RegressionConfig = RegressionConfig()
+
+    @field_validator("run")
+    @classmethod
+    def _run_name(cls, v):
+        if not _RUN_NAME.match(v):
+            raise ValueError(f"{v!r} is not a usable run name; use letters, digits, '.', '_' or '-' (at most 128)")
+        return v
+
+
+def _describe_error(err: dict[str, Any], model: type[BaseModel], source: str) -> str:
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = _model_at(model, err["loc"][:-1])
+        allowed = sorted(parent.model_fields) if parent else []
+        bad = str(err["loc"][-1])
+        hint = difflib.get_close_matches(bad, allowed, n=1)
+        fix = f"did you mean {hint[0]!r}?" if hint else f"allowed keys: {', '.join(allowed)}"
+        return f"{source}: unknown key {loc!r}; {fix}"
+    if kind == "missing":
+        return f"{source}: {loc} is required but missing; add it"
+    value = err.get("input")
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{source}: {loc}={value!r} is invalid: {msg}"
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        # Unwrap list[X] / X | None to reach the section model.
+        for arg in getattr(ann, "__args__", ()) or ():
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                ann = arg
+        current = ann
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def parse_config(data: Any, model: type[BaseModel] = PipelineConfig, source: str = "config") -> BaseModel:
+    """Validate a mapping; raise ConfigError with one sentence per problem, naming field, value and fix."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
+    _reject_secrets(data, source)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe_error(e, model, source) for e in exc.errors()]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def _reject_secrets(data: Any, source: str, path: str = "") -> None:
+    if isinstance(data, dict):
+        for key, value in data.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _SECRET_KEY.search(key) and not isinstance(value, dict):
+                raise ConfigError(
+                    f"{source}: {where} looks like a secret; secrets never go in config files, "
+                    "set them in the environment (e.g. AWS_SECRET_ACCESS_KEY) instead"
+                )
+            _reject_secrets(value, source, where)
+    elif isinstance(data, list):
+        for i, item in enumerate(data):
+            _reject_secrets(item, source, f"{path}[{i}]")
+
+
+def load_config(path: str | os.PathLike, model: type[BaseModel] = PipelineConfig) -> BaseModel:
+    """Read a YAML file and validate it; relative paths inside stay relative to the current directory."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file; pass the path of a YAML file such as configs/demo.yaml")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{where}; fix the syntax there") from None
+    return parse_config(data, model, str(p))

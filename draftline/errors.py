@@ -1,0 +1,37 @@
+"""Exception types that mark failures as the user's to fix (never retried) or as transient (worth a retry)."""
+
+
+class DraftlineError(Exception):
+    """Base of all draftline errors."""
+
+
+class ConfigError(DraftlineError, ValueError):
+    """Bad input: a config, prompt file, model or drafter directory, or store URI. Retrying cannot help."""
+
+
+class StoreError(DraftlineError):
+    """The artifact store failed. `transient` says whether a retry may help (network) or not (credentials)."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+class IntegrityError(StoreError):
+    """Stored bytes do not match their manifest entry (size or sha256)."""
+
+
+class EngineError(DraftlineError):
+    """An engine server failed to load or to serve. `log_tail` holds its last output lines."""
+
+    def __init__(self, message: str, log_tail: str = "", transient: bool = True):
+        super().__init__(message + (f"\n--- engine log (tail) ---\n{log_tail}" if log_tail else ""))
+        self.log_tail = log_tail
+        self.transient = transient
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when a retry may succeed: engine loads and store network errors, never bad input."""
+    if isinstance(exc, ConfigError):
+        return False
+    return bool(getattr(exc, "transient", False))
