@@ -1,0 +1,489 @@
+"""The EAGLE-3 draft head: fc over three target aux states, one Llama layer over [embedding, hidden], lm_head over the draft vocabulary."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftline.errors import ConfigError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS_FILE = "model.safetensors"
+LINEAGE_FILE = "draftline.json"
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """Inputs of layers 2, L//2 and L-3 (vLLM's convention), the ids every engine falls back to."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def to_sglang_ids(vllm_ids: list[int]) -> list[int]:
+    """SGLang reads an id as 'output of layer k', one less than vLLM's 'input of layer k' for the same tensor."""
+    return [i - 1 for i in vllm_ids]
+
+
+def from_sglang_ids(sglang_ids: list[int]) -> list[int]:
+    return [i + 1 for i in sglang_ids]
+
+
+@dataclass
+class Eagle3Config:
+    """Shapes of the draft head, and which target layers feed it (ids always in vLLM's convention here)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary (embeddings, t2d)
+    draft_vocab_size: int  # rows of lm_head
+    target_hidden_size: int
+    aux_layer_ids: list[int]  # input of layer k (vLLM convention)
+    target_num_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.hidden_act != "silu":
+            raise ConfigError(f"drafter hidden_act={self.hidden_act!r} is not supported; EAGLE-3 heads use 'silu'")
+        if len(self.aux_layer_ids) != 3 or len(set(self.aux_layer_ids)) != 3:
+            raise ConfigError(f"aux_layer_ids={self.aux_layer_ids} must be three distinct layer ids, e.g. [2, 4, 5]")
+        if self.target_num_layers is not None:
+            check_aux_ids(self.aux_layer_ids, self.target_num_layers)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"drafter num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; pick a divisor"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError(
+                f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size={self.vocab_size}; "
+                "set drafter.draft_vocab_size at most the target's"
+            )
+
+
+def check_aux_ids(vllm_ids: list[int], num_layers: int) -> None:
+    """Refuse ids that cannot name a layer input of a target with num_layers layers."""
+    bad = [i for i in vllm_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(
+            f"aux layer ids {vllm_ids} (vLLM convention, input of layer k) contradict a target with "
+            f"{num_layers} layers: {bad} outside 0..{num_layers - 1}; use ids below the layer count, "
+            f"e.g. {default_aux_layer_ids(num_layers)}"
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like Llama so bf16 runs match the engines' kernels closely.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin [B, 1, T, head_dim] for Llama's rotate-half (NeoX) rotary embedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Projections of the draft layer's attention; q/k/v read the 2*H concatenation."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """The single draft layer, split in two halves so training can run its own (TTT) attention in between."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied at position_ids."""
+        b, t, _ = hidden.shape
+        cfg = self.cfg
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        q = self.self_attn.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = self.self_attn.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = self.self_attn.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, nh, T, hd] -> the new residual stream [B, T, H]; the residual is the incoming hidden."""
+        b, _, t, _ = attn.shape
+        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DrafterCache:
+    """Append-only key/value cache of the draft layer; crop(length) rolls back rejected draft tokens."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a drafter cache of length {self.length} to {length}")
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 head; parameter names are the SGLang/EAGLE checkpoint keys (fc, midlayer.*, norm, lm_head)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, never trained
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.reset_parameters()
+
+    # ---- construction -------------------------------------------------------------------------------
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        nn.init.normal_(self.embed_tokens.weight, std=std)
+
+    @classmethod
+    def from_target_config(cls, target_config, drafter_cfg=None, aux_layer_ids: list[int] | None = None) -> "Eagle3Drafter":
+        """A fresh head sized for the target (a transformers config or its config.json dict); ids in vLLM's convention."""
+        cfg = config_for_target(target_config, drafter_cfg, aux_layer_ids)
+        return cls(cfg)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary map (from draftline.drafter.vocab)."""
+        cfg = self.config
+        if d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
+            raise ConfigError(
+                f"vocabulary map has d2t {tuple(d2t.shape)} and t2d {tuple(t2d.shape)}, but the drafter needs "
+                f"({cfg.draft_vocab_size},) and ({cfg.vocab_size},); rebuild it with the drafter's sizes"
+            )
+        used = torch.arange(cfg.draft_vocab_size) + d2t.long().cpu()
+        if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d.cpu()[used].all()):
+            raise ConfigError("d2t and t2d disagree (t2d must be True exactly at the target ids d2t maps to); rebuild the vocabulary")
+        self.d2t.copy_(d2t.long())
+        self.t2d.copy_(t2d.bool())
+
+    def load_target_weights(self, embed_tokens: torch.Tensor) -> None:
+        """Copy the target's input embeddings (frozen)."""
+        if tuple(embed_tokens.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ConfigError(
+                f"target embed_tokens has shape {tuple(embed_tokens.shape)} but the drafter expects "
+                f"{tuple(self.embed_tokens.weight.shape)}; the drafter's hidden_size must equal the target's "
+                "to share its embeddings"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed_tokens)
+
+    # ---- vocabulary ----------------------------------------------------------------------------------
+    @property
+    def draft_token_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, ascending, [Vd]."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- decode-time forward -----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                cache: DrafterCache | None = None):
+        """One call over T new slots: hidden of slot t with the embedding of input_ids[t] (the NEXT token).
+
+        hidden is fc(aux) for real target positions or a previous hidden_out for draft steps; the queries
+        attend causally to the cache plus the new slots. Returns (draft_logits, hidden_out, cache).
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        q, k, v = self.midlayer.qkv(embeds, hidden, position_ids)
+        past = 0 if cache is None else cache.length
+        if cache is not None:
+            k, v = cache.append(k, v)
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        t, s = q.shape[2], k.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        attn = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask)
+        hidden_out = self.midlayer.finish(hidden, attn)
+        logits = self.lm_head(self.norm(hidden_out))
+        return logits, hidden_out, cache
+
+    # ---- files ----------------------------------------------------------------------------------------
+    def save_pretrained(self, directory, convention: str = "sglang", include_embeddings: bool = True,
+                        dtype: torch.dtype = torch.bfloat16) -> Path:
+        """Write config.json + model.safetensors in the SGLang/EAGLE layout, aux ids in `convention`."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.eagle_config_json(convention, dtype), indent=2) + "\n")
+        save_file(self.export_tensors(include_embeddings, dtype), str(directory / WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        return directory
+
+    def export_tensors(self, include_embeddings: bool = True, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors by key; d2t/t2d only when the draft vocabulary is smaller than the target's."""
+        out = {}
+        for name, tensor in self.state_dict().items():
+            if name in ("d2t", "t2d"):
+                continue
+            if name == "embed_tokens.weight" and not include_embeddings:
+                continue
+            out[name] = tensor.detach().to("cpu", dtype).contiguous()
+        if self.config.draft_vocab_size < self.config.vocab_size:
+            # vLLM refuses a d2t when the vocabularies are equal (it then has no parameter for it).
+            out["d2t"] = self.d2t.detach().cpu().long().contiguous()
+            out["t2d"] = self.t2d.detach().cpu().bool().contiguous()
+        return out
+
+    def eagle_config_json(self, convention: str = "sglang", dtype: torch.dtype = torch.bfloat16) -> dict:
+        cfg = self.config
+        if convention not in ("sglang", "vllm"):
+            raise ValueError(f"convention must be 'sglang' or 'vllm', got {convention!r}")
+        ids = to_sglang_ids(cfg.aux_layer_ids) if convention == "sglang" else list(cfg.aux_layer_ids)
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": cfg.hidden_act,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "vocab_size": cfg.vocab_size,
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            **cfg.extra,
+        }
+
+    @classmethod
+    def from_pretrained(cls, directory, convention: str | None = None, embed_tokens: torch.Tensor | None = None,
+                        target_num_layers: int | None = None) -> "Eagle3Drafter":
+        """Load an SGLang/EAGLE (or our vLLM-format) drafter dir; ids are read in the convention its draftline.json
+        names, else in `convention`, else SGLang's (the EAGLE format's own)."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        cfg_path = directory / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{directory}: no config.json; pass a drafter directory in the SGLang/EAGLE format")
+        raw = json.loads(cfg_path.read_text())
+        lineage_path = directory / LINEAGE_FILE
+        if lineage_path.is_file():
+            convention = json.loads(lineage_path.read_text()).get("convention", convention)
+        convention = convention or "sglang"
+        if "speculators_config" in raw or raw.get("speculators_model_type"):
+            raise ConfigError(
+                f"{directory} is in the speculators format; load the SGLang/EAGLE-format export "
+                "(config.json with architectures LlamaForCausalLMEagle3) instead"
+            )
+        archs = raw.get("architectures") or []
+        if not any("Eagle3" in a for a in archs):
+            raise ConfigError(
+                f"{cfg_path}: architectures={archs} is not an EAGLE-3 drafter; expected {ARCHITECTURE!r}"
+            )
+        eagle = raw.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
+        if not ids:
+            raise ConfigError(
+                f"{cfg_path}: no eagle_aux_hidden_state_layer_ids; add them to eagle_config (engines silently "
+                "guess otherwise)"
+            )
+        ids = from_sglang_ids(ids) if convention == "sglang" else list(ids)
+        hidden = raw["hidden_size"]
+        heads = raw["num_attention_heads"]
+        rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        cfg = Eagle3Config(
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or hidden // heads,
+            vocab_size=raw["vocab_size"],
+            draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
+            target_hidden_size=raw.get("target_hidden_size") or hidden,
+            aux_layer_ids=ids,
+            target_num_layers=target_num_layers,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            hidden_act=raw.get("hidden_act", "silu"),
+        )
+        model = cls(cfg)
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"{directory}: no *.safetensors weights; the drafter directory is incomplete")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        tensors = {k.replace("layers.0.", "midlayer.").removeprefix("model."): v for k, v in tensors.items()}
+        if "embed_tokens.weight" not in tensors:
+            if embed_tokens is None:
+                raise ConfigError(
+                    f"{directory} has no embed_tokens.weight; pass the target's embeddings (embed_tokens=...)"
+                )
+            tensors["embed_tokens.weight"] = embed_tokens
+        if "d2t" not in tensors:
+            if cfg.draft_vocab_size != cfg.vocab_size:
+                raise ConfigError(
+                    f"{directory}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but "
+                    "there is no d2t tensor; without it every draft token maps to the wrong target token"
+                )
+            tensors["d2t"] = model.d2t.clone()
+        if "t2d" not in tensors:
+            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()] = True
+            tensors["t2d"] = t2d
+        expected = set(model.state_dict())
+        missing, unexpected = expected - set(tensors), set(tensors) - expected
+        if missing or unexpected:
+            raise ConfigError(
+                f"{directory}: weights do not match an EAGLE-3 head (missing {sorted(missing)[:4]}, "
+                f"unexpected {sorted(unexpected)[:4]}); export it again in the SGLang/EAGLE format"
+            )
+        state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+        model.load_state_dict(state)
+        return model
+
+
+def _get(config, *names, default=None):
+    for name in names:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def target_rope_theta(target_config) -> float:
+    params = _get(target_config, "rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    return float(_get(target_config, "rope_theta", default=10000.0))
+
+
+def config_for_target(target_config, drafter_cfg=None, aux_layer_ids: list[int] | None = None) -> Eagle3Config:
+    """Eagle3Config from a target config (Llama-like or DeepSeek-V3 MLA/MoE: only the sizes matter)."""
+    if not isinstance(target_config, dict) and hasattr(target_config, "get_text_config"):
+        target_config = target_config.get_text_config()
+    elif isinstance(target_config, dict) and isinstance(target_config.get("text_config"), dict):
+        target_config = target_config["text_config"]
+    hidden = _get(target_config, "hidden_size")
+    vocab = _get(target_config, "vocab_size")
+    layers = _get(target_config, "num_hidden_layers")
+    if not (hidden and vocab and layers):
+        raise ConfigError("target config lacks hidden_size, vocab_size or num_hidden_layers; pass the target's config.json")
+    heads = getattr(drafter_cfg, "num_attention_heads", None) or _get(target_config, "num_attention_heads")
+    kv_heads = getattr(drafter_cfg, "num_key_value_heads", None) or _get(target_config, "num_key_value_heads", default=heads)
+    if kv_heads > heads or heads % kv_heads:
+        kv_heads = heads
+    if hidden % heads:
+        raise ConfigError(
+            f"target hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+            "set drafter.num_attention_heads to a divisor"
+        )
+    intermediate = getattr(drafter_cfg, "intermediate_size", None) or _get(target_config, "intermediate_size", default=4 * hidden)
+    draft_vocab = getattr(drafter_cfg, "draft_vocab_size", None) or vocab
+    ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers)
+    return Eagle3Config(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        vocab_size=vocab,
+        draft_vocab_size=min(draft_vocab, vocab),  # a draft vocabulary cannot exceed the target's
+        target_hidden_size=hidden,
+        aux_layer_ids=ids,
+        target_num_layers=layers,
+        rms_norm_eps=float(_get(target_config, "rms_norm_eps", default=1e-6)),
+        rope_theta=target_rope_theta(target_config),
+        max_position_embeddings=int(_get(target_config, "max_position_embeddings", default=4096)),
+    )
+
+
+def config_to_dict(cfg: Eagle3Config) -> dict:
+    return asdict(cfg)
+
+
+def param_count(model: nn.Module, trainable_only: bool = True) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+

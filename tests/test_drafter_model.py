@@ -1,0 +1,115 @@
+"""The EAGLE-3 head: decode-time cache behaviour, the SGLang/EAGLE file format, vocabulary mapping, bad input."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from draftline.config import DrafterConfig
+from draftline.drafter.model import Eagle3Drafter
+from draftline.errors import ConfigError
+
+TARGET = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 256,
+}
+
+
+def make_drafter(draft_vocab=100, seed=0):
+    torch.manual_seed(seed)
+    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=draft_vocab))
+    if draft_vocab < TARGET["vocab_size"]:
+        used = torch.arange(draft_vocab) * 3  # every third target id
+        t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
+        t2d[used] = True
+        model.set_vocab(used - torch.arange(draft_vocab), t2d)
+    return model.eval()
+
+
+def test_shapes_and_default_aux_ids_follow_the_target():
+    model = make_drafter()
+    assert model.config.aux_layer_ids == [2, 4, 5]
+    assert model.fc.weight.shape == (64, 3 * 64)
+    assert model.midlayer.self_attn.q_proj.weight.shape == (64, 128)  # reads [embedding, hidden]
+    assert not model.embed_tokens.weight.requires_grad
+    ids = torch.randint(0, 300, (2, 5))
+    logits, hidden, cache = model(ids, torch.randn(2, 5, 64), torch.arange(5).expand(2, 5))
+    assert logits.shape == (2, 5, 100) and hidden.shape == (2, 5, 64) and cache is None
+
+
+def test_incremental_decoding_with_cache_and_crop_matches_one_full_pass():
+    model = make_drafter()
+    ids, hid = torch.randint(0, 300, (1, 9)), torch.randn(1, 9, 64)
+    pos = torch.arange(9)[None]
+    full_logits, full_hidden, _ = model(ids, hid, pos)
+
+    from draftline.drafter.model import DrafterCache
+    cache = DrafterCache()
+    parts = []
+    for a, b in [(0, 4), (4, 5), (5, 9)]:
+        logits, _, cache = model(ids[:, a:b], hid[:, a:b], pos[:, a:b], cache)
+        parts.append(logits)
+    torch.testing.assert_close(torch.cat(parts, 1), full_logits, atol=1e-5, rtol=1e-5)
+
+    # A rejected draft: feed junk at slots 6..8, roll back to 6, then the true slots give the full-pass answer.
+    cache.crop(6)
+    model(torch.randint(0, 300, (1, 3)), torch.randn(1, 3, 64), pos[:, 6:9], cache)
+    cache.crop(6)
+    logits, hidden, cache = model(ids[:, 6:9], hid[:, 6:9], pos[:, 6:9], cache)
+    torch.testing.assert_close(logits, full_logits[:, 6:9], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, full_hidden[:, 6:9], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        cache.crop(10)
+
+
+def test_draft_to_target_uses_d2t_offsets():
+    model = make_drafter()
+    assert model.draft_to_target(torch.tensor([0, 1, 99])).tolist() == [0, 3, 297]
+    assert model.draft_token_ids[:3].tolist() == [0, 3, 6]
+
+
+def test_save_and_load_roundtrip_in_the_sglang_format(tmp_path):
+    model = make_drafter()
+    model.save_pretrained(tmp_path / "d", dtype=torch.float32)
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert raw["num_hidden_layers"] == 1 and raw["draft_vocab_size"] == 100 and raw["vocab_size"] == 300
+    assert raw["target_hidden_size"] == 64
+    # SGLang reads "output of layer k": one less than the vLLM ids [2, 4, 5] for the same tensors.
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight", "embed_tokens.weight"} <= keys
+
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d").eval()
+    assert loaded.config.aux_layer_ids == [2, 4, 5]
+    ids, hid, pos = torch.randint(0, 300, (1, 6)), torch.randn(1, 6, 64), torch.arange(6)[None]
+    torch.testing.assert_close(loaded(ids, hid, pos)[0], model(ids, hid, pos)[0])
+    assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
+
+
+def test_full_vocabulary_export_has_no_d2t(tmp_path):
+    model = make_drafter(draft_vocab=300)
+    model.save_pretrained(tmp_path / "d")
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
+        assert "d2t" not in f.keys() and "t2d" not in f.keys()
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d")
+    assert loaded.draft_to_target(torch.tensor([7])).item() == 7
+
+
+def test_reduced_vocabulary_without_d2t_is_refused(tmp_path):
+    model = make_drafter()
+    model.save_pretrained(tmp_path / "d")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    del tensors["d2t"]
+    save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="no d2t"):
+        Eagle3Drafter.from_pretrained(tmp_path / "d")
+
+
+def test_aux_ids_beyond_the_target_layers_are_refused():
+    with pytest.raises(ConfigError, match="contradict a target with 8 layers"):
+        Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=100), aux_layer_ids=[2, 4, 8])
