@@ -67,6 +67,8 @@ class TracesConfig(Strict):
 
     prompts: str
     backend: Literal["transformers", "vllm"] = "transformers"
+    # With backend vllm: a running vLLM OpenAI server (e.g. http://127.0.0.1:8000/v1) instead of an offline engine.
+    endpoint: str | None = None
     use_chat_template: bool = True
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -1,0 +1,231 @@
+"""Load a target model, capture its aux and final hidden states with hooks, and own the vLLM/SGLang layer-id conventions."""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from draftline.errors import ConfigError
+
+# The one place that defines what an aux-layer id means.
+#   vLLM id k   = the INPUT of decoder layer k   (= the output of layer k-1; k=0 is the embedding output)
+#   SGLang id k = the OUTPUT of decoder layer k  (SGLang adds +1 internally to reach the same tensor)
+# So the same physical tensor has sglang_id = vllm_id - 1. Everything in draftline stores vLLM ids.
+VLLM = "vllm"
+SGLANG = "sglang"
+CONVENTIONS = (VLLM, SGLANG)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Above this many bytes of weights the fingerprint hashes safetensors headers instead of every byte.
+_FULL_HASH_LIMIT = 2 * 1024**3
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The ids every engine falls back to: inputs of layers 2, L//2 and L-3 (vLLM convention)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def vllm_to_sglang(ids: list[int]) -> list[int]:
+    """Same tensors, SGLang's convention ("output of layer k"): one less than vLLM's "input of layer k"."""
+    return [int(i) - 1 for i in ids]
+
+
+def sglang_to_vllm(ids: list[int]) -> list[int]:
+    """Same tensors, vLLM's convention ("input of layer k"): one more than SGLang's "output of layer k"."""
+    return [int(i) + 1 for i in ids]
+
+
+def to_convention(vllm_ids: list[int], convention: str) -> list[int]:
+    """Express vLLM-convention ids in `convention` ("vllm" or "sglang")."""
+    if convention == VLLM:
+        return [int(i) for i in vllm_ids]
+    if convention == SGLANG:
+        return vllm_to_sglang(vllm_ids)
+    raise ConfigError(f"layer-id convention {convention!r} is unknown; use one of {list(CONVENTIONS)}")
+
+
+def from_convention(ids: list[int], convention: str) -> list[int]:
+    """Turn ids written in `convention` into vLLM-convention ids."""
+    if convention == VLLM:
+        return [int(i) for i in ids]
+    if convention == SGLANG:
+        return sglang_to_vllm(ids)
+    raise ConfigError(f"layer-id convention {convention!r} is unknown; use one of {list(CONVENTIONS)}")
+
+
+def validate_aux_layer_ids(ids: list[int] | None, num_layers: int, field: str = "extract.aux_layer_ids") -> list[int]:
+    """Return the vLLM-convention ids to capture (defaults when None), or raise one sentence naming the fix."""
+    if num_layers < 1:
+        raise ConfigError(f"the target has {num_layers} decoder layers; a target needs at least one")
+    chosen = default_aux_layer_ids(num_layers) if ids is None else [int(i) for i in ids]
+    where = f"{field}={chosen}" if ids is not None else f"the default aux layers {chosen} (inputs of 2, L//2, L-3)"
+    bad = [i for i in chosen if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(
+            f"{where} are out of range for a target with {num_layers} layers ({bad}); "
+            f"use three distinct layer-input ids between 0 and {num_layers - 1} (vLLM convention)"
+        )
+    if len(chosen) != 3 or len(set(chosen)) != 3:
+        raise ConfigError(
+            f"{where} are not three distinct layers for a target with {num_layers} layers; "
+            f"set {field} to three distinct ids between 0 and {num_layers - 1}"
+        )
+    return sorted(chosen)
+
+
+def read_target_config(path: str | Path) -> dict:
+    """Parse `<path>/config.json`, or raise one sentence saying what is missing and how to fix it."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(f"target {root}: no such directory; point target.path at a transformers checkpoint directory")
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"target {root} has no config.json; point target.path at a transformers checkpoint directory "
+            "(config.json, weights, tokenizer)"
+        )
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"target {cfg_file} is not valid JSON (line {exc.lineno}); repair or re-export the checkpoint") from None
+    if not isinstance(cfg, dict) or not cfg.get("model_type"):
+        raise ConfigError(f"target {cfg_file} has no model_type; re-export the checkpoint with transformers' save_pretrained")
+    return cfg
+
+
+def num_layers(target: torch.nn.Module | dict | str | Path) -> int:
+    """Decoder layer count of a loaded model, a config dict, or a checkpoint directory."""
+    if isinstance(target, torch.nn.Module):
+        return len(decoder_layers(target))
+    cfg = target if isinstance(target, dict) else read_target_config(target)
+    cfg = cfg.get("text_config", cfg)
+    if "num_hidden_layers" not in cfg:
+        raise ConfigError("target config.json has no num_hidden_layers; only decoder-only LMs are supported")
+    return int(cfg["num_hidden_layers"])
+
+
+def _weight_files(root: Path) -> list[Path]:
+    files = sorted(root.glob("*.safetensors"))
+    return files or sorted(root.glob("pytorch_model*.bin"))
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu"):
+    """Load (model, tokenizer) from a transformers checkpoint directory, in eval mode on `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(path)
+    read_target_config(root)
+    if not _weight_files(root):
+        raise ConfigError(f"target {root} has no weights (*.safetensors); save the model there with save_pretrained")
+    torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"target {root}/config.json is not usable by transformers ({str(exc).splitlines()[0]}); "
+            "use a supported architecture such as LlamaForCausalLM or DeepseekV3ForCausalLM"
+        ) from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(root, dtype=torch_dtype)
+    except ValueError as exc:
+        raise ConfigError(
+            f"target {root}: architecture {getattr(config, 'architectures', None)} cannot be loaded as a causal LM "
+            f"({str(exc).splitlines()[0]}); use a decoder-only architecture such as LlamaForCausalLM"
+        ) from None
+    model.to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(root)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target {root} has no usable tokenizer ({str(exc).splitlines()[0]}); add tokenizer.json there") from None
+    decoder_layers(model)  # fail now, not mid-extraction, on an unusual module layout
+    return model, tokenizer
+
+
+def decoder_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (embeddings, layers, final norm) without the lm_head."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        return inner
+    if hasattr(model, "layers"):
+        return model
+    raise ConfigError(
+        f"{type(model).__name__} has no `model.layers` decoder stack; only Llama-like decoder-only targets are supported"
+    )
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return decoder_model(model).layers
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    norm = getattr(decoder_model(model), "norm", None)
+    if norm is None:
+        raise ConfigError(f"{type(model).__name__} has no final `norm` module; cannot capture the last hidden state")
+    return norm
+
+
+@contextmanager
+def capture_hidden_states(
+    model: torch.nn.Module,
+    aux_layer_ids: list[int],
+    sink: Callable[[str, torch.Tensor], None],
+) -> Iterator[None]:
+    """While active, every forward calls sink("aux0".."aux2", input of layer k) and sink("last", output of the final norm).
+
+    Pre-hooks on exactly the aux layers (vLLM ids, "input of layer k") and one hook on the final norm:
+    nothing else is kept, unlike output_hidden_states=True which holds every layer.
+    """
+    layers = decoder_layers(model)
+    ids = validate_aux_layer_ids(aux_layer_ids, len(layers))
+    handles = []
+
+    def pre_hook(name):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            sink(name, hidden)
+
+        return hook
+
+    for slot, layer_id in enumerate(ids):
+        handles.append(layers[layer_id].register_forward_pre_hook(pre_hook(f"aux{slot}"), with_kwargs=True))
+    handles.append(final_norm(model).register_forward_hook(lambda m, a, out: sink("last", out)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n)
+
+
+def target_fingerprint(path: str | Path) -> str:
+    """A stable id for (config, weights): sha256 of config.json's content and of the weights.
+
+    Small checkpoints hash every weight byte; huge ones hash the safetensors headers (names, shapes, dtypes,
+    offsets) and file sizes, so fingerprinting a 1 TB target does not take an hour.
+    """
+    root = Path(path)
+    cfg = read_target_config(root)
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
+    files = _weight_files(root)
+    total = sum(f.stat().st_size for f in files)
+    full = total <= _FULL_HASH_LIMIT
+    for f in files:
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        if full:
+            with f.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+        elif f.suffix == ".safetensors":
+            h.update(_safetensors_header(f))
+    return ("sha256:" if full else "sha256-headers:") + h.hexdigest()
