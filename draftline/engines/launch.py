@@ -1,0 +1,267 @@
+"""Starts an engine server as a supervised process group and returns it only once it has answered a real request.
+
+The model load is the flaky step (long loads, servers that exit half-way, servers that say "ready" and then
+never answer), so every launch is: free port -> guarded process group -> health polling with a deadline that
+grows with the checkpoint size -> a watchdog on log progress -> a first real request -> retries with
+exponential backoff and jitter. Logs go to a local file and, when a store is given, to the store.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from draftline.config import EngineConfig
+from draftline.errors import EngineError
+
+LOG_TAIL_LINES = 40
+# Run by path: the guard needs only the standard library, so it works even where draftline is not installed.
+GUARD = Path(__file__).with_name("guard.py")
+POLL_S = 0.5
+
+
+@dataclass
+class ServerSpec:
+    """What to start and how to know it works; the engine adapters build one of these."""
+
+    name: str  # e.g. "vllm-eagle3": used for log names and error messages
+    command: Callable[[int], list[str]]  # port -> argv
+    first_request: Callable[[str, float], None]  # (base_url, timeout_s) -> None, raises on a bad answer
+    health_path: str = "/health"
+    env: dict[str, str] = field(default_factory=dict)
+    checkpoint_bytes: int = 0  # size of what the server loads; stretches the readiness deadline
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint_size(*paths: str | os.PathLike | None) -> int:
+    """Bytes of model weights under the given directories (what a load has to read)."""
+    total = 0
+    for p in paths:
+        if p is None:
+            continue
+        root = Path(p)
+        if root.is_file():
+            total += root.stat().st_size
+            continue
+        for f in root.rglob("*"):
+            if f.is_file() and f.suffix in {".safetensors", ".bin", ".pt", ".gguf"}:
+                total += f.stat().st_size
+    return total
+
+
+def ready_timeout(cfg: EngineConfig, checkpoint_bytes: int) -> float:
+    return cfg.ready_timeout_s + cfg.ready_timeout_s_per_gb * checkpoint_bytes / 1e9
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.replace("\r", "\n").splitlines()[-lines:])
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of the group exists (zombies excluded, since they hold no resources)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+class EngineServer:
+    """A running, answering engine server; stop() (or leaving the `with` block) kills its whole process group."""
+
+    def __init__(self, spec: ServerSpec, port: int, proc: subprocess.Popen, pipe_w: int, log_path: Path,
+                 store=None, log_key: str | None = None):
+        self.spec = spec
+        self.port = port
+        self.proc = proc
+        self.pgid = proc.pid  # the guard leads its own session and process group
+        self._pipe_w = pipe_w
+        self.log_path = log_path
+        self._store = store
+        self._log_key = log_key
+        self.stopped = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        _kill_group(self.proc, self.pgid, grace_s)
+        try:
+            os.close(self._pipe_w)
+        except OSError:
+            pass
+        _upload_log(self._store, self._log_key, self.log_path)
+
+    def __enter__(self) -> "EngineServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self):  # last resort: never leave a server behind when a caller forgets stop()
+        if not getattr(self, "stopped", True):
+            try:
+                self.stop(grace_s=2.0)
+            except Exception:
+                pass
+
+
+def _kill_group(proc: subprocess.Popen, pgid: int, grace_s: float) -> None:
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and group_alive(pgid):
+        proc.poll()
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _upload_log(store, key: str | None, path: Path) -> None:
+    if store is None or key is None or not path.exists():
+        return
+    try:
+        store.put_file(key, path)
+    except Exception as exc:  # a log upload must never hide the engine's own outcome
+        print(f"draftline: could not upload engine log {path} to {key}: {exc}", file=sys.stderr)
+
+
+def _start_once(spec: ServerSpec, cfg: EngineConfig, log_path: Path, store, log_key: str | None) -> EngineServer:
+    port = free_port()
+    argv = spec.command(port)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **cfg.env, **spec.env, "PYTHONUNBUFFERED": "1"}
+    pipe_r, pipe_w = os.pipe()  # both ends close-on-exec; only the guard receives the read end
+    with open(log_path, "wb") as log:
+        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            [sys.executable, str(GUARD), str(pipe_r), "--", *argv],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True, pass_fds=(pipe_r,),
+        )
+    os.close(pipe_r)
+    server = EngineServer(spec, port, proc, pipe_w, log_path, store, log_key)
+    try:
+        _wait_ready(server, cfg)
+        spec.first_request(server.base_url, cfg.first_request_timeout_s)
+    except EngineError:
+        server.stop(grace_s=5.0)
+        raise
+    except Exception as exc:
+        server.stop(grace_s=5.0)
+        raise EngineError(
+            f"{spec.name} reported healthy on port {port} but its first request failed within "
+            f"{cfg.first_request_timeout_s:.0f} s ({type(exc).__name__}: {exc}); the server is stuck or broken",
+            log_tail(log_path),
+        ) from exc
+    return server
+
+
+def _wait_ready(server: EngineServer, cfg: EngineConfig) -> None:
+    spec = server.spec
+    limit = ready_timeout(cfg, spec.checkpoint_bytes)
+    start = time.monotonic()
+    last_size, last_progress = -1, start
+    url = server.base_url + spec.health_path
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            now = time.monotonic()
+            code = server.proc.poll()
+            if code is not None:
+                raise EngineError(f"{spec.name} exited with status {code} while loading", log_tail(server.log_path))
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            size = server.log_path.stat().st_size if server.log_path.exists() else 0
+            if size != last_size:
+                last_size, last_progress = size, now
+            elif now - last_progress > cfg.no_progress_timeout_s:
+                raise EngineError(
+                    f"{spec.name} printed nothing for {cfg.no_progress_timeout_s:.0f} s while loading and was killed "
+                    "(raise engine.no_progress_timeout_s if this load is legitimately silent)",
+                    log_tail(server.log_path),
+                )
+            if now - start > limit:
+                raise EngineError(
+                    f"{spec.name} was not ready after {limit:.0f} s (ready_timeout_s + ready_timeout_s_per_gb x "
+                    f"{spec.checkpoint_bytes / 1e9:.2f} GB) and was killed",
+                    log_tail(server.log_path),
+                )
+            time.sleep(POLL_S)
+
+
+def backoff_delay(attempt: int, base_s: float, rng: random.Random) -> float:
+    """Exponential backoff with full jitter on top: base x 2^attempt x U(1, 2)."""
+    return base_s * (2 ** attempt) * (1.0 + rng.random())
+
+
+def launch(spec: ServerSpec, cfg: EngineConfig, log_dir: str | os.PathLike, store=None,
+           log_key_prefix: str | None = None, rng: random.Random | None = None,
+           sleep: Callable[[float], None] = time.sleep) -> EngineServer:
+    """Start the server, retrying failed loads; raise EngineError (with the last log tail) when all attempts fail."""
+    rng = rng or random.Random()
+    attempts = cfg.retries + 1
+    errors: list[str] = []
+    for attempt in range(attempts):
+        log_path = Path(log_dir) / f"{spec.name}-attempt{attempt + 1}.log"
+        log_key = f"{log_key_prefix}/{log_path.name}" if log_key_prefix else None
+        try:
+            return _start_once(spec, cfg, log_path, store, log_key)
+        except EngineError as exc:
+            _upload_log(store, log_key, log_path)
+            errors.append(str(exc).split("\n", 1)[0])
+            if not exc.transient or attempt == attempts - 1:
+                summary = "; ".join(f"attempt {i + 1}: {e}" for i, e in enumerate(errors))
+                raise EngineError(f"{spec.name} failed to start after {attempt + 1} attempt(s): {summary}",
+                                  exc.log_tail, transient=exc.transient) from exc
+            delay = backoff_delay(attempt, cfg.retry_backoff_s, rng)
+            print(f"draftline: {spec.name} attempt {attempt + 1} failed ({errors[-1]}); retrying in {delay:.1f} s",
+                  file=sys.stderr)
+            sleep(delay)
+    raise AssertionError("unreachable")

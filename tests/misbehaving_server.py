@@ -1,0 +1,72 @@
+"""A tiny HTTP server that misbehaves the way real engine loads do, to test our supervisor (not a stand-in for vLLM).
+
+Modes: ok (loads, serves), exit-then-ok (exits during its first load, serves on the next), crash (exits during
+every load), hang (prints one line then goes silent without ever becoming healthy), mute (healthy, but never
+answers a completion).
+Every mode starts a grandchild process, so tests can check that the whole process group dies.
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--mode", choices=["ok", "exit-then-ok", "crash", "hang", "mute"], default="ok")
+    ap.add_argument("--marker", help="exit-then-ok: this file's existence means 'the first attempt already ran'")
+    ap.add_argument("--pids", help="append this process's and its grandchild's pids here (JSON lines)")
+    ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM, so only SIGKILL ends it")
+    args = ap.parse_args()
+
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    if args.pids:
+        with open(args.pids, "a") as f:
+            f.write(json.dumps({"server": os.getpid(), "worker": worker.pid, "pgid": os.getpgrp()}) + "\n")
+
+    print("loading weights", flush=True)
+    if args.mode == "crash" or (args.mode == "exit-then-ok" and not os.path.exists(args.marker)):
+        open(args.marker, "w").close()
+        print("simulated crash during load", flush=True)
+        sys.exit(3)
+    if args.mode == "hang":
+        while True:
+            time.sleep(3600)
+
+    mode = args.mode
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _json(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._json(200 if self.path == "/health" else 404, {})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length", 0))
+            self.rfile.read(length)
+            if mode == "mute":
+                time.sleep(3600)
+            self._json(200, {"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}})
+
+    print("ready", flush=True)
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
