@@ -1,0 +1,404 @@
+"""Prompts → the target's own responses ("traces"): chat templates, sampling, loss masks, filters, resumable shards."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+from draftline.config import TracesConfig
+from draftline.errors import ConfigError, EngineError
+from draftline.shards import finished_shard, publish_shard, shard_key, shard_records, spec_hash, write_stage_manifest
+
+STAGE = "traces"
+SUFFIX = ".jsonl"
+LENGTH_BINS = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+
+
+# ---------------------------------------------------------------- prompts
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Read a prompts jsonl: each line {"id", "prompt": str} or {"id", "messages": [{"role", "content"}]}."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such prompts file; set traces.prompts to a .jsonl file of prompts")
+    prompts = []
+    with p.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                prompts.append(_parse_prompt(line, p, n))
+    if not prompts:
+        raise ConfigError(f"{p}: holds no prompts; add lines like {{\"id\": \"p1\", \"prompt\": \"Hello\"}}")
+    return prompts
+
+
+def _parse_prompt(line: str, path: Path, n: int) -> dict:
+    where = f"{path}, line {n}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix that line") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object with \"id\" and \"prompt\" or \"messages\"; fix that line")
+    pid = obj.get("id")
+    if not isinstance(pid, str) or not pid:
+        raise ConfigError(f"{where}: \"id\" must be a non-empty string; add one")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        ok = isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        )
+        if not ok:
+            raise ConfigError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}; fix that line")
+        if msgs[-1]["role"] == "assistant":
+            raise ConfigError(f"{where}: the last message is the assistant's; end with the user turn the target should answer")
+        return {"id": pid, "messages": msgs}
+    if isinstance(obj.get("prompt"), str):
+        return {"id": pid, "prompt": obj["prompt"]}
+    raise ConfigError(f"{where}: needs \"prompt\" (a string) or \"messages\" (a list); add one of them")
+
+
+def load_prompts(cfg: TracesConfig) -> list[dict]:
+    """The prompts this stage answers: read, duplicates dropped (same text, first kept), capped at max_prompts."""
+    prompts = read_prompts(cfg.prompts)
+    seen_ids: set[str] = set()
+    for p in prompts:
+        if p["id"] in seen_ids:
+            raise ConfigError(f"{cfg.prompts}: id {p['id']!r} appears twice; prompt ids must be unique")
+        seen_ids.add(p["id"])
+    if cfg.drop_duplicates:
+        seen, unique = set(), []
+        for p in prompts:
+            k = json.dumps(p.get("messages", p.get("prompt")), sort_keys=True)
+            if k not in seen:
+                seen.add(k)
+                unique.append(p)
+        prompts = unique
+    return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+
+
+def num_trace_shards(cfg: TracesConfig, prompts: list[dict]) -> int:
+    return max(1, -(-len(prompts) // cfg.traces_per_shard))
+
+
+def shard_prompts(cfg: TracesConfig, prompts: list[dict], shard_index: int) -> list[dict]:
+    n = num_trace_shards(cfg, prompts)
+    if not 0 <= shard_index < n:
+        raise ConfigError(f"trace shard {shard_index} does not exist; there are {n} shards (0..{n - 1})")
+    return prompts[shard_index * cfg.traces_per_shard:(shard_index + 1) * cfg.traces_per_shard]
+
+
+def encode_prompt(tokenizer, prompt: dict, use_chat_template: bool) -> list[int]:
+    """Token ids the target sees before its answer: the chat template with a generation prompt, or the raw text."""
+    if "messages" in prompt and use_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "the target's tokenizer has no chat template; add one to tokenizer_config.json "
+                "or set traces.use_chat_template: false"
+            )
+        text = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
+        # The template already writes BOS where the model wants it.
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = prompt.get("prompt") if "prompt" in prompt else "\n\n".join(m["content"] for m in prompt["messages"])
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _request_seed(seed: int, prompt_id: str) -> int:
+    # Per-prompt seeds make sampled traces independent of batching, sharding and resumption.
+    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------- backends
+
+@functools.lru_cache(maxsize=1)
+def _cached_target(path: str, dtype: str, device: str):
+    from draftline.target import load_target
+
+    return load_target(path, dtype, device)
+
+
+def _cached_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_ids(target_dir: str, tokenizer) -> list[int]:
+    ids = set()
+    gen = Path(target_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def _cut_at_eos(tokens: list[int], eos: list[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]  # the EOS is part of the answer: the drafter must learn to predict it
+    return tokens
+
+
+def _generate_transformers(cfg: TracesConfig, target_dir: str, prompt_ids: list[list[int]], seeds: list[int],
+                           budgets: list[int], dtype: str, device: str) -> list[list[int]]:
+    import torch
+
+    model, tok = _cached_target(target_dir, dtype, device)
+    eos = _eos_ids(target_dir, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    out: list[list[int] | None] = [None] * len(prompt_ids)
+    # Similar lengths together: less padding; seeds per batch keep reruns identical.
+    order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
+    for start in range(0, len(order), cfg.batch_size):
+        idx = order[start:start + cfg.batch_size]
+        width = max(len(prompt_ids[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):  # left padding: every row's answer starts at column `width`
+            ids[row, width - len(prompt_ids[i]):] = torch.tensor(prompt_ids[i])
+            mask[row, width - len(prompt_ids[i]):] = 1
+        torch.manual_seed(seeds[idx[0]])
+        sample = cfg.temperature > 0
+        gen = model.generate(
+            input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+            max_new_tokens=max(budgets[i] for i in idx), do_sample=sample,
+            temperature=cfg.temperature if sample else None, top_p=cfg.top_p if sample else None, top_k=None,
+            pad_token_id=pad, eos_token_id=eos,
+        )
+        for row, i in enumerate(idx):
+            out[i] = _cut_at_eos(gen[row, width:].tolist(), eos)[: budgets[i]]
+    return out  # type: ignore[return-value]
+
+
+def _generate_vllm_offline(cfg: TracesConfig, target_dir: str, prompt_ids: list[list[int]], seeds: list[int],
+                           budgets: list[int], dtype: str) -> list[list[int]]:
+    """Run vllm.LLM in a child process: vLLM spawns its engine and must own the process's __main__."""
+    request = {
+        "model": str(target_dir), "dtype": dtype, "max_model_len": cfg.max_total_tokens,
+        "temperature": cfg.temperature, "top_p": cfg.top_p, "prompts": prompt_ids, "seeds": seeds, "budgets": budgets,
+    }
+    with tempfile.TemporaryDirectory(prefix="draftline-vllm-") as tmp:
+        req, res, log = (Path(tmp) / n for n in ("request.json", "result.json", "vllm.log"))
+        req.write_text(json.dumps(request))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        with log.open("wb") as logf:
+            proc = subprocess.run([sys.executable, "-m", "draftline.traces", "vllm-worker", str(req), str(res)],
+                                  stdout=logf, stderr=subprocess.STDOUT, env=env)
+        if proc.returncode != 0 or not res.is_file():
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+            raise EngineError(f"vLLM trace generation for {target_dir} exited with code {proc.returncode}", tail)
+        return json.loads(res.read_text())["outputs"]
+
+
+def _vllm_worker(request_path: str, result_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    r = json.loads(Path(request_path).read_text())
+    llm = LLM(model=r["model"], dtype=r["dtype"], max_model_len=r["max_model_len"], seed=0, enforce_eager=True)
+    params = [
+        SamplingParams(temperature=r["temperature"], top_p=r["top_p"], max_tokens=b, seed=s, skip_special_tokens=False)
+        for s, b in zip(r["seeds"], r["budgets"])
+    ]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in r["prompts"]], params, use_tqdm=False)
+    Path(result_path).write_text(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs]}))
+
+
+def _generate_vllm_endpoint(cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],
+                            budgets: list[int]) -> list[list[int]]:
+    """Ask a running vLLM OpenAI server (/v1/completions with token-id prompts) and read back the token ids."""
+    import httpx
+
+    base = cfg.endpoint.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    with httpx.Client(timeout=600.0) as client:
+        try:
+            model = client.get(f"{base}/models").json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            raise EngineError(f"traces.endpoint {cfg.endpoint} does not answer /v1/models like a vLLM server ({exc})") from None
+
+        def one(i: int) -> list[int]:
+            body = {"model": model, "prompt": prompt_ids[i], "max_tokens": budgets[i], "temperature": cfg.temperature,
+                    "top_p": cfg.top_p, "seed": seeds[i], "return_token_ids": True, "skip_special_tokens": False}
+            resp = client.post(f"{base}/completions", json=body)
+            if resp.status_code != 200:
+                raise EngineError(f"traces.endpoint {cfg.endpoint} answered HTTP {resp.status_code}: {resp.text[:300]}")
+            choice = resp.json()["choices"][0]
+            if choice.get("token_ids") is None:
+                raise EngineError(f"traces.endpoint {cfg.endpoint} returned no token_ids; it must be vLLM >= 0.10.2")
+            return list(choice["token_ids"])
+
+        with ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
+            return list(pool.map(one, range(len(prompt_ids))))
+
+
+# ---------------------------------------------------------------- shards
+
+def _shard_spec(cfg: TracesConfig, target_dir: str, prompts: list[dict], dtype: str) -> str:
+    from draftline.target import target_fingerprint
+
+    knobs = cfg.model_dump(exclude={"prompts", "max_prompts", "traces_per_shard", "batch_size", "endpoint"})
+    return spec_hash({"cfg": knobs, "target": target_fingerprint(target_dir), "dtype": dtype, "prompts": prompts})
+
+
+def generate_trace_shard(cfg: TracesConfig, target_dir: str | Path, prompts: list[dict], store, run: str,
+                         shard_index: int, dtype: str = "bfloat16", device: str = "cpu") -> dict:
+    """Answer shard `shard_index` of `prompts` (from load_prompts) and publish it; skip if already published intact.
+
+    Returns the shard's stats (count, dropped by reason, token totals, length histogram, computed: bool).
+    """
+    target_dir = str(target_dir)
+    mine = shard_prompts(cfg, prompts, shard_index)
+    spec = _shard_spec(cfg, target_dir, mine, dtype)
+    done = finished_shard(store, run, STAGE, shard_index, spec)
+    if done is not None:
+        return {**done.metadata, "computed": False}
+    return _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec,
+                                _generate(cfg, target_dir, mine, dtype, device))
+
+
+def _generate(cfg, target_dir, mine, dtype, device) -> tuple[list, list]:
+    """Encode and answer `mine`; returns (prompt_ids per prompt or None if too long, response ids)."""
+    tok = _cached_tokenizer(target_dir) if cfg.backend == "vllm" else _cached_target(target_dir, dtype, device)[1]
+    encoded = [encode_prompt(tok, p, cfg.use_chat_template) for p in mine]
+    keep = [i for i, ids in enumerate(encoded) if len(ids) < cfg.max_total_tokens]
+    ids = [encoded[i] for i in keep]
+    seeds = [_request_seed(cfg.seed, mine[i]["id"]) for i in keep]
+    budgets = [min(cfg.max_new_tokens, cfg.max_total_tokens - len(x)) for x in ids]
+    if not ids:
+        responses = []
+    elif cfg.backend == "transformers":
+        responses = _generate_transformers(cfg, target_dir, ids, seeds, budgets, dtype, device)
+    elif cfg.endpoint:
+        responses = _generate_vllm_endpoint(cfg, ids, seeds, budgets)
+    else:
+        responses = _generate_vllm_offline(cfg, target_dir, ids, seeds, budgets, dtype)
+    eos = _eos_ids(target_dir, tok)
+    full: list = [None] * len(mine)
+    resp: list = [None] * len(mine)
+    for j, i in enumerate(keep):
+        full[i], resp[i] = encoded[i], _cut_at_eos(list(responses[j]), eos)
+    return (full, resp), tok
+
+
+def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, generated) -> dict:
+    (prompt_ids, responses), tok = generated
+    lines, seen = [], set()
+    dropped = {"prompt_too_long": 0, "response_too_short": 0, "duplicate": 0}
+    prompt_tokens = response_tokens = 0
+    hist = [0] * (len(LENGTH_BINS) - 1)
+    for p, pids, rids in zip(mine, prompt_ids, responses):
+        if pids is None:
+            dropped["prompt_too_long"] += 1
+            continue
+        if len(rids) < cfg.min_response_tokens:
+            dropped["response_too_short"] += 1
+            continue
+        input_ids = pids + rids
+        if cfg.drop_duplicates:
+            k = hashlib.sha256(json.dumps(input_ids).encode()).digest()
+            if k in seen:
+                dropped["duplicate"] += 1
+                continue
+            seen.add(k)
+        trace = {"id": f"{p['id']}:0", "prompt_id": p["id"], "input_ids": input_ids,
+                 "loss_mask": [0] * len(pids) + [1] * len(rids),
+                 "text": tok.decode(rids, skip_special_tokens=True)}
+        lines.append(json.dumps(trace, ensure_ascii=False))
+        prompt_tokens += len(pids)
+        response_tokens += len(rids)
+        hist[_bin(len(input_ids))] += 1
+    stats = {"count": len(lines), "prompts": len(mine), "dropped": dropped, "prompt_tokens": prompt_tokens,
+             "response_tokens": response_tokens, "total_tokens": prompt_tokens + response_tokens,
+             "length_histogram": hist}
+    data = ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8")
+    meta = {**stats, "sequences": len(lines), "tokens": prompt_tokens + response_tokens}
+    publish_shard(store, run, STAGE, shard_index, SUFFIX, spec, meta, data=data)
+    return {**meta, "computed": True}
+
+
+def _bin(length: int) -> int:
+    for b in range(len(LENGTH_BINS) - 1):
+        if length < LENGTH_BINS[b + 1]:
+            return b
+    return len(LENGTH_BINS) - 2
+
+
+def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str) -> dict:
+    """After every shard: write `<run>/traces/stats.json` and the stage manifest; returns the stats."""
+    n = num_trace_shards(cfg, prompts)
+    records = shard_records(store, run, STAGE, n)
+    ms = [r.metadata for r in records]
+    dropped = {k: sum(m["dropped"][k] for m in ms) for k in ms[0]["dropped"]}
+    stats = {
+        "count": sum(m["count"] for m in ms), "prompts": sum(m["prompts"] for m in ms), "shards": n,
+        "dropped": dropped,
+        "prompt_tokens": sum(m["prompt_tokens"] for m in ms), "response_tokens": sum(m["response_tokens"] for m in ms),
+        "total_tokens": sum(m["total_tokens"] for m in ms),
+        "length_histogram": {"bin_edges": LENGTH_BINS,
+                             "counts": [sum(c) for c in zip(*(m["length_histogram"] for m in ms))]},
+        "backend": cfg.backend, "temperature": cfg.temperature, "top_p": cfg.top_p,
+        "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+    }
+    stats_key = f"{run}/{STAGE}/stats.json"
+    stats_bytes = json.dumps(stats, indent=2).encode()
+    store.put_bytes(stats_key, stats_bytes)
+    write_stage_manifest(store, run, STAGE, records, [{
+        "key": stats_key, "size": len(stats_bytes), "sha256": hashlib.sha256(stats_bytes).hexdigest(), "metadata": {}}])
+    return stats
+
+
+def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, dtype: str = "bfloat16",
+                    device: str = "cpu") -> dict:
+    """The whole stage: every unfinished shard (one vLLM start for all of them), then stats and manifest."""
+    prompts = load_prompts(cfg)
+    target_dir = str(target_dir)
+    n = num_trace_shards(cfg, prompts)
+    pending = []
+    for i in range(n):
+        mine = shard_prompts(cfg, prompts, i)
+        spec = _shard_spec(cfg, target_dir, mine, dtype)
+        if finished_shard(store, run, STAGE, i, spec) is None:
+            pending.append((i, mine, spec))
+    if cfg.backend == "vllm" and not cfg.endpoint and len(pending) > 1:
+        # Starting vLLM costs a minute: answer all pending shards in one engine, then split them back.
+        everything = [p for _, mine, _ in pending for p in mine]
+        (pids, resp), tok = _generate(cfg, target_dir, everything, dtype, device)
+        at = 0
+        for i, mine, spec in pending:
+            part = ((pids[at:at + len(mine)], resp[at:at + len(mine)]), tok)
+            _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, part)
+            at += len(mine)
+    else:
+        for i, mine, spec in pending:
+            _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, _generate(cfg, target_dir, mine, dtype, device))
+    stats = finalize_traces(cfg, prompts, store, run)
+    return {**stats, "computed_shards": [i for i, _, _ in pending]}
+
+
+def trace_shard_keys(store, run: str) -> list[str]:
+    """Keys of the published trace shards, in order."""
+    return [k for k in store.list(f"{run}/{STAGE}/") if k.rsplit("/", 1)[-1].startswith("shard-") and k.endswith(SUFFIX)]
+
+
+def read_trace_shard(store, key: str) -> list[dict]:
+    return [json.loads(line) for line in store.get_bytes(key).decode("utf-8").splitlines() if line.strip()]
+
+
+def iter_traces(store, run: str) -> Iterator[dict]:
+    for key in trace_shard_keys(store, run):
+        yield from read_trace_shard(store, key)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "vllm-worker":
+        _vllm_worker(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: python -m draftline.traces vllm-worker REQUEST.json RESULT.json")
