@@ -71,12 +71,16 @@ class LocalS3:
     def __init__(
         self,
         data_dir: str | os.PathLike | None = None,
+        *,
+        keep_data: bool | None = None,
         access_key: str | None = None,
         secret_key: str | None = None,
         s3_port: int | None = None,
         start_timeout: float = 60.0,
     ):
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="draftline-s3-")
+        # Data in a folder of the caller's is kept and the server stopped gently; throwaway data is not.
+        self.keep_data = (data_dir is not None) if keep_data is None else keep_data
         self.data_dir = Path(data_dir or self._tmp.name).resolve()
         self.access_key = access_key or "draftline" + secrets.token_hex(4)
         self.secret_key = secret_key or secrets.token_hex(20)
@@ -200,14 +204,20 @@ class LocalS3:
     def stop(self) -> None:
         proc, self.process = self.process, None
         if proc is not None and proc.poll() is None:
+            # A throwaway server is killed at once. A kept one gets SIGTERM: its volume server flushes and stops
+            # within a second, but weed as a whole lingers ~15 s, so it is killed after a short grace period.
+            grace = 3 if self.keep_data else 0
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=10)
+                if grace:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
+                pass
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
             except ProcessLookupError:
                 pass
+            proc.wait(timeout=10)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -230,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID"), help="default: $AWS_ACCESS_KEY_ID or random")
     args = parser.parse_args(argv)
     # The secret comes from the environment only, never from the command line (it would show in `ps`).
-    server = LocalS3(args.dir, args.access_key, os.environ.get("AWS_SECRET_ACCESS_KEY"), s3_port=args.port)
+    server = LocalS3(
+        args.dir, access_key=args.access_key, secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"), s3_port=args.port
+    )
     with server:
         for bucket in args.bucket:
             server.create_bucket(bucket)

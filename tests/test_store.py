@@ -315,3 +315,50 @@ def test_s3_unreachable_endpoint_is_transient(s3_env, monkeypatch):
     with pytest.raises(StoreError, match="Could not reach the S3 endpoint") as info:
         open_store("s3://some-bucket/runs")
     assert is_transient(info.value)
+
+
+_CHILD_UPLOAD = r"""
+import sys, time
+from draftline.store import open_store
+
+class HalfThenHang:
+    def __init__(self, path, half):
+        self.f, self.half, self.done = open(path, "rb"), half, 0
+    def read(self, n=-1):
+        if self.done >= self.half:
+            print("half", flush=True)
+            time.sleep(600)  # the parent kills us here, mid-upload
+        data = self.f.read(n if n and n > 0 else 1 << 20)
+        self.done += len(data)
+        return data
+
+uri, key, path, half = sys.argv[1:5]
+open_store(uri).put_stream(key, HalfThenHang(path, int(half)))
+"""
+
+
+def test_upload_killed_half_way_leaves_nothing_visible(store, store_uri, big_file, tmp_path):
+    """A writer process SIGKILLed half-way through a (multipart) upload publishes nothing."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_UPLOAD, store_uri, "run/stage/big.bin", str(big_file[0]), str(BIG // 2)],
+        stdout=subprocess.PIPE, env=env, text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "half", "the uploading child did not reach half-way"
+        time.sleep(1.0)  # let the parts read so far reach the server
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert store.list("run") == [] and not store.exists("run/stage/big.bin")
+    if isinstance(store, S3Store):
+        uploads = store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", [])
+        assert [u["Key"] for u in uploads] == [f"{store.prefix}/run/stage/big.bin"]  # it really was mid-multipart
+    else:
+        partial = [p for p in (store.root / "run/stage").iterdir()]
+        assert len(partial) == 1 and partial[0].stat().st_size >= BIG // 2  # a hidden temp file, never listed
