@@ -1,0 +1,116 @@
+"""Config loading: the demo config is valid, and each kind of bad input gets one sentence naming field and fix."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftline.config import EvalConfig, PipelineConfig, load_config, parse_config
+from draftline.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+def demo_data() -> dict:
+    return yaml.safe_load(DEMO.read_text())
+
+
+def error_for(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, PipelineConfig, "cfg.yaml")
+    return str(info.value)
+
+
+def test_demo_config_is_valid_and_fills_defaults():
+    cfg = load_config(DEMO)
+    assert cfg.target.path == "assets/demo-llama"
+    assert [e.engine for e in cfg.eval.engines] == ["vllm", "sglang"]
+    assert cfg.train.step_weight_decay == 0.8  # a default not written in the file
+
+
+def test_misspelt_key_is_named_with_a_suggestion():
+    data = demo_data()
+    data["train"]["ttt_stepz"] = data["train"].pop("ttt_steps")
+    msg = error_for(data)
+    assert "train.ttt_stepz" in msg and "did you mean 'ttt_steps'" in msg
+    assert len(msg.splitlines()) == 1
+
+
+def test_unknown_key_without_close_match_lists_allowed_keys():
+    data = demo_data()
+    data["store"]["bucket_policy"] = "x"
+    msg = error_for(data)
+    assert "store.bucket_policy" in msg and "allowed keys: root" in msg
+
+
+def test_bad_value_names_field_value_and_what_is_allowed():
+    data = demo_data()
+    data["traces"]["backend"] = "tgi"
+    msg = error_for(data)
+    assert "traces.backend='tgi'" in msg and "'transformers'" in msg and "'vllm'" in msg
+
+
+def test_missing_required_section_is_named():
+    data = demo_data()
+    del data["target"]
+    assert "target is required but missing" in error_for(data)
+
+
+@pytest.mark.parametrize("uri,fragment", [
+    ("s3://Bad_Bucket/x", "no valid bucket name"),
+    ("gs://bucket/x", "unsupported scheme"),
+    ("", "empty"),
+])
+def test_store_uri_is_validated(uri, fragment):
+    data = demo_data()
+    data["store"]["root"] = uri
+    msg = error_for(data)
+    assert "store.root" in msg and fragment in msg
+
+
+def test_secrets_are_refused_in_config_files():
+    data = demo_data()
+    data["eval"]["engines"][0]["env"]["AWS_SECRET_ACCESS_KEY"] = "abc"
+    msg = error_for(data)
+    assert "AWS_SECRET_ACCESS_KEY" in msg and "environment" in msg
+
+
+def test_reference_and_engines_must_draft_the_same_number_of_tokens():
+    with pytest.raises(ConfigError, match="reference.num_speculative_tokens=5"):
+        parse_config({"prompts": "p.jsonl", "reference": {"num_speculative_tokens": 5},
+                      "engines": [{"engine": "vllm", "num_speculative_tokens": 3}]}, EvalConfig, "eval")
+
+
+def test_three_distinct_aux_layer_ids_are_required():
+    data = demo_data()
+    data["extract"]["aux_layer_ids"] = [2, 2, 5]
+    assert "three distinct" in error_for(data)
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: demo\ntarget: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+"):
+        load_config(bad)
+
+
+def test_cli_validate_reports_one_sentence_and_exit_code(tmp_path):
+    data = demo_data()
+    data["eval"]["max_new_tokenz"] = 3
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    res = subprocess.run([sys.executable, "-m", "draftline.cli", "config", "validate", str(bad)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2
+    assert "unknown key 'eval.max_new_tokenz'; did you mean 'max_new_tokens'?" in res.stderr
+    ok = subprocess.run([sys.executable, "-m", "draftline.cli", "config", "validate", str(DEMO), "--quiet"],
+                        capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_cli_help_lists_the_planned_stages():
+    res = subprocess.run([sys.executable, "-m", "draftline.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
+    for stage in ("run", "traces", "extract", "train", "export", "eval", "report", "config"):
+        assert stage in res.stdout
