@@ -1,0 +1,60 @@
+"""What every draftline task shares: retry only transient failures, cache on inputs + source, artifacts that link the store."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.tasks import exponential_backoff
+
+from draftline.errors import is_transient
+from draftline.store import Store, open_store
+
+# A rerun of the pipeline is served from these results: keyed on the task's inputs (configs, store URI, run,
+# shard index) and its source, persisted in Prefect's result storage, so finished stages are skipped across runs.
+CACHED = INPUTS + TASK_SOURCE
+
+
+def retry_if_transient(task, task_run, state) -> bool:
+    """Prefect retry condition: retry engine loads and network hiccups, never bad input or integrity errors."""
+    try:
+        state.result()
+    except Exception as exc:  # the task's own exception, re-raised by Prefect
+        return is_transient(exc)
+    return False
+
+
+def transient_retries(retries: int = 2, base_delay_s: float = 10.0) -> dict[str, Any]:
+    """Task options for steps that touch the network or load models: exponential backoff with jitter."""
+    return {
+        "retries": retries,
+        "retry_delay_seconds": exponential_backoff(backoff_factor=base_delay_s),
+        "retry_jitter_factor": 0.5,
+        "retry_condition_fn": retry_if_transient,
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def store_at(uri: str) -> Store:
+    """One Store per URI and process (boto3 clients are reusable across tasks)."""
+    return open_store(uri)
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    raw = "-".join(parts).lower()
+    return "".join(c if c.isalnum() else "-" for c in raw).strip("-")[:100]
+
+
+def publish_table(key: str, rows: list[dict], description: str) -> None:
+    create_table_artifact(key=artifact_key(key), table=rows, description=description)
+
+
+def publish_markdown(key: str, markdown: str, description: str) -> None:
+    create_markdown_artifact(key=artifact_key(key), markdown=markdown, description=description)
+
+
+def publish_link(key: str, store: Store, store_key: str, description: str) -> None:
+    """A link artifact to a store object (file:// for a local store, s3:// for S3)."""
+    create_link_artifact(key=artifact_key(key), link=store.uri(store_key), link_text=store_key, description=description)

@@ -1,0 +1,27 @@
+"""Prefect tasks for hidden-state extraction: one task per shard, then the stage manifest."""
+from __future__ import annotations
+
+from prefect import task
+
+from draftline import extract
+from draftline.config import PipelineConfig
+from tasks.common import CACHED, store_at, transient_retries
+
+
+@task(name="extract-shard", cache_policy=CACHED, persist_result=True, **transient_retries())
+def extract_shard(config: PipelineConfig, shard_index: int) -> dict:
+    """Hidden states of one shard of traces; a shard already published intact is skipped by the library."""
+    return extract.extract_shard(config.extract, config.target.path, store_at(config.store.root), config.run,
+                                 shard_index, dtype=config.target.dtype)
+
+
+@task(name="extract-manifest", cache_policy=CACHED, persist_result=True, **transient_retries())
+def extract_manifest(config: PipelineConfig, shard_results: list[dict]) -> str:
+    """Write the stage manifest once every shard exists; returns its store URI."""
+    store = store_at(config.store.root)
+    extract.finalize_hidden_states(store, config.run, len(shard_results))
+    return store.uri(f"{config.run}/{extract.STAGE}/manifest.json")
+
+
+def shard_count(config: PipelineConfig) -> int:
+    return extract.num_hidden_shards(config.extract, store_at(config.store.root), config.run)

@@ -1,0 +1,38 @@
+"""Prefect tasks for trace generation: one task per shard, or one per stage when a vLLM engine serves all shards."""
+from __future__ import annotations
+
+from prefect import task
+
+from draftline import traces
+from draftline.config import PipelineConfig
+from tasks.common import CACHED, store_at, transient_retries
+
+
+@task(name="trace-shard", cache_policy=CACHED, persist_result=True, **transient_retries())
+def trace_shard(config: PipelineConfig, shard_index: int) -> dict:
+    """Answer one shard of prompts (transformers backend or a served vLLM endpoint); skips a shard already published."""
+    prompts = traces.load_prompts(config.traces)
+    return traces.generate_trace_shard(config.traces, config.target.path, prompts, store_at(config.store.root),
+                                       config.run, shard_index, dtype=config.target.dtype)
+
+
+@task(name="trace-stage", cache_policy=CACHED, persist_result=True, **transient_retries())
+def trace_stage(config: PipelineConfig) -> dict:
+    """All pending shards through one offline vLLM engine (a start costs minutes; finished shards are skipped)."""
+    return traces.generate_traces(config.traces, config.target.path, store_at(config.store.root), config.run,
+                                  dtype=config.target.dtype)
+
+
+@task(name="trace-stats", cache_policy=CACHED, persist_result=True, **transient_retries())
+def trace_stats(config: PipelineConfig, shard_results: list[dict]) -> dict:
+    """Stats and stage manifest once every shard is published (shard_results only orders this after them)."""
+    prompts = traces.load_prompts(config.traces)
+    return traces.finalize_traces(config.traces, prompts, store_at(config.store.root), config.run)
+
+
+def shard_count(config: PipelineConfig) -> int:
+    return traces.num_trace_shards(config.traces, traces.load_prompts(config.traces))
+
+
+def uses_offline_engine(config: PipelineConfig) -> bool:
+    return config.traces.backend == "vllm" and not config.traces.endpoint
