@@ -1,0 +1,187 @@
+"""Each pipeline stage as one call on a PipelineConfig: what the CLI runs directly and the Prefect tasks wrap."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from draftline.config import EngineConfig, PipelineConfig
+from draftline.errors import ConfigError
+from draftline.store import Store, open_store
+
+EXPORT_STAGE = "export"
+EVAL_STAGE = "eval"
+
+
+def traces(config: PipelineConfig, store: Store) -> dict:
+    from draftline import traces as trace_lib
+
+    return trace_lib.generate_traces(config.traces, config.target.path, store, config.run, dtype=config.target.dtype)
+
+
+def extract(config: PipelineConfig, store: Store) -> dict:
+    from draftline import extract as extract_lib
+
+    return extract_lib.extract_hidden_states(config.extract, config.target.path, store, config.run,
+                                             dtype=config.target.dtype)
+
+
+def train(config: PipelineConfig, store: Store) -> dict:
+    from draftline.drafter import train as train_lib
+
+    return train_lib.train_drafter(store, config.run, config.target.path, config.drafter, config.train)
+
+
+def export(config: PipelineConfig, store: Store) -> dict[str, str]:
+    """Write every configured engine format; returns {format: store prefix of that export directory}."""
+    from draftline.drafter import export as export_lib
+
+    return export_lib.export_from_store(store, config.run, config.target.path, config.export.formats)
+
+
+def _drafter_dir(store: Store, exports: dict[str, str], fmt: str) -> Path:
+    if fmt not in exports:
+        raise ConfigError(f"no {fmt!r} export of the drafter; add {fmt!r} to export.formats")
+    return store.get_dir(exports[fmt])
+
+
+def _engine_format(engine: str) -> str:
+    return {"vllm": "vllm", "sglang": "sglang"}[engine]
+
+
+def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str], store: Store) -> str:
+    """One engine's baseline and EAGLE-3 runs on the eval prompts; returns the store key of its EvalResult."""
+    from draftline import evaluate as eval_lib
+
+    fmt = _engine_format(engine.engine)
+    drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
+    eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
+                             config.run)
+    return f"{config.run}/{EVAL_STAGE}/{engine.engine}/result.json"
+
+
+def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> str:
+    """The reference decoder's acceptance on the same eval prompts and k; returns the store key of its JSON."""
+    from draftline import decode
+
+    drafter_dir = _drafter_dir(store, exports, "sglang" if "sglang" in exports else next(iter(exports)))
+    summary = decode.reference_acceptance(
+        config.target.path, drafter_dir, config.eval.prompts, k=config.eval.reference.num_speculative_tokens,
+        max_new_tokens=config.eval.max_new_tokens, max_prompts=config.eval.reference.max_prompts or config.eval.max_prompts,
+        use_chat_template=config.eval.use_chat_template, device=config.eval.reference.device,
+        temperature=config.eval.temperature,
+    )
+    key = f"{config.run}/{EVAL_STAGE}/reference/result.json"
+    store.put_bytes(key, (json.dumps(summary, indent=2) + "\n").encode())
+    return key
+
+
+def report(config: PipelineConfig, store: Store, result_keys: list[str], reference_key: str) -> dict[str, Any]:
+    """Fill in parity for every engine result, rewrite them, and render the report; returns rows for a table."""
+    from draftline import evaluate as eval_lib
+
+    reference_summary = json.loads(store.get_bytes(reference_key))
+    engines = {e.engine: e for e in config.eval.engines}
+    results = []
+    for key in result_keys:
+        result = eval_lib.EvalResult.model_validate_json(store.get_bytes(key))
+        if result.status == "ok" and result.acceptance is not None:
+            result = eval_lib.with_parity(result, reference_summary, config.eval.parity_threshold,
+                                          engines.get(result.engine))
+            store.put_bytes(key, (result.model_dump_json(indent=2) + "\n").encode())
+        results.append(result)
+    keys = eval_lib.write_report(results, store, config.run)
+    rows = summary_rows(results, reference_summary)
+    return {"rows": rows, "markdown": store.get_bytes(keys["report.md"]).decode(), "report_key": keys["report.md"],
+            "keys": keys, "result_keys": result_keys, "reference_key": reference_key}
+
+
+def summary_rows(results: list, reference_summary: dict) -> list[dict[str, Any]]:
+    """One row per engine and concurrency, plus the reference decoder: the pipeline's final table."""
+    rows = [{"engine": "reference decoder (torch)", "status": "ok", "concurrency": 1,
+             "acceptance_length": round(reference_summary["mean_acceptance_length"], 3),
+             "speedup": round(reference_summary.get("speedup", float("nan")), 3),
+             "parity": None, "note": "engine-independent ground truth"}]
+    for r in results:
+        if r.status != "ok":
+            rows.append({"engine": r.engine, "status": r.status, "concurrency": None, "acceptance_length": None,
+                         "speedup": None, "parity": None, "note": r.reason})
+            continue
+        parity = r.parity.value if r.parity else None
+        note = r.parity.verdict if r.parity else ""
+        for p in r.points:
+            rows.append({"engine": f"{r.engine} {r.engine_version}", "status": r.status,
+                         "concurrency": p.concurrency,
+                         "acceptance_length": round(p.acceptance.mean_acceptance_length, 3) if p.acceptance else None,
+                         "speedup": round(p.speedup, 3), "parity": round(parity, 3) if parity is not None else None,
+                         "note": note})
+    return rows
+
+
+def print_summary(config: PipelineConfig, report: dict[str, Any], elapsed_s: float | None = None) -> None:
+    """The final table on the terminal, and where the artifacts are."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"draftline run {config.run!r}: target {config.target.display_name}")
+    for col in ("engine", "status", "concurrency", "acceptance_length", "speedup", "parity", "note"):
+        table.add_column(col.replace("_", " "), overflow="fold")
+    for row in report["rows"]:
+        table.add_row(*("" if row[c] is None else str(row[c]) for c in
+                        ("engine", "status", "concurrency", "acceptance_length", "speedup", "parity", "note")))
+    console.print(table)
+    store = open_store(config.store.root)
+    console.print(f"artifacts: {store.uri(config.run)}")
+    console.print(f"report:    {store.uri(report['report_key'])}")
+    if elapsed_s is not None:
+        console.print(f"pipeline finished in {elapsed_s / 60:.1f} min")
+
+
+def run_stage(name: str, config: PipelineConfig) -> Any:
+    """`draftline <stage> CONFIG`: run one stage (or the whole pipeline through Prefect) and print its result."""
+    import subprocess
+    import sys
+
+    if name == "run":
+        # The pipeline is a Prefect flow; the library never imports Prefect, so it runs as its own process.
+        data = json.dumps(config.model_dump(mode="json"))
+        return subprocess.run([sys.executable, "-m", "flows.pipeline", "--config-json", data], check=True)
+    store = open_store(config.store.root)
+    run_dir = f"{config.run}"
+    if name == "traces":
+        out = traces(config, store)
+    elif name == "extract":
+        out = extract(config, store)
+    elif name == "train":
+        out = train(config, store)
+    elif name == "export":
+        out = export(config, store)
+    elif name in ("eval", "report"):
+        exports = stored_exports(config, store)
+        if name == "eval":
+            keys = [evaluate_engine(config, e, exports, store) for e in config.eval.engines]
+            ref = reference(config, exports, store)
+        else:
+            keys = [f"{run_dir}/{EVAL_STAGE}/{e.engine}/result.json" for e in config.eval.engines]
+            ref = f"{run_dir}/{EVAL_STAGE}/reference/result.json"
+        out = report(config, store, [k for k in keys if store.exists(k)], ref)
+        print_summary(config, out)
+        return out
+    else:
+        raise ConfigError(f"unknown stage {name!r}; use traces, extract, train, export, eval, report or run")
+    print(json.dumps(out, indent=2, default=str))
+    return out
+
+
+def stored_exports(config: PipelineConfig, store: Store) -> dict[str, str]:
+    """The exports a previous `export` stage wrote, found by their manifests."""
+    found = {}
+    for fmt in config.export.formats:
+        prefix = f"{config.run}/{EXPORT_STAGE}/{fmt}"
+        if store.read_manifest(prefix) is not None:
+            found[fmt] = prefix
+    if not found:
+        raise ConfigError(f"run {config.run!r} has no drafter exports in {store.uri(config.run)}; "
+                          "run `draftline export` first")
+    return found

@@ -1,0 +1,57 @@
+"""The whole job as one flow: traces → extraction → training → export → evaluation; `python -m flows.pipeline CONFIG`."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from prefect import flow
+
+from draftline.config import PipelineConfig
+from flows.evaluate import EngineRuns, evaluate
+from flows.stages import extract_hidden_states, generate_traces, train_drafter
+
+
+@flow(name="pipeline", log_prints=True)
+def pipeline(config: PipelineConfig, engine_runs: EngineRuns = "in-process") -> dict:
+    """Run every stage; each is resumable, so a rerun after a failure redoes only what is missing."""
+    traces = generate_traces(config)
+    hidden_manifest = extract_hidden_states(config)
+    drafter = train_drafter(config, hidden_manifest)
+    report = evaluate(config, drafter["exports"], engine_runs)
+    return {"traces": traces, "hidden": hidden_manifest, "drafter": drafter, "report": report}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the pipeline locally (ephemeral Prefect API unless PREFECT_API_URL is set) and print the final table."""
+    import argparse
+
+    from draftline.cli import load_with_overrides
+    from draftline.config import parse_config
+    from draftline.errors import DraftlineError
+    from draftline.stages import print_summary
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("config", nargs="?", help="pipeline config (YAML), e.g. configs/demo.yaml")
+    parser.add_argument("--config-json", help="the config as JSON (what `draftline run` passes)")
+    parser.add_argument("--store", help="override store.root")
+    parser.add_argument("--run", help="override the run name")
+    args = parser.parse_args(argv)
+    try:
+        if args.config_json:
+            config = parse_config(json.loads(args.config_json), PipelineConfig, "--config-json")
+        elif args.config:
+            config = load_with_overrides(args.config, args.store, args.run)
+        else:
+            parser.error("give a config file or --config-json")
+    except DraftlineError as exc:
+        print(f"draftline: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    result = pipeline(config)
+    print_summary(config, result["report"], elapsed_s=time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

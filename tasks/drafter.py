@@ -1,0 +1,20 @@
+"""Prefect tasks for the drafter: training (resumes from its own checkpoints) and per-engine export."""
+from __future__ import annotations
+
+from prefect import task
+
+from draftline.config import PipelineConfig
+from draftline import stages
+from tasks.common import CACHED, store_at, transient_retries
+
+
+@task(name="train-drafter", cache_policy=CACHED, persist_result=True, **transient_retries(retries=1))
+def train_drafter(config: PipelineConfig, hidden_manifest_uri: str) -> dict:
+    """Train on the run's hidden-state shards; a retry or rerun resumes from the last checkpoint in the store."""
+    return stages.train(config, store_at(config.store.root))
+
+
+@task(name="export-drafter", cache_policy=CACHED, persist_result=True, **transient_retries())
+def export_drafter(config: PipelineConfig, training: dict) -> dict[str, str]:
+    """One directory per engine format; returns {format: store URI of the export}."""
+    return stages.export(config, store_at(config.store.root))
