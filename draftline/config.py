@@ -127,7 +127,13 @@ class TrainConfig(Strict):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     warm_start: str | None = None  # an existing drafter directory in the SGLang/EAGLE format
+    # A warm start with another draft vocabulary: copy lm_head rows of shared tokens instead of refusing.
+    warm_start_remap_vocab: bool = False
     num_threads: int | None = Field(None, ge=1)
+    attention: Literal["auto", "eager", "flex"] = "auto"  # auto: compiled flex attention on GPU, exact eager on CPU
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)  # the cosine ends at learning_rate * min_lr_ratio
+    log_every: int = Field(10, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
 
 
 class ExportConfig(Strict):

@@ -1,0 +1,223 @@
+"""Stream hidden-state shards (contract D) from the store as packed training batches in a seeded, resumable order."""
+from __future__ import annotations
+
+import json
+import re
+import struct
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from draftline.errors import ConfigError
+
+_SHARD = re.compile(r"(^|/)shard-\d{5}\.safetensors$")
+
+
+def hidden_shard_keys(store, run: str) -> list[str]:
+    """Sorted keys of `<run>/hidden/shard-NNNNN.safetensors`; an empty stage is an error naming the fix."""
+    keys = [k for k in store.list(f"{run}/hidden/") if _SHARD.search(k)]
+    if not keys:
+        raise ConfigError(
+            f"{store.uri(f'{run}/hidden/')} holds no hidden-state shards; run the extraction stage for run {run!r} first"
+        )
+    return keys
+
+
+def split_shards(keys: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """(train, validation): the last ceil(fraction * n) shards are held out, at least one when there are two or more."""
+    if val_fraction <= 0 or len(keys) < 2:
+        return list(keys), []
+    n_val = max(1, min(len(keys) - 1, round(val_fraction * len(keys) + 0.4999)))
+    return keys[:-n_val], keys[-n_val:]
+
+
+def _local_path(store, key: str) -> Path | None:
+    path = getattr(store, "path", None)
+    return Path(path(key)) if callable(path) else None
+
+
+def read_shard_tensors(store, key: str, names=None) -> dict[str, torch.Tensor]:
+    """Tensors of one shard (only `names` if given); remote shards pass through a temporary local file."""
+    local = _local_path(store, key)
+    if local is not None:
+        return _load(local, names)
+    with tempfile.TemporaryDirectory(prefix="draftline-shard-") as tmp:
+        path = Path(tmp) / "shard.safetensors"
+        store.get_file(key, path)
+        return _load(path, names)
+
+
+def _load(path: Path, names) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        wanted = list(f.keys()) if names is None else list(names)
+        missing = [n for n in wanted if n not in f.keys()]
+        if missing:
+            raise ConfigError(f"hidden-state shard {path.name} lacks {missing}; re-run the extraction stage")
+        return {n: f.get_tensor(n) for n in wanted}
+
+
+def read_shard_metadata(store, key: str) -> dict[str, str]:
+    """The safetensors metadata of a shard, read from its header only."""
+    with store.open(key) as stream:
+        (size,) = struct.unpack("<Q", stream.read(8))
+        header = json.loads(stream.read(size))
+    return header.get("__metadata__", {})
+
+
+@dataclass
+class Sequence:
+    input_ids: torch.Tensor  # [n] int64
+    loss_mask: torch.Tensor  # [n] bool
+    aux: torch.Tensor  # [n, 3*Ht]
+    last: torch.Tensor  # [n, Ht]
+
+    def __len__(self) -> int:
+        return self.input_ids.numel()
+
+
+def shard_sequences(tensors: dict[str, torch.Tensor], max_seq_len: int) -> list[Sequence]:
+    """Split a shard at cu_seqlens into sequences, each cut to max_seq_len tokens."""
+    cu = tensors["cu_seqlens"].tolist()
+    out = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        b = min(b, a + max_seq_len)
+        if b - a >= 2:  # a one-token sequence has no next token to predict
+            out.append(Sequence(tensors["input_ids"][a:b].long(), tensors["loss_mask"][a:b].bool(),
+                                tensors["aux_hidden_states"][a:b], tensors["last_hidden_states"][a:b]))
+    return out
+
+
+@dataclass
+class Cursor:
+    """Where the stream stands: epoch, position in that epoch's shard order, next sequence in that shard."""
+
+    epoch: int = 0
+    shard: int = 0
+    seq: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _permutation(n: int, *seed_parts: int) -> list[int]:
+    g = torch.Generator().manual_seed(hash(tuple(seed_parts)) & 0x7FFF_FFFF_FFFF)
+    return torch.randperm(n, generator=g).tolist()
+
+
+class BatchStream:
+    """Endless global batches of whole sequences (about tokens_per_batch tokens) in an order fixed by the seed.
+
+    One shard is in memory at a time (the next is fetched in the background); the cursor after each batch
+    is enough to resume the exact same sequence of batches.
+    """
+
+    def __init__(self, store, keys: list[str], tokens_per_batch: int, max_seq_len: int, seed: int,
+                 cursor: Cursor | None = None, shuffle: bool = True, epochs: int | None = None):
+        if not keys:
+            raise ConfigError("no hidden-state shards to train on; lower train.val_fraction or extract more traces")
+        self.store, self.keys = store, list(keys)
+        self.tokens_per_batch, self.max_seq_len = tokens_per_batch, max_seq_len
+        self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
+        self.cursor = cursor or Cursor()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftline-shard-fetch")
+        self._pending: dict[tuple[int, int], object] = {}
+        self._loaded: tuple[tuple[int, int], list[Sequence]] | None = None
+
+    def _shard_order(self, epoch: int) -> list[int]:
+        return _permutation(len(self.keys), self.seed, epoch) if self.shuffle else list(range(len(self.keys)))
+
+    def _fetch(self, epoch: int, pos: int) -> list[Sequence]:
+        key = self.keys[self._shard_order(epoch)[pos]]
+        seqs = shard_sequences(read_shard_tensors(self.store, key), self.max_seq_len)
+        if self.shuffle:
+            seqs = [seqs[i] for i in _permutation(len(seqs), self.seed, epoch, pos, 1)]
+        return seqs
+
+    def _next_slot(self, epoch: int, pos: int) -> tuple[int, int]:
+        return (epoch, pos + 1) if pos + 1 < len(self.keys) else (epoch + 1, 0)
+
+    def _sequences(self, epoch: int, pos: int) -> list[Sequence]:
+        slot = (epoch, pos)
+        if self._loaded is None or self._loaded[0] != slot:
+            future = self._pending.pop(slot, None)
+            seqs = future.result() if future is not None else self._fetch(epoch, pos)
+            self._loaded = (slot, seqs)
+            nxt = self._next_slot(epoch, pos)
+            if nxt not in self._pending and (self.epochs is None or nxt[0] < self.epochs):
+                self._pending = {nxt: self._pool.submit(self._fetch, *nxt)}
+        return self._loaded[1]
+
+    def next_batch(self) -> list[Sequence] | None:
+        """The next global batch (None when a finite stream is exhausted); advances the cursor."""
+        batch, tokens = [], 0
+        c = Cursor(**self.cursor.to_dict())
+        while tokens < self.tokens_per_batch:
+            if self.epochs is not None and c.epoch >= self.epochs:
+                break
+            seqs = self._sequences(c.epoch, c.shard)
+            if c.seq >= len(seqs):
+                c.epoch, c.shard = self._next_slot(c.epoch, c.shard)
+                c.seq = 0
+                continue
+            seq = seqs[c.seq]
+            if batch and tokens + len(seq) > self.tokens_per_batch:
+                break
+            batch.append(seq)
+            tokens += len(seq)
+            c.seq += 1
+        self.cursor = c
+        return batch or None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def pack_rows(seqs: list[Sequence], max_seq_len: int) -> list[list[Sequence]]:
+    """Greedy in-order packing of sequences into rows of at most max_seq_len tokens."""
+    rows, row, used = [], [], 0
+    for s in seqs:
+        if row and used + len(s) > max_seq_len:
+            rows.append(row)
+            row, used = [], 0
+        row.append(s)
+        used += len(s)
+    if row:
+        rows.append(row)
+    return rows
+
+
+def collate(rows: list[list[Sequence]], aux_width: int, hidden_size: int) -> dict[str, torch.Tensor]:
+    """Rows of packed sequences -> padded tensors; doc ids (-1 = padding) keep attention inside each sequence."""
+    r = max(1, len(rows))
+    t = max([sum(len(s) for s in row) for row in rows] + [2])
+    dtype = rows[0][0].aux.dtype if rows and rows[0] else torch.bfloat16
+    out = {
+        "input_ids": torch.zeros(r, t, dtype=torch.long),
+        "loss_mask": torch.zeros(r, t, dtype=torch.bool),
+        "doc_ids": torch.full((r, t), -1, dtype=torch.long),
+        "position_ids": torch.zeros(r, t, dtype=torch.long),
+        "aux": torch.zeros(r, t, aux_width, dtype=dtype),
+        "last": torch.zeros(r, t, hidden_size, dtype=dtype),
+    }
+    for i, row in enumerate(rows):
+        at = 0
+        for d, s in enumerate(row):
+            n = len(s)
+            sl = slice(at, at + n)
+            out["input_ids"][i, sl] = s.input_ids
+            out["loss_mask"][i, sl] = s.loss_mask
+            out["doc_ids"][i, sl] = d
+            out["position_ids"][i, sl] = torch.arange(n)
+            out["aux"][i, sl] = s.aux
+            out["last"][i, sl] = s.last
+            at += n
+    return out
+
+
+def rank_rows(rows: list[list[Sequence]], rank: int, world_size: int) -> list[list[Sequence]]:
+    """This rank's share of a global batch's rows (round-robin); a rank left without rows gets an empty one."""
+    return rows[rank::world_size] or [[]]

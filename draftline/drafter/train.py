@@ -1,0 +1,597 @@
+"""Train an EAGLE-3 drafter with training-time test on hidden-state shards: resumable, warm-startable, DDP via torchrun."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from draftline.config import DrafterConfig, TrainConfig
+from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_keys, pack_rows, rank_rows,
+                                    read_shard_metadata, split_shards)
+from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter, repeat_kv
+from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
+from draftline.errors import ConfigError
+
+log = logging.getLogger("draftline.drafter.train")
+
+STAGE = "train"
+
+
+# ---- target weights ----------------------------------------------------------------------------------------
+def load_target_head(target_dir) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(config dict, embed_tokens [V, H], lm_head [V, H]) read from the target's safetensors without loading the model."""
+    from safetensors import safe_open
+
+    from draftline.target import read_target_config
+
+    root = Path(target_dir)
+    cfg = read_target_config(root)
+    text_cfg = cfg.get("text_config", cfg)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        weight_map = {}
+        for f in sorted(root.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as fh:
+                weight_map.update({k: f.name for k in fh.keys()})
+    if not weight_map:
+        raise ConfigError(f"target {root} has no *.safetensors weights; save it with save_pretrained(safe_serialization=True)")
+
+    def tensor(suffix: str) -> torch.Tensor | None:
+        names = sorted((k for k in weight_map if k.endswith(suffix) and "mtp" not in k), key=len)
+        if not names:
+            return None
+        with safe_open(str(root / weight_map[names[0]]), "pt") as fh:
+            return fh.get_tensor(names[0])
+
+    embed = tensor("embed_tokens.weight")
+    head = tensor("lm_head.weight")
+    if head is None and text_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings")):
+        head = embed
+    if embed is None or head is None:
+        raise ConfigError(f"target {root}: could not find embed_tokens.weight and lm_head.weight in its safetensors files")
+    return text_cfg, embed, head
+
+
+# ---- training-time-test attention ----------------------------------------------------------------------------
+def ttt_attention_eager(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor) -> torch.Tensor:
+    """Step j's queries over step-0 keys (causal, same sequence) and the diagonal key of each later step.
+
+    q [R, nh, T, hd]; ks/vs: one [R, nkv, T, hd] per step so far; doc_ids [R, T]. Exact, O(T^2) memory.
+    """
+    groups = q.shape[1] // ks[0].shape[1]
+    t = q.shape[2]
+    scale = q.shape[-1] ** -0.5
+    k0, v0 = repeat_kv(ks[0], groups), repeat_kv(vs[0], groups)
+    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril() & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    scores = [torch.matmul(q, k0.transpose(-1, -2)).mul(scale).masked_fill(~allowed[:, None], float("-inf"))]
+    for k in ks[1:]:
+        scores.append((q * repeat_kv(k, groups)).sum(-1, keepdim=True).mul(scale))
+    probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :t], v0)
+    for i, v in enumerate(vs[1:]):
+        out = out + probs[..., t + i: t + i + 1] * repeat_kv(v, groups)
+    return out
+
+
+_FLEX = None
+
+
+def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor) -> torch.Tensor:
+    """The same attention as ttt_attention_eager through compiled flex attention: only unmasked blocks are computed."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+    r, _, t, _ = q.shape
+    steps = len(ks)
+
+    def mask_mod(b, h, qi, kv):
+        block, s = kv // t, kv % t
+        causal = (block == 0) & (s <= qi) & (doc_ids[b, s] == doc_ids[b, qi])
+        return causal | ((block > 0) & (s == qi))
+
+    block_mask = create_block_mask(mask_mod, r, None, t, steps * t, device=q.device)
+    groups = q.shape[1] // ks[0].shape[1]
+    return _FLEX(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), block_mask=block_mask, enable_gqa=groups > 1)
+
+
+# ---- loss -------------------------------------------------------------------------------------------------------
+class SoftCrossEntropy(torch.autograd.Function):
+    """sum_rows CE(target_probs, softmax(x @ weight.T)) in row chunks, never holding all logits in fp32.
+
+    The gradient (softmax - p) is formed chunk by chunk in the forward and kept in the compute dtype, so the
+    backward is two matmuls and the fp32 logits/log-softmax of every row never exist at once.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, target_probs, chunk: int):
+        rows = x.shape[0]
+        acc = torch.promote_types(x.dtype, torch.float32)
+        total = torch.zeros((), dtype=acc, device=x.device)
+        preds = torch.empty(rows, dtype=torch.long, device=x.device)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        coeff = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device) if need_grad else None
+        for a in range(0, rows, chunk):
+            z = torch.matmul(x[a:a + chunk], weight.t()).to(acc)
+            p = target_probs[a:a + chunk].to(acc)
+            lse = torch.logsumexp(z, dim=-1)
+            total += (lse * p.sum(-1) - (p * z).sum(-1)).sum()
+            preds[a:a + chunk] = z.argmax(-1)
+            if need_grad:
+                coeff[a:a + chunk] = (torch.softmax(z, dim=-1) - p).to(x.dtype)
+        ctx.save_for_backward(x, weight, coeff)
+        ctx.mark_non_differentiable(preds)
+        return total, preds
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_preds):
+        x, weight, coeff = ctx.saved_tensors
+        g = coeff * grad_total.to(coeff.dtype)
+        grad_x = torch.matmul(g, weight) if ctx.needs_input_grad[0] else None
+        grad_w = torch.matmul(g.t(), x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+@torch.no_grad()
+def target_distribution(last: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                        chunk: int, dtype: torch.dtype):
+    """From final hidden states [N, Ht]: the target's distribution renormalised over the draft vocabulary [N, Vd]
+    (kept in `dtype`), whether its argmax lies in the draft vocabulary [N], and that argmax [N].
+
+    Logits are formed `chunk` rows at a time, so [N x target vocab] never exists at once.
+    """
+    n = last.shape[0]
+    probs = torch.empty(n, draft_ids.numel(), dtype=dtype, device=last.device)
+    argmax = torch.empty(n, dtype=torch.long, device=last.device)
+    w = lm_head.to(dtype)
+    for a in range(0, n, chunk):
+        z = torch.matmul(last[a:a + chunk].to(dtype), w.t())
+        argmax[a:a + chunk] = z.argmax(-1)
+        probs[a:a + chunk] = torch.softmax(z.index_select(1, draft_ids).float(), dim=-1).to(dtype)
+    return probs, t2d[argmax], argmax
+
+
+class TTTModel(nn.Module):
+    """The drafter unrolled for k steps of training-time test; forward returns per-step sums (loss, counts, hits)."""
+
+    def __init__(self, drafter: Eagle3Drafter, lm_head: torch.Tensor, steps: int, chunk: int, attention: str,
+                 compute_dtype: torch.dtype):
+        super().__init__()
+        self.drafter = drafter
+        self.target_lm_head = lm_head  # a plain attribute: frozen, never broadcast or saved with the drafter
+        self.steps, self.chunk, self.compute_dtype = steps, chunk, compute_dtype
+        self.attention = ttt_attention_flex if attention == "flex" else ttt_attention_eager
+
+    def unroll(self, input_ids, doc_ids, position_ids, aux):
+        """Yield the drafter's residual stream [R, T, H] after each of the k steps.
+
+        Step j at slot t reads the token t+1+j and (j > 0) its own step j-1 output at t, at position t+j: the
+        chain an engine drafts after accepting token t+1, so training sees what decoding will feed it.
+        """
+        m = self.drafter
+        t = input_ids.shape[1]
+        hidden = m.fc(aux.to(self.compute_dtype))
+        ks, vs = [], []
+        for j in range(self.steps):
+            shift = 1 + j
+            tokens = torch.zeros_like(input_ids)
+            tokens[:, : max(0, t - shift)] = input_ids[:, shift:]
+            q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, position_ids + j)
+            ks.append(k)
+            vs.append(v)
+            hidden = m.midlayer.finish(hidden, self.attention(q, ks, vs, doc_ids))
+            yield hidden
+
+    def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux, last):
+        m = self.drafter
+        r, t = input_ids.shape
+        dt = self.compute_dtype
+        probs, in_vocab, target_argmax = target_distribution(
+            last.reshape(r * t, -1), self.target_lm_head, m.draft_token_ids, m.t2d, self.chunk, dt)
+        loss_sums, counts, hits, totals = [], [], [], []
+        lm_w = m.lm_head.weight.to(dt)
+        for j, hidden in enumerate(self.unroll(input_ids, doc_ids, position_ids, aux)):
+            shift = 1 + j
+            # Slot t at step j predicts token t+2+j from the target's distribution at t+1+j, inside one sequence.
+            lossable = torch.zeros_like(loss_mask)
+            if t > shift + 1:
+                lossable[:, : t - shift - 1] = ((doc_ids[:, shift + 1:] == doc_ids[:, : t - shift - 1])
+                                                & (doc_ids[:, : t - shift - 1] >= 0) & loss_mask[:, shift + 1:])
+            slots = lossable.reshape(-1).nonzero().squeeze(1)
+            src = slots + shift
+            keep = in_vocab[src]
+            rows, src = slots[keep], src[keep]
+            x = m.norm(hidden).reshape(r * t, -1).index_select(0, rows).to(dt)
+            loss_sum, preds = SoftCrossEntropy.apply(x, lm_w, probs.index_select(0, src), self.chunk)
+            loss_sums.append(loss_sum)
+            counts.append(rows.numel())
+            hits.append((m.draft_to_target(preds) == target_argmax[src]).sum())
+            totals.append(slots.numel())
+        dev = input_ids.device
+        return (torch.stack(loss_sums), torch.tensor(counts, device=dev, dtype=torch.float32),
+                torch.stack(hits).float(), torch.tensor(totals, device=dev, dtype=torch.float32))
+
+
+def acceptance_length(acc: list[float]) -> float:
+    """Offline estimate of mean acceptance length: 1 + sum_j prod_{i<=j} acc_i (the reference decoder's definition)."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+# ---- distributed helpers -----------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_kind: str) -> Dist:
+    """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def barrier(d: Dist) -> None:
+    if d.world > 1:
+        dist.barrier()
+
+
+# ---- schedule, checkpoints ---------------------------------------------------------------------------------------
+def lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, cfg.max_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+_CADENCE_FIELDS = {"val_every", "checkpoint_every", "log_every", "num_threads", "device", "keep_checkpoints"}
+
+
+def run_fingerprint(drafter_cfg: DrafterConfig, cfg: TrainConfig, aux_ids, data_keys) -> str:
+    """What a checkpoint must agree with to be resumed (not logging or checkpoint cadence)."""
+    spec = {"drafter": drafter_cfg.model_dump(), "aux": aux_ids, "data": data_keys,
+            "train": {k: v for k, v in cfg.model_dump().items() if k not in _CADENCE_FIELDS}}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _ckpt_dir(prefix: str) -> str:
+    return f"{prefix}/checkpoints"
+
+
+def latest_checkpoint(store, prefix: str) -> dict | None:
+    key = f"{_ckpt_dir(prefix)}/latest.json"
+    return json.loads(store.get_bytes(key)) if store.exists(key) else None
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ---- the run --------------------------------------------------------------------------------------------------
+def resolve_device(kind: str) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device='cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def prepare_vocab(store, prefix: str, train_keys: list[str], vocab_size: int, draft_vocab_size: int, d: Dist):
+    """d2t/t2d from the training shards, computed once (rank 0) and kept at `<prefix>/vocab.pt` for resumes and ranks."""
+    key = f"{prefix}/vocab.pt"
+    if d.main and not store.exists(key):
+        counts = counts_from_hidden_shards(store, train_keys, vocab_size)
+        d2t, t2d, report = build_vocab(counts, draft_vocab_size)
+        buf = io.BytesIO()
+        torch.save({"d2t": d2t, "t2d": t2d, "report": report.to_dict()}, buf)
+        store.put_bytes(key, buf.getvalue())
+    barrier(d)
+    saved = torch.load(io.BytesIO(store.get_bytes(key)), weights_only=True)
+    report = VocabReport(**saved["report"])
+    if report.draft_vocab_size != draft_vocab_size:
+        raise ConfigError(
+            f"{store.uri(key)} holds a draft vocabulary of {report.draft_vocab_size} ids but drafter.draft_vocab_size="
+            f"{draft_vocab_size}; use a new run name or delete that file"
+        )
+    return saved["d2t"], saved["t2d"], report
+
+
+def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bool) -> dict:
+    """Copy weights from an existing SGLang/EAGLE drafter dir; its vocabulary replaces ours unless `remap`."""
+    old = Eagle3Drafter.from_pretrained(source, embed_tokens=embed)
+    ours, theirs = model.config, old.config
+    for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "vocab_size"):
+        if getattr(ours, name) != getattr(theirs, name):
+            raise ConfigError(
+                f"warm start {source} has {name}={getattr(theirs, name)} but this drafter needs {getattr(ours, name)}; "
+                "start from a drafter made for the same target, or train from scratch"
+            )
+    if sorted(theirs.aux_layer_ids) != sorted(ours.aux_layer_ids):
+        raise ConfigError(
+            f"warm start {source} reads aux layers {theirs.aux_layer_ids} (vLLM convention) but the hidden states were "
+            f"extracted at {ours.aux_layer_ids}; extract with extract.aux_layer_ids={theirs.aux_layer_ids}"
+        )
+    state = {k: v for k, v in old.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")}
+    model.load_state_dict(state, strict=False)
+    if theirs.draft_vocab_size != ours.draft_vocab_size and not remap:
+        raise ConfigError(
+            f"warm start {source} has draft_vocab_size={theirs.draft_vocab_size} but drafter.draft_vocab_size="
+            f"{ours.draft_vocab_size}; set them equal, or set train.warm_start_remap_vocab=true to map lm_head rows by token"
+        )
+    with torch.no_grad():
+        if not remap:
+            model.set_vocab(old.d2t, old.t2d)
+            model.lm_head.weight.copy_(old.lm_head.weight)
+            return {"source": str(source), "vocab": "kept from the warm start", "rows_copied": theirs.draft_vocab_size}
+        # Remap: rows of tokens both vocabularies share are copied; the others keep their fresh initialisation.
+        old_row = torch.full((ours.vocab_size,), -1, dtype=torch.long)
+        old_row[old.draft_token_ids] = torch.arange(theirs.draft_vocab_size)
+        src = old_row[model.draft_token_ids.cpu()]
+        hit = src >= 0
+        model.lm_head.weight[hit] = old.lm_head.weight[src[hit]].to(model.lm_head.weight.dtype)
+    return {"source": str(source), "vocab": "remapped to this run's", "rows_copied": int(hit.sum())}
+
+
+def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None = None,
+                  cfg: TrainConfig | None = None, out_prefix: str | None = None) -> dict:
+    """Train on `<run>/hidden/` shards; checkpoints, metrics and the final drafter go to `<run>/train/`.
+
+    Resumes from the last checkpoint there when one exists. Returns the metrics summary (also at metrics.json).
+    """
+    drafter_cfg = drafter_cfg or DrafterConfig()
+    cfg = cfg or TrainConfig()
+    prefix = out_prefix or f"{run}/{STAGE}"
+    device = resolve_device(cfg.device)
+    d = init_distributed(device.type)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    keys = hidden_shard_keys(store, run)
+    train_keys, val_keys = split_shards(keys, cfg.val_fraction)
+    meta = read_shard_metadata(store, keys[0])
+    if meta.get("convention", "vllm") != "vllm":
+        raise ConfigError(f"{store.uri(keys[0])} says convention={meta.get('convention')!r}; shards must store vLLM ids")
+    aux_ids = json.loads(meta["aux_layer_ids"])
+
+    target_cfg, embed, head = load_target_head(target_dir)
+    torch.manual_seed(cfg.seed)
+    model = Eagle3Drafter.from_target_config(target_cfg, drafter_cfg, aux_ids)
+    model.load_target_weights(embed)
+    d2t, t2d, vocab_report = prepare_vocab(store, prefix, train_keys, model.config.vocab_size,
+                                           model.config.draft_vocab_size, d)
+    model.set_vocab(d2t, t2d)
+    warm = warm_start(model, cfg.warm_start, embed, cfg.warm_start_remap_vocab) if cfg.warm_start else None
+    if d.main:
+        log.info(vocab_report.message)
+    model.to(device)
+
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "eager")
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ttt = TTTModel(model, head.to(device), cfg.ttt_steps, cfg.logits_chunk_tokens, attention, compute_dtype)
+    net = ttt
+    if d.world > 1:
+        net = nn.parallel.DistributedDataParallel(
+            ttt, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
+                                  **({"fused": True} if device.type == "cuda" else {}))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    fingerprint = run_fingerprint(drafter_cfg, cfg, aux_ids, keys)
+    step, cursor, history = 0, Cursor(), {"train": [], "val": []}
+    latest = latest_checkpoint(store, prefix)
+    if latest is not None:
+        if latest["fingerprint"] != fingerprint:
+            raise ConfigError(
+                f"{store.uri(latest['key'])} was written by a run with another config or data; "
+                f"use a new run name, or delete {store.uri(_ckpt_dir(prefix))} to start over"
+            )
+        state = torch.load(io.BytesIO(store.get_bytes(latest["key"])), map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"], device)
+        step, cursor, history = state["step"], Cursor(**state["cursor"]), state["history"]
+        if d.main:
+            log.info("resumed from %s at step %d", store.uri(latest["key"]), step)
+
+    stream = BatchStream(store, train_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, cursor=cursor)
+    aux_width, hidden = 3 * model.config.target_hidden_size, model.config.target_hidden_size
+    weights = torch.tensor([cfg.step_weight_decay ** j for j in range(cfg.ttt_steps)], device=device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    t0, tokens_seen = time.perf_counter(), 0
+
+    def to_device(batch: dict) -> dict:
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    def validate() -> dict:
+        ttt.eval()
+        sums = torch.zeros(4, cfg.ttt_steps, device=device)
+        vstream = BatchStream(store, val_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, shuffle=False, epochs=1)
+        try:
+            with torch.no_grad(), autocast:
+                while (vb := vstream.next_batch()) is not None:
+                    rows = rank_rows(pack_rows(vb, cfg.max_seq_len), d.rank, d.world)
+                    loss_sum, count, hit, total = ttt(**to_device(collate(rows, aux_width, hidden)))
+                    sums += torch.stack([loss_sum.float(), count, hit, total])
+        finally:
+            vstream.close()
+        sums = all_sum(sums, d)
+        ttt.train()
+        per_step_loss = (sums[0] / sums[1].clamp(min=1)).tolist()
+        acc = (sums[2] / sums[3].clamp(min=1)).tolist()
+        return {"step": step, "loss": float((weights * sums[0] / sums[1].clamp(min=1)).sum()),
+                "per_step_loss": per_step_loss, "accuracy": acc, "acceptance_length": acceptance_length(acc),
+                "tokens": int(sums[3][0])}
+
+    def checkpoint() -> None:
+        if d.main:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "rng": rng_state(device), "step": step,
+                        "cursor": stream.cursor.to_dict(), "history": history, "fingerprint": fingerprint}, buf)
+            key = f"{_ckpt_dir(prefix)}/step-{step:08d}.pt"
+            store.put_bytes(key, buf.getvalue())
+            store.put_bytes(f"{_ckpt_dir(prefix)}/latest.json",
+                            json.dumps({"key": key, "step": step, "fingerprint": fingerprint}).encode())
+            old = sorted(k for k in store.list(f"{_ckpt_dir(prefix)}/") if k.endswith(".pt") and k != key)
+            for stale in old[: max(0, len(old) - (cfg.keep_checkpoints - 1))]:
+                store.delete(stale)
+            log.info("checkpoint %s", store.uri(key))
+        barrier(d)
+
+    ttt.train()
+    try:
+        while step < cfg.max_steps:
+            batch = stream.next_batch()
+            rows = pack_rows(batch, cfg.max_seq_len)
+            local = to_device(collate(rank_rows(rows, d.rank, d.world), aux_width, hidden))
+            with autocast:
+                loss_sum, count, hit, total = net(**local)
+            stats = all_sum(torch.stack([count, hit.detach(), total]), d)
+            # Each step's loss is its mean over the GLOBAL batch; DDP averages gradients, hence the * world.
+            loss = (weights * loss_sum / stats[0].clamp(min=1)).sum() * d.world
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += sum(len(s) for s in batch)
+            global_loss = all_sum(loss.detach() / d.world, d)
+            entry = {"step": step, "loss": float(global_loss), "lr": scheduler.get_last_lr()[0],
+                     "grad_norm": float(grad_norm), "accuracy": (stats[1] / stats[2].clamp(min=1)).tolist()}
+            history["train"].append(entry)
+            if d.main and (step % cfg.log_every == 0 or step == cfg.max_steps):
+                rate = tokens_seen / max(1e-9, time.perf_counter() - t0)
+                log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s", step, cfg.max_steps, entry["loss"],
+                         entry["accuracy"][0], entry["lr"], rate)
+            if val_keys and (step % cfg.val_every == 0 or step == cfg.max_steps):
+                v = validate()
+                history["val"].append(v)
+                if d.main:
+                    log.info("validation at step %d: loss %.4f accuracy %s acceptance length %.3f", step, v["loss"],
+                             [round(a, 3) for a in v["accuracy"]], v["acceptance_length"])
+            if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+                checkpoint()
+    finally:
+        stream.close()
+
+    summary = {"run": run, "steps": step, "final_train": history["train"][-1] if history["train"] else None,
+               "final_val": history["val"][-1] if history["val"] else None, "vocab": vocab_report.to_dict(),
+               "aux_layer_ids": aux_ids, "convention": "vllm", "warm_start": warm, "world_size": d.world,
+               "fingerprint": fingerprint, "train_shards": train_keys, "val_shards": val_keys,
+               "history": history, "drafter": store.uri(f"{prefix}/drafter")}
+    if d.main:
+        publish_drafter(store, prefix, model, summary, target_dir, run)
+        store.put_bytes(f"{prefix}/metrics.json", json.dumps(summary, indent=1).encode())
+    barrier(d)
+    return summary
+
+
+def publish_drafter(store, prefix: str, model: Eagle3Drafter, summary: dict, target_dir, run: str) -> None:
+    """The trained head in the SGLang/EAGLE layout at `<prefix>/drafter/`, with a lineage file."""
+    from draftline.target import target_fingerprint
+
+    with tempfile.TemporaryDirectory(prefix="draftline-drafter-") as tmp:
+        model.save_pretrained(tmp, convention="sglang")
+        lineage = {"convention": "sglang", "format": "sglang", "target": str(target_dir),
+                   "target_fingerprint": target_fingerprint(target_dir), "run": run,
+                   "training": {k: summary[k] for k in ("steps", "fingerprint", "world_size", "warm_start")},
+                   "data": {"train_shards": summary["train_shards"], "val_shards": summary["val_shards"]},
+                   "aux_layer_ids_vllm": model.config.aux_layer_ids,
+                   "target_num_layers": model.config.target_num_layers, "code_version": code_version()}
+        Path(tmp, LINEAGE_FILE).write_text(json.dumps(lineage, indent=2) + "\n")
+        store.put_dir(f"{prefix}/drafter", tmp)
+
+
+def code_version() -> str:
+    """draftline's version plus the git commit when run from a checkout."""
+    import subprocess
+
+    import draftline
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{draftline.__version__}+{sha}" if sha else draftline.__version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m draftline.drafter.train CONFIG.yaml` (or under torchrun) trains the drafter of a pipeline config."""
+    from draftline.config import load_config
+    from draftline.store import open_store
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("config", help="pipeline YAML (run, store, target, drafter, train)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    cfg = load_config(args.config)
+    store = open_store(cfg.store.root)
+    try:
+        summary = train_drafter(store, cfg.run, cfg.target.path, cfg.drafter, cfg.train)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: summary[k] for k in ("steps", "final_val", "drafter")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
