@@ -118,12 +118,27 @@ class LocalS3:
 
     def create_bucket(self, name: str) -> str:
         """Create a bucket (if absent) and return its s3:// URI."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         client = self.client()
-        try:
-            client.create_bucket(Bucket=name)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
-        return f"s3://{name}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.create_bucket(Bucket=name)
+                return f"s3://{name}"
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                return f"s3://{name}"
+            except (BotoCoreError, ClientError) as exc:
+                code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+                fatal = code in ("InvalidBucketName", "BucketAlreadyExists", "AccessDenied")
+                if fatal or time.monotonic() > deadline:
+                    raise StoreError(
+                        f"SeaweedFS at {self.endpoint_url} could not create the bucket {name!r} ({code or exc}); "
+                        f"its log ({self.log_path}) ends with:\n{self._log_tail()}",
+                        transient=not fatal,
+                    ) from exc
+                # Right after start (or under heavy load) the first write to a new collection can fail; retry.
+                time.sleep(0.5)
 
     def start(self) -> "LocalS3":
         weed = find_weed()

@@ -15,8 +15,8 @@ import io
 import json
 import os
 import re
-import shutil
 import tempfile
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -302,6 +302,10 @@ class Store(ABC):
         """Remove one object; a missing object is not an error."""
 
     @abstractmethod
+    def clean_partial(self, prefix: str = "", older_than_s: float = 24 * 3600) -> int:
+        """Remove what crashed writers left under `prefix` (never visible as objects); returns how many were removed."""
+
+    @abstractmethod
     def get_dir(self, prefix: str, local_dir: str | os.PathLike | None = None) -> Path:
         """Materialise the directory stored under `prefix` (by its manifest) locally, verified; returns the folder."""
 
@@ -555,6 +559,18 @@ class LocalStore(Store):
                 break
             parent = parent.parent
 
+    def clean_partial(self, prefix="", older_than_s=24 * 3600):
+        base = self.root / _check_prefix(prefix) if prefix else self.root
+        cutoff, removed = time.time() - older_than_s, 0
+        for path in base.rglob(f"*{_TMP_MARK}*") if base.is_dir() else []:
+            try:
+                if path.is_file() and path.stat().st_mtime <= cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                pass  # its writer finished or cleaned up meanwhile
+        return removed
+
     def get_dir(self, prefix, local_dir=None):
         prefix = _check_prefix(prefix)
         manifest = self.read_manifest(prefix)
@@ -585,10 +601,7 @@ class S3Store(Store):
         self.prefix = _check_prefix(prefix)
         self.client = client if client is not None else _default_client()
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-        from boto3.s3.transfer import TransferConfig
-
-        # 16 MiB parts: a 100 MB object goes up in 7 parts, well under S3's 10,000-part limit up to 160 GB.
-        self.transfer = TransferConfig(multipart_threshold=16 * 1024 * 1024, multipart_chunksize=16 * 1024 * 1024, max_concurrency=4)
+        self.transfer = _transfer_config()
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri()!r}, endpoint={_endpoint_of(self.client)!r})"
@@ -680,6 +693,34 @@ class S3Store(Store):
         with _s3_errors(self, self.uri(key)):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
+    def clean_partial(self, prefix="", older_than_s=24 * 3600):
+        full = _join(self.prefix, _check_prefix(prefix)) if prefix else self.prefix
+        cutoff = datetime.now(timezone.utc).timestamp() - older_than_s
+        removed = 0
+        with _s3_errors(self, self.uri(prefix) if prefix else self.uri()):
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=(full + "/") if full else ""
+            )
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if upload["Initiated"].timestamp() <= cutoff:
+                        # Aborting frees the parts an interrupted multipart upload left on the server.
+                        self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                        removed += 1
+        return removed
+
+    def __getstate__(self):
+        # boto3 clients do not pickle; a copy in another process builds its own from that process's AWS config.
+        state = dict(self.__dict__)
+        state.pop("client", None)
+        state.pop("transfer", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.client = _default_client()
+        self.transfer = _transfer_config()
+
     def get_dir(self, prefix, local_dir=None):
         """Download the manifest's objects into `local_dir` or the cache and verify them.
 
@@ -728,13 +769,37 @@ class S3Store(Store):
         return self.cache_dir / "s3" / endpoint / self.bucket / (_join(self.prefix, prefix) or "_root")
 
 
+def _transfer_config():
+    from boto3.s3.transfer import TransferConfig
+
+    # 16 MiB parts: a 100 MB object goes up in 7 parts; S3's 10,000-part limit is then reached only at 160 GB.
+    mib16 = 16 * 1024 * 1024
+    return TransferConfig(multipart_threshold=mib16, multipart_chunksize=mib16, max_concurrency=4)
+
+
 def _default_client():
     import boto3
     from botocore.config import Config
 
-    session = boto3.session.Session()
-    # Standard retries (with backoff) instead of the legacy mode; short connect timeout so a dead endpoint fails fast.
-    config = Config(retries={"max_attempts": 4, "mode": "standard"}, connect_timeout=5, read_timeout=60)
+    import botocore.session
+    from botocore.exceptions import ProfileNotFound
+
+    core = botocore.session.get_session()
+    try:
+        profile = core.get_scoped_config()
+    except ProfileNotFound as exc:
+        raise StoreError(
+            f"The AWS profile {core.profile!r} (AWS_PROFILE) is not in the AWS config files; "
+            "fix AWS_PROFILE or add the profile with `aws configure --profile NAME`.", transient=False,
+        ) from exc
+    session = boto3.session.Session(botocore_session=core)
+    # Standard retries (with backoff) unless the AWS config sets its own; a short connect timeout so that a
+    # dead endpoint fails fast.
+    retry_set = any(os.environ.get(v) for v in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")) or any(
+        k in profile for k in ("max_attempts", "retry_mode")
+    )
+    retries = None if retry_set else {"max_attempts": 4, "mode": "standard"}
+    config = Config(retries=retries, connect_timeout=5, read_timeout=60)
     client = session.client("s3", config=config)
     endpoint = _endpoint_of(client)
     if endpoint and "amazonaws.com" not in endpoint:

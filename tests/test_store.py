@@ -312,6 +312,7 @@ def test_s3_unreachable_endpoint_is_transient(s3_env, monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # the standard AWS setting is honoured; no retry backoff here
     with pytest.raises(StoreError, match="Could not reach the S3 endpoint") as info:
         open_store("s3://some-bucket/runs")
     assert is_transient(info.value)
@@ -362,3 +363,27 @@ def test_upload_killed_half_way_leaves_nothing_visible(store, store_uri, big_fil
     else:
         partial = [p for p in (store.root / "run/stage").iterdir()]
         assert len(partial) == 1 and partial[0].stat().st_size >= BIG // 2  # a hidden temp file, never listed
+    # What the crashed writer left is reclaimable, and only when old enough (a live writer's is not touched).
+    assert store.clean_partial("run", older_than_s=3600) == 0
+    assert store.clean_partial("run", older_than_s=0) == 1
+    assert store.clean_partial("run", older_than_s=0) == 0
+    if isinstance(store, S3Store):
+        assert store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+    else:
+        assert list((store.root / "run/stage").iterdir()) == []
+
+
+def test_a_store_pickles_for_worker_processes(store):
+    """Prefect may hand a store to another process: the copy must work there with its own connection."""
+    import pickle
+
+    store.put_bytes("p/k", b"v")
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.get_bytes("p/k") == b"v" and clone.uri("p/k") == store.uri("p/k")
+
+
+def test_s3_unknown_aws_profile_is_one_clear_error(s3_env, monkeypatch):
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    with pytest.raises(StoreError, match="profile 'no-such-profile'.*AWS_PROFILE") as info:
+        open_store("s3://some-bucket/runs")
+    assert not is_transient(info.value)
