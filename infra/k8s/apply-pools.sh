@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create or update the GPU work pools (gpu-vllm, gpu-sglang) on the Prefect server at $PREFECT_API_URL from the
+# base job templates next to this script, after checking that no job variable would be silently dropped.
+#   PREFECT_API_URL=http://prefect.example:4200/api infra/k8s/apply-pools.sh [POOL...]
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+PY="${PYTHON:-$repo/.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+if [ -z "${PREFECT_API_URL:-}" ]; then
+  echo "apply-pools.sh: PREFECT_API_URL is not set; export the team server's API URL (e.g. http://HOST:4200/api) first" >&2
+  exit 2
+fi
+# A variable that the template does not use would vanish without a word: refuse to apply such templates.
+"$PY" "$repo/infra/pool_templates.py" check
+pools=("$@")
+[ ${#pools[@]} -gt 0 ] || pools=(gpu-vllm gpu-sglang)
+for pool in "${pools[@]}"; do
+  template="$here/$pool.json"
+  if [ ! -f "$template" ]; then
+    echo "apply-pools.sh: no template $template for pool '$pool'; choose from: $(cd "$here" && ls *.json | sed 's/\.json$//' | tr '\n' ' ')" >&2
+    exit 2
+  fi
+  # --overwrite updates an existing pool's template in place (its queues, workers and runs stay).
+  "$PY" -m prefect work-pool create "$pool" --type kubernetes --base-job-template "$template" --overwrite
+done

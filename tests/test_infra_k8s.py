@@ -1,0 +1,166 @@
+"""The Kubernetes GPU pools: each base job template, rendered with a deployment's job variables by Prefect's own
+Kubernetes job configuration, gives the Job a GPU node needs; a job variable the template does not use is caught."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("pool_templates", REPO / "infra/pool_templates.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["pool_templates"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pool_templates = _load_module()
+POOLS = ["gpu-vllm", "gpu-sglang"]
+
+
+def _deployment(name: str) -> dict:
+    spec = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        if deployment["name"] == name:
+            return deployment
+    raise AssertionError(f"deployments/prefect.yaml has no deployment {name!r}")
+
+
+def _template(pool: str) -> dict:
+    return pool_templates.load_template(REPO / f"infra/k8s/{pool}.json")
+
+
+def _container(manifest: dict) -> dict:
+    return manifest["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(manifest: dict) -> dict:
+    return {e["name"]: e.get("value") for e in _container(manifest)["env"]}
+
+
+@pytest.fixture(scope="module")
+def k8s_config_cls():
+    # Fails (never skips) without prefect-kubernetes: the dev environment must be able to check the templates.
+    return pool_templates.job_configuration_class("kubernetes")
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_deployment_job_variables_render_into_a_gpu_job(pool, k8s_config_cls):
+    deployment = _deployment(f"evaluate-{pool.removeprefix('gpu-')}")
+    assert deployment["work_pool"]["name"] == pool
+    job_variables = {**deployment["work_pool"].get("job_variables", {}),
+                     "env": {"DRAFTLINE_STORE": "s3://draftline-runs/team"}}
+
+    config = pool_templates.render(_template(pool), job_variables, "kubernetes",
+                                   deployment_name=deployment["name"])
+    manifest = config.job_manifest
+    container = _container(manifest)
+    pod = manifest["spec"]["template"]["spec"]
+
+    assert manifest["kind"] == "Job"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == job_variables.get("gpus", 1)
+    assert container["image"] == job_variables["image"]
+    env = _env(manifest)
+    assert env["DRAFTLINE_STORE"] == "s3://draftline-runs/team"
+    # The evicted-pod contract: Kubernetes does not retry, Prefect reschedules the flow run.
+    assert manifest["spec"]["backoffLimit"] == 0
+    assert env["PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"] == "reschedule"
+    assert pod["restartPolicy"] == "Never"
+    # Engines need a large in-memory /dev/shm; Docker's and Kubernetes' default of 64 MB breaks them.
+    shm = {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"].endswith("Gi") and int(shm["sizeLimit"][:-2]) >= 16
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    # Credentials come from a Kubernetes Secret, never from the template or the deployment.
+    assert container["envFrom"] == [{"secretRef": {"name": "draftline-s3", "optional": False}}]
+    assert not any("SECRET" in name or "PASSWORD" in name for name in env)
+    # Engine images are tens of GB: the worker must wait for the pod longer than Prefect's default 60 s.
+    assert config.pod_watch_timeout_seconds >= 900
+    assert container["args"][:3] == ["prefect", "flow-run", "execute"]
+
+
+def test_job_variables_override_the_template_defaults(k8s_config_cls):
+    config = pool_templates.render(
+        _template("gpu-vllm"),
+        {"gpus": 4, "image": "registry.example/draftline-vllm:0.25", "shm_size": "64Gi", "namespace": "ml",
+         "node_selector": {"node.kubernetes.io/instance-type": "h200x8"}, "memory_limit": "512Gi"},
+    )
+    manifest = config.job_manifest
+    container = _container(manifest)
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 4, "memory": "512Gi"}
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert container["image"] == "registry.example/draftline-vllm:0.25"
+    assert manifest["metadata"]["namespace"] == "ml"
+    assert manifest["spec"]["template"]["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "h200x8"}
+    assert manifest["spec"]["template"]["spec"]["volumes"][0]["emptyDir"]["sizeLimit"] == "64Gi"
+
+
+def test_a_misspelt_job_variable_is_caught_although_prefect_drops_it_silently(k8s_config_cls):
+    template = _template("gpu-vllm")
+    job_variables = {"gpu_count": 8, "image": "draftline/worker-vllm:latest"}
+
+    # What Prefect itself does: renders happily, with the default of 1 GPU and no trace of gpu_count.
+    config = pool_templates.render(template, job_variables, strict=False)
+    assert _container(config.job_manifest)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "gpu_count" not in json.dumps(config.model_dump(mode="json"))
+
+    assert pool_templates.dropped_job_variables(template, job_variables, k8s_config_cls) == ["gpu_count"]
+    with pytest.raises(pool_templates.TemplateProblem, match="gpu_count"):
+        pool_templates.render(template, job_variables)
+
+
+def test_a_declared_variable_the_job_never_uses_is_reported(k8s_config_cls):
+    template = _template("gpu-sglang")
+    assert pool_templates.check_template(template, k8s_config_cls, "gpu-sglang.json") == []
+
+    declared_only = copy.deepcopy(template)
+    declared_only["variables"]["properties"]["gpu_type"] = {"type": "string", "default": "h200"}
+    # Referenced, but under a job_configuration key the Kubernetes worker's configuration class ignores.
+    declared_only["job_configuration"]["gpu_type"] = "{{ gpu_type }}"
+    problems = pool_templates.check_template(declared_only, k8s_config_cls, "gpu-sglang.json")
+    assert len(problems) == 1 and "'gpu_type'" in problems[0] and "gpu-sglang.json" in problems[0]
+    assert pool_templates.dropped_job_variables(declared_only, {"gpu_type": "b200"}, k8s_config_cls) == ["gpu_type"]
+
+    # Referenced inside the Job manifest, it reaches the Job.
+    declared_only["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["priorityClassName"] = (
+        "gpu-{{ gpu_type }}")
+    assert pool_templates.check_template(declared_only, k8s_config_cls, "gpu-sglang.json") == []
+    manifest = pool_templates.render(declared_only, {"gpu_type": "b200"}).job_manifest
+    assert manifest["spec"]["template"]["spec"]["priorityClassName"] == "gpu-b200"
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_templates_pass_the_prefect_servers_own_validation(pool):
+    from prefect.server.schemas.actions import validate_base_job_template
+    from prefect.utilities.schema_tools.validation import is_valid_schema, validate
+
+    template = _template(pool)
+    validate_base_job_template(template)  # every placeholder is a declared variable
+    is_valid_schema(template["variables"], preprocess=False)
+    defaults = {k: v["default"] for k, v in template["variables"]["properties"].items() if v.get("default") is not None}
+    validate(defaults, template["variables"], raise_on_error=True, preprocess=True, ignore_required=True)
+    with pytest.raises(Exception, match="gpus"):
+        validate({"gpus": "two"}, template["variables"], raise_on_error=True, preprocess=True, ignore_required=True)
+
+
+def test_the_check_command_passes_on_the_repository_and_fails_on_a_dropped_variable(tmp_path, capsys):
+    assert pool_templates.main(["check"]) == 0
+
+    spec = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        if deployment["name"] == "evaluate-vllm":
+            deployment["work_pool"]["job_variables"] = {"gpu": 2}
+    bad = tmp_path / "prefect.yaml"
+    bad.write_text(yaml.safe_dump(spec))
+    capsys.readouterr()
+    assert pool_templates.main(["check", "--prefect-file", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "'evaluate-vllm'" in err and "'gpu'" in err and "drop it silently" in err
