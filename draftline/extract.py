@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from draftline.config import ExtractConfig
 from draftline.errors import ConfigError
@@ -234,6 +233,33 @@ def _load_shard_traces(store, plan: ShardPlan, entries) -> list[dict]:
     return out
 
 
+_ST_DTYPES = {torch.int64: "I64", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32"}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors file byte-for-byte reproducibly (sorted header keys), streaming each tensor's memory.
+
+    safetensors' own writer orders metadata keys arbitrarily, so two identical extractions would differ in their
+    header bytes and sha256; resumption and dedup by checksum need identical bytes.
+    """
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment keeps tensors aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in sorted(tensors):
+            t = tensors[name].contiguous()
+            if t.numel():
+                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+
+
 def _write_shard(store, run: str, plan: ShardPlan, spec: str, extractor: HiddenStateExtractor, traces: list[dict],
                  order: list[int], cu: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> dict:
     """Serialize one shard to a local temp file (contract D), upload it, publish its completion record."""
@@ -245,7 +271,7 @@ def _write_shard(store, run: str, plan: ShardPlan, spec: str, extractor: HiddenS
     tensors = {"input_ids": ids, "loss_mask": mask, "cu_seqlens": cu, "aux_hidden_states": aux, "last_hidden_states": last}
     with tempfile.TemporaryDirectory(prefix="draftline-hidden-") as tmp:
         path = Path(tmp) / "shard.safetensors"
-        save_file(tensors, str(path), metadata=meta)
+        write_safetensors(path, tensors, meta)
         info = {"tokens": int(ids.numel()), "sequences": len(order), "loss_tokens": int(mask.sum()),
                 "aux_layer_ids": extractor.aux_layer_ids, "convention": VLLM, "target_fingerprint": extractor.fingerprint}
         publish_shard(store, run, STAGE, plan.index, SUFFIX, spec, info, local_path=path)

@@ -60,21 +60,21 @@ def from_convention(ids: list[int], convention: str) -> list[int]:
 
 def validate_aux_layer_ids(ids: list[int] | None, num_layers: int, field: str = "extract.aux_layer_ids") -> list[int]:
     """Return the vLLM-convention ids to capture (defaults when None), or raise one sentence naming the fix."""
-    if num_layers < 1:
-        raise ConfigError(f"the target has {num_layers} decoder layers; a target needs at least one")
-    chosen = default_aux_layer_ids(num_layers) if ids is None else [int(i) for i in ids]
-    where = f"{field}={chosen}" if ids is not None else f"the default aux layers {chosen} (inputs of 2, L//2, L-3)"
+    if num_layers < 3:
+        raise ConfigError(f"the target has {num_layers} decoder layers; EAGLE-3 needs three distinct aux layers, so use a target with at least 3")
+    fix = f"set {field} to three distinct layer-input ids between 0 and {num_layers - 1} (vLLM convention)"
+    if ids is None:
+        chosen = default_aux_layer_ids(num_layers)
+        if len(set(chosen)) != 3 or not all(0 <= i < num_layers for i in chosen):
+            raise ConfigError(f"the default aux layers {chosen} (inputs of 2, L//2, L-3) are not three distinct layers "
+                              f"of a {num_layers}-layer target; {fix}")
+        return sorted(chosen)
+    chosen = [int(i) for i in ids]
     bad = [i for i in chosen if not 0 <= i < num_layers]
     if bad:
-        raise ConfigError(
-            f"{where} are out of range for a target with {num_layers} layers ({bad}); "
-            f"use three distinct layer-input ids between 0 and {num_layers - 1} (vLLM convention)"
-        )
+        raise ConfigError(f"{field}={chosen} has ids {bad} out of range for a target with {num_layers} layers; {fix}")
     if len(chosen) != 3 or len(set(chosen)) != 3:
-        raise ConfigError(
-            f"{where} are not three distinct layers for a target with {num_layers} layers; "
-            f"set {field} to three distinct ids between 0 and {num_layers - 1}"
-        )
+        raise ConfigError(f"{field}={chosen} is not three distinct layers; {fix}")
     return sorted(chosen)
 
 
