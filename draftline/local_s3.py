@@ -65,6 +65,30 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+def _die_with_parent() -> None:
+    # Runs in the child before exec: on Linux, have the kernel kill weed if the Python that started it dies
+    # (a SIGKILLed test run must not leave a server behind).
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as weed (Go) binds: TIME_WAIT is no obstacle
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+_PROBE_BUCKET = "draftline-ready-probe"
+
+
 class LocalS3:
     """A SeaweedFS server (master, volume, filer, S3 gateway) in a subprocess; credentials are always enforced."""
 
@@ -82,12 +106,21 @@ class LocalS3:
         # Data in a folder of the caller's is kept and the server stopped gently; throwaway data is not.
         self.keep_data = (data_dir is not None) if keep_data is None else keep_data
         self.data_dir = Path(data_dir or self._tmp.name).resolve()
-        self.access_key = access_key or "draftline" + secrets.token_hex(4)
-        self.secret_key = secret_key or secrets.token_hex(20)
+        saved = self._saved_identity() if (data_dir and not (access_key or secret_key)) else None
+        # A kept data folder keeps its credentials across restarts; otherwise they are fresh and random.
+        self.access_key = access_key or (saved or {}).get("accessKey") or "draftline" + secrets.token_hex(4)
+        self.secret_key = secret_key or (saved or {}).get("secretKey") or secrets.token_hex(20)
         self.s3_port = s3_port
         self.start_timeout = start_timeout
         self.process: subprocess.Popen | None = None
         self.log_path = self.data_dir / "weed.log"
+
+    def _saved_identity(self) -> dict | None:
+        try:
+            doc = json.loads((self.data_dir / "s3-identities.json").read_text())
+            return doc["identities"][0]["credentials"][0]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
 
     @property
     def endpoint_url(self) -> str:
@@ -102,7 +135,7 @@ class LocalS3:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def client(self, access_key: str | None = None, secret_key: str | None = None):
+    def client(self, access_key: str | None = None, secret_key: str | None = None, read_timeout: float = 60):
         """A boto3 S3 client for this server (path-style addressing), with these or the server's credentials."""
         import boto3
         from botocore.config import Config
@@ -113,7 +146,10 @@ class LocalS3:
             aws_access_key_id=access_key or self.access_key,
             aws_secret_access_key=secret_key or self.secret_key,
             region_name="us-east-1",
-            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2, "mode": "standard"}),
+            config=Config(
+                s3={"addressing_style": "path"}, retries={"max_attempts": 2, "mode": "standard"},
+                connect_timeout=5, read_timeout=read_timeout,
+            ),
         )
 
     def create_bucket(self, name: str) -> str:
@@ -157,8 +193,7 @@ class LocalS3:
         config_path.write_text(json.dumps(identities, indent=1))
         config_path.chmod(0o600)
         (self.data_dir / "master.toml").write_text(_MASTER_TOML)
-        ports = _free_ports(8)
-        self.s3_port = self.s3_port or ports[0]
+        ports = self._ports()
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3_grpc = ports[1:]
         cmd = [
             str(weed), "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -172,7 +207,8 @@ class LocalS3:
         log = open(self.log_path, "ab")
         # Its own session, so stop() can end weed and anything it spawned as a group; cwd holds master.toml.
         self.process = subprocess.Popen(
-            cmd, cwd=self.data_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            cmd, cwd=self.data_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )
         log.close()
         try:
@@ -181,6 +217,31 @@ class LocalS3:
             self.stop()
             raise
         return self
+
+    def _ports(self) -> list[int]:
+        """S3 port first, then the 7 internal ones: fresh, or for a kept folder the previous run's when still free."""
+        saved_path = self.data_dir / "ports.json"
+        ports: list[int] = []
+        if self.keep_data:
+            try:
+                ports = [int(p) for p in json.loads(saved_path.read_text())]
+            except (OSError, ValueError, TypeError):
+                ports = []
+        if self.s3_port:
+            if not _port_free(self.s3_port):
+                raise StoreError(
+                    f"Port {self.s3_port} on 127.0.0.1 is already in use, so the local S3 server cannot listen there; "
+                    "stop what uses it or pick another port (--port).", transient=False,
+                )
+            ports = [self.s3_port] + ports[1:]
+        if len(ports) != 8 or not all(_port_free(p) for p in ports):
+            # The master keeps its state in a folder named after its port, so a kept server reuses its ports.
+            fresh = _free_ports(8)
+            ports = [self.s3_port or fresh[0]] + fresh[1:]
+        self.s3_port = ports[0]
+        if self.keep_data:
+            saved_path.write_text(json.dumps(ports))
+        return ports
 
     def _log_tail(self, lines: int = 30) -> str:
         try:
@@ -191,7 +252,7 @@ class LocalS3:
     def _wait_ready(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        client = self.client()
+        client = self.client(read_timeout=5)
         deadline = time.monotonic() + self.start_timeout
         last = ""
         while time.monotonic() < deadline:
@@ -202,10 +263,15 @@ class LocalS3:
                     transient=True,
                 )
             try:
-                # A bucket round trip proves master, volume, filer and the S3 gateway all answer.
-                client.create_bucket(Bucket="draftline-ready")
-                client.put_object(Bucket="draftline-ready", Key="ping", Body=b"ok")
-                client.delete_object(Bucket="draftline-ready", Key="ping")
+                # A write round trip proves master, volume, filer and the S3 gateway all answer; the probe bucket
+                # is removed again so that a user's server shows only their own buckets.
+                try:
+                    client.create_bucket(Bucket=_PROBE_BUCKET)
+                except client.exceptions.BucketAlreadyOwnedByYou:
+                    pass
+                client.put_object(Bucket=_PROBE_BUCKET, Key="ping", Body=b"ok")
+                client.delete_object(Bucket=_PROBE_BUCKET, Key="ping")
+                client.delete_bucket(Bucket=_PROBE_BUCKET)
                 return
             except (BotoCoreError, ClientError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
@@ -244,6 +310,10 @@ class LocalS3:
         self.stop()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m draftline.local_s3",
@@ -258,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     server = LocalS3(
         args.dir, access_key=args.access_key, secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"), s3_port=args.port
     )
+    # `kill` (SIGTERM) stops the server as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     with server:
         for bucket in args.bucket:
             server.create_bucket(bucket)
