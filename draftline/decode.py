@@ -1,0 +1,498 @@
+"""Reference EAGLE-3 speculative decoding in plain torch on a transformers target: ground-truth acceptance and speedup.
+
+Chain drafting only: one candidate per draft position (EAGLE "top-k 1"); tree drafting is NOT implemented.
+
+Definitions follow vLLM's counters, so engine figures and this decoder's compare directly:
+  * a "draft" is one target verification step that checked k draft tokens;
+  * mean acceptance length = 1 + accepted draft tokens / drafts (tokens produced per verification step);
+  * per-position acceptance i = drafts whose i-th draft token was accepted / drafts.
+Acceptance is counted as the verifier decided it, before output is cut at EOS or max_new_tokens (as vLLM does).
+
+Greedy verification (temperature 0) reproduces plain greedy decoding of the target token for token; sampling uses
+the standard rejection rule (accept a draft token with probability min(1, p/q), else sample norm(max(0, p - q))),
+so its output is distributed exactly as the target's own samples.
+
+Batches hold rows that advance by different amounts; rejected positions stay in the KV caches as masked holes
+(each row keeps its own RoPE positions), so rows never wait for each other.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from draftline.errors import ConfigError
+from draftline.target import capture_hidden_states
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------- statistics
+
+@dataclass
+class AcceptanceStats:
+    """Acceptance counters of a speculative run, in vLLM's definitions."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    # Entry a = drafts that accepted exactly a draft tokens (acceptance length a + 1), a = 0..k.
+    accepted_histogram: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = self.accepted_per_position or [0] * self.k
+        self.accepted_histogram = self.accepted_histogram or [0] * (self.k + 1)
+
+    def record(self, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += self.k
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+        self.accepted_histogram[accepted] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else float("nan")
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / self.num_drafts if self.num_drafts else float("nan") for a in self.accepted_per_position]
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """P(draft i accepted | draft i-1 accepted): what training's per-step top-1 accuracy estimates."""
+        out, prev = [], self.num_drafts
+        for a in self.accepted_per_position:
+            out.append(a / prev if prev else float("nan"))
+            prev = a
+        return out
+
+    def summary(self) -> dict:
+        return {
+            **asdict(self),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "conditional_acceptance": self.conditional_acceptance,
+        }
+
+
+def expected_acceptance(step_accuracies: Sequence[float], k: int | None = None) -> dict:
+    """Offline estimate from training validation, in the same definitions as a decoding run.
+
+    step_accuracies[j] is the drafter's top-1 accuracy at training-time-test step j, measured with the true
+    previous tokens as inputs, i.e. the chance that draft j is right given drafts 0..j-1 were. Under chain
+    drafting with greedy verification, draft j is accepted iff all of 0..j are right, so
+        per-position acceptance j = prod_{i<=j} acc_i,   mean acceptance length = 1 + sum_j prod_{i<=j} acc_i.
+    With k larger than the measured steps, the last accuracy is repeated (a stated assumption).
+    """
+    accs = [float(a) for a in step_accuracies]
+    if not accs or any(not 0.0 <= a <= 1.0 for a in accs):
+        raise ConfigError(f"step accuracies {accs} must be a non-empty list of numbers between 0 and 1")
+    k = len(accs) if k is None else int(k)
+    if k < 1:
+        raise ConfigError(f"k={k} must be at least 1 (the number of draft tokens per step)")
+    accs = (accs + [accs[-1]] * k)[:k]
+    per_position, running = [], 1.0
+    for a in accs:
+        running *= a
+        per_position.append(running)
+    return {"k": k, "mean_acceptance_length": 1.0 + sum(per_position), "per_position_acceptance": per_position}
+
+
+@dataclass
+class Generation:
+    """Output of one decoding run over a batch of prompts."""
+
+    tokens: list[list[int]]  # generated ids per prompt (cut at EOS inclusive, at most max_new_tokens)
+    seconds: float
+    target_forwards: int  # prefill included
+    stats: AcceptanceStats | None = None  # None for plain decoding
+    target_seconds: float = 0.0  # time inside target forwards, only when profiled
+    drafter_seconds: float = 0.0  # time inside drafter forwards, only when profiled
+    drafter_forwards: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+# ---------------------------------------------------------------- forwards with ragged rows
+
+def _attention_bias(key_valid: torch.Tensor, query_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, T, S]: causal over physical slots, holes and padding masked.
+
+    Each query also sees its own slot, so padding queries never have an empty row (which would give NaN
+    values that leak into real rows through 0 * NaN).
+    """
+    b, s = key_valid.shape
+    past = s - query_len
+    key_pos = torch.arange(s, device=key_valid.device)
+    query_pos = past + torch.arange(query_len, device=key_valid.device)
+    causal = key_pos[None, :] <= query_pos[:, None]
+    allowed = (key_valid[:, None, :] & causal[None]) | (key_pos[None, :] == query_pos[:, None])[None]
+    bias = torch.zeros(b, 1, query_len, s, dtype=dtype, device=key_valid.device)
+    return bias.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+
+
+class _Target:
+    """A transformers causal LM with a KV cache whose slots may be masked, and aux-state capture when asked."""
+
+    def __init__(self, model, aux_layer_ids: list[int] | None):
+        self.model = model
+        self.aux_layer_ids = aux_layer_ids
+        self.cache = None
+        self.key_valid: torch.Tensor | None = None  # [B, slots]
+        self.forwards = 0
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.key_valid is None else self.key_valid.shape[1]
+
+    @torch.no_grad()
+    def forward(self, input_ids, position_ids, new_valid, last_only: bool = False):
+        """Run T new tokens for every row; returns (logits [B,T,V] float32 (T=1 if last_only), aux [B,T,3H] or None)."""
+        valid = new_valid if self.key_valid is None else torch.cat([self.key_valid, new_valid], dim=1)
+        dtype = next(self.model.parameters()).dtype
+        bias = _attention_bias(valid, input_ids.shape[1], dtype)
+        captured: dict[str, torch.Tensor] = {}
+        kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=bias,
+                      past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        if self.aux_layer_ids is not None:
+            with capture_hidden_states(self.model, self.aux_layer_ids, captured.__setitem__):
+                out = self.model(**kwargs)
+            aux = torch.cat([captured["aux0"], captured["aux1"], captured["aux2"]], dim=-1)
+        else:
+            out = self.model(**kwargs)
+            aux = None
+        self.cache = out.past_key_values
+        self.key_valid = valid
+        self.forwards += 1
+        return out.logits.float(), aux
+
+    def keep(self, slots: int, valid_tail: torch.Tensor | None = None) -> None:
+        """Drop slots beyond `slots`; optionally overwrite the validity of the last slots with valid_tail [B, n]."""
+        drop = self.slots - slots
+        if drop > 0:
+            self.cache.crop(-drop)
+            self.key_valid = self.key_valid[:, :slots]
+        if valid_tail is not None and valid_tail.shape[1]:
+            self.key_valid[:, slots - valid_tail.shape[1]:] = valid_tail
+
+
+class _Drafter:
+    """The EAGLE-3 head run over a DrafterCache whose slots may be masked (holes from rejected drafts, padding)."""
+
+    def __init__(self, drafter):
+        from draftline.drafter.model import DrafterCache
+
+        self.net = drafter
+        self.cache = DrafterCache()
+        self.key_valid: torch.Tensor | None = None
+        self.forwards = 0
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.key_valid is None else self.key_valid.shape[1]
+
+    @torch.no_grad()
+    def forward(self, input_ids, hidden, position_ids, new_valid):
+        """Same computation as Eagle3Drafter.forward, plus a key mask; returns (logits float32, hidden_out)."""
+        from draftline.drafter.model import repeat_kv
+
+        net = self.net
+        valid = new_valid if self.key_valid is None else torch.cat([self.key_valid, new_valid], dim=1)
+        embeds = net.embed_tokens(input_ids).to(hidden.dtype)
+        q, k, v = net.midlayer.qkv(embeds, hidden, position_ids)
+        k, v = self.cache.append(k, v)
+        groups = net.config.num_attention_heads // net.config.num_key_value_heads
+        bias = _attention_bias(valid, input_ids.shape[1], q.dtype)
+        attn = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=bias)
+        hidden_out = net.midlayer.finish(hidden, attn)
+        logits = net.lm_head(net.norm(hidden_out))
+        self.key_valid = valid
+        self.forwards += 1
+        return logits.float(), hidden_out
+
+    def keep(self, slots: int) -> None:
+        if self.slots > slots:
+            self.cache.crop(slots)
+            self.key_valid = self.key_valid[:, :slots]
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [B, N], valid [B, N], position_ids [B, N]) with prompts right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt must have at least one token; drop empty prompts from the prompt set")
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(prompts), n), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, n - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        valid[row, n - len(p):] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    return ids.to(device), valid.to(device), positions.to(device)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    return _sample(torch.softmax(logits / temperature, dim=-1), generator)
+
+
+class _Rows:
+    """Per-row output bookkeeping: emitted tokens, stop at EOS or max_new_tokens."""
+
+    def __init__(self, batch: int, max_new_tokens: int, eos_ids: Sequence[int]):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.active = [True] * batch
+        self.max_new_tokens = max_new_tokens
+        self.eos = set(int(e) for e in eos_ids)
+
+    def emit(self, row: int, new: Sequence[int]) -> None:
+        for t in new:
+            if not self.active[row]:
+                return
+            self.tokens[row].append(int(t))
+            if int(t) in self.eos or len(self.tokens[row]) >= self.max_new_tokens:
+                self.active[row] = False
+
+    @property
+    def any_active(self) -> bool:
+        return any(self.active)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_common(max_new_tokens: int, temperature: float) -> None:
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if not temperature >= 0.0:
+        raise ConfigError(f"temperature={temperature} must be 0 (greedy) or positive")
+
+
+# ---------------------------------------------------------------- plain decoding
+
+@torch.no_grad()
+def plain_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0) -> Generation:
+    """Decode the target alone, one token per forward, with the same batching and masking as the speculative path."""
+    _check_common(max_new_tokens, temperature)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    _sync(device)
+    start = time.perf_counter()
+    target = _Target(model, None)
+    ids, valid, positions = _left_pad(prompts, pad_token_id, device)
+    rows = _Rows(len(prompts), max_new_tokens, eos_token_ids)
+    logits, _ = target.forward(ids, positions, valid, last_only=True)
+    nxt = _pick(logits[:, -1], temperature, generator)
+    lengths = valid.sum(1)
+    for row, t in enumerate(nxt.tolist()):
+        rows.emit(row, [t])
+    ones = torch.ones(len(prompts), 1, dtype=torch.bool, device=device)
+    while rows.any_active:
+        logits, _ = target.forward(nxt[:, None], lengths[:, None], ones)
+        lengths = lengths + 1
+        nxt = _pick(logits[:, -1], temperature, generator)
+        for row, t in enumerate(nxt.tolist()):
+            rows.emit(row, [t])
+    _sync(device)
+    return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start, target_forwards=target.forwards)
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+class SpeculativeDecoder:
+    """EAGLE-3 chain speculative decoding of a transformers target with an Eagle3Drafter; k drafts per step.
+
+    The drafter pairs the target's aux hidden state at position t (fc of the inputs of the layers named by its
+    aux_layer_ids, vLLM convention) with the token at t+1 and predicts the token at t+2, at RoPE position t.
+    """
+
+    def __init__(self, target_model, drafter, k: int, *, temperature: float = 0.0,
+                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0):
+        if k < 1:
+            raise ConfigError(f"k={k} draft tokens per step must be at least 1")
+        if not temperature >= 0.0:
+            raise ConfigError(f"temperature={temperature} must be 0 (greedy) or positive")
+        cfg = drafter.config
+        target_cfg = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") else target_model.config
+        if cfg.vocab_size != target_cfg.vocab_size or cfg.target_hidden_size != target_cfg.hidden_size:
+            raise ConfigError(
+                f"the drafter was built for a target with vocab_size={cfg.vocab_size}, hidden_size="
+                f"{cfg.target_hidden_size}, but this target has {target_cfg.vocab_size} and {target_cfg.hidden_size}; "
+                "use a drafter trained for this target"
+            )
+        self.model = target_model
+        self.drafter = drafter
+        self.k = int(k)
+        self.temperature = float(temperature)
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        self.seed = seed
+        self.aux_layer_ids = list(cfg.aux_layer_ids)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, profile: bool = False) -> Generation:
+        """Decode every prompt; profile=True also times target and drafter forwards (adds device syncs)."""
+        _check_common(max_new_tokens, self.temperature)
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(self.seed)
+        timer = _Timer(device, profile)
+        _sync(device)
+        start = time.perf_counter()
+
+        k, temp, batch = self.k, self.temperature, len(prompts)
+        target, drafter = _Target(self.model, self.aux_layer_ids), _Drafter(self.drafter)
+        stats = AcceptanceStats(k=k)
+        rows = _Rows(batch, max_new_tokens, self.eos_token_ids)
+        draft_ids = self.drafter.draft_token_ids  # target id of each draft-vocabulary entry
+        hidden_dtype = self.drafter.fc.weight.dtype
+        vocab = self.drafter.config.vocab_size
+        arange_b = torch.arange(batch, device=device)
+
+        # Prefill: the target reads the prompt and picks the first token; the drafter reads the same slots,
+        # each target hidden state paired with the following token (the last one with the first new token).
+        ids, valid, positions = _left_pad(prompts, self.pad_token_id, device)
+        with timer.target():
+            logits, aux = target.forward(ids, positions, valid, last_only=True)
+        first = _pick(logits[:, -1], temp, generator)
+        for row, t in enumerate(first.tolist()):
+            rows.emit(row, [t])
+        lengths = valid.sum(1)  # logical position of each row's pending token
+        pending = first
+        next_ids = torch.cat([ids[:, 1:], first[:, None]], dim=1)
+        with timer.drafter():
+            d_logits, d_hidden = drafter.forward(next_ids, self.drafter.fc(aux.to(hidden_dtype)), positions, valid)
+        last_logits, last_hidden = d_logits[:, -1], d_hidden[:, -1:]
+
+        ones = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        while rows.any_active:
+            active = rows.active[:]
+            # Draft k tokens; draft steps feed the drafter's own hidden state and are discarded afterwards.
+            real_slots = drafter.slots
+            drafts, q_probs = [], []
+            step_logits, step_hidden = last_logits, last_hidden
+            for j in range(k):
+                if temp == 0.0:
+                    idx = step_logits.argmax(-1)
+                else:
+                    probs = torch.softmax(step_logits / temp, dim=-1)
+                    idx = _sample(probs, generator)
+                    q = torch.zeros(batch, vocab, device=device)
+                    q_probs.append(q.index_copy_(1, draft_ids, probs))
+                drafts.append(draft_ids[idx])
+                if j + 1 < k:
+                    with timer.drafter():
+                        step_logits, step_hidden = drafter.forward(
+                            drafts[-1][:, None], step_hidden, (lengths + j)[:, None], ones)
+                    step_logits = step_logits[:, -1]
+            drafter.keep(real_slots)
+            drafts_t = torch.stack(drafts, dim=1)  # [B, k]
+
+            # Verify: the target scores [pending, d_1..d_k] in one forward.
+            verify_ids = torch.cat([pending[:, None], drafts_t], dim=1)
+            verify_pos = lengths[:, None] + torch.arange(k + 1, device=device)
+            with timer.target():
+                logits, aux = target.forward(verify_ids, verify_pos, torch.ones_like(verify_ids, dtype=torch.bool))
+            accepted, bonus = self._verify(logits, drafts_t, q_probs, generator)
+
+            acc_list, bonus_list, drafts_list = accepted.tolist(), bonus.tolist(), drafts_t.tolist()
+            for row in range(batch):
+                if active[row]:
+                    stats.record(acc_list[row])
+                    rows.emit(row, drafts_list[row][:acc_list[row]] + [bonus_list[row]])
+            if not rows.any_active:
+                break
+
+            # Keep the verified slots up to the longest accepted run; shorter rows leave masked holes.
+            width = max(acc_list) + 1
+            slot_kept = torch.arange(width, device=device)[None, :] <= accepted[:, None]
+            target.keep(target.slots - (k + 1) + width, slot_kept)
+
+            # The drafter reads the verified slots with their real hidden states, paired with the next token.
+            next_ids = torch.cat([drafts_t, bonus[:, None]], dim=1)[:, :width].clone()
+            next_ids[arange_b, accepted] = bonus
+            with timer.drafter():
+                d_logits, d_hidden = drafter.forward(
+                    next_ids, self.drafter.fc(aux[:, :width].to(hidden_dtype)), verify_pos[:, :width], slot_kept)
+            last_logits = d_logits[arange_b, accepted]
+            last_hidden = d_hidden[arange_b, accepted][:, None]
+            lengths = lengths + accepted + 1
+            pending = bonus
+
+        _sync(device)
+        return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start, target_forwards=target.forwards,
+                          stats=stats, target_seconds=timer.target_s, drafter_seconds=timer.drafter_s,
+                          drafter_forwards=drafter.forwards)
+
+    def _verify(self, logits, drafts, q_probs, generator):
+        """(accepted [B], next token [B]) from target logits [B, k+1, V] and drafts [B, k]."""
+        k = self.k
+        if self.temperature == 0.0:
+            best = logits.argmax(-1)  # [B, k+1]
+            accepted = (best[:, :k] == drafts).long().cumprod(1).sum(1)
+            return accepted, best.gather(1, accepted[:, None]).squeeze(1)
+        p = torch.softmax(logits / self.temperature, dim=-1)  # [B, k+1, V]
+        q = torch.stack(q_probs, dim=1)  # [B, k, V]
+        p_d = p[:, :k].gather(2, drafts[..., None]).squeeze(-1)
+        q_d = q.gather(2, drafts[..., None]).squeeze(-1)
+        u = torch.rand(drafts.shape, generator=generator, device=drafts.device)
+        ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 because the draft was sampled from q
+        accepted = ok.long().cumprod(1).sum(1)
+        rows = torch.arange(drafts.shape[0], device=drafts.device)
+        p_at = p[rows, accepted]  # [B, V]
+        q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # all accepted: the residual is p itself
+        residual = (p_at - q_pad[rows, accepted]).clamp_(min=0.0)
+        mass = residual.sum(-1, keepdim=True)
+        # A rejection implies p(d) < q(d), hence mass > 0; the fallback only guards float underflow.
+        dist = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_at)
+        return accepted, _sample(dist, generator)
+
+
+class _Timer:
+    """Sums wall time spent in target and drafter forwards, synchronising the device only when enabled."""
+
+    def __init__(self, device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.target_s = self.drafter_s = 0.0
+
+    def target(self):
+        return _Span(self, "target_s")
+
+    def drafter(self):
+        return _Span(self, "drafter_s")
+
+
+class _Span:
+    def __init__(self, timer: _Timer, attr: str):
+        self.timer, self.attr = timer, attr
+
+    def __enter__(self):
+        if self.timer.enabled:
+            _sync(self.timer.device)
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.timer.enabled:
+            _sync(self.timer.device)
+            setattr(self.timer, self.attr, getattr(self.timer, self.attr) + time.perf_counter() - self.start)
