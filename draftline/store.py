@@ -450,7 +450,12 @@ class Store(ABC):
         return manifest
 
     def put_dir(self, prefix: str, local_dir: str | os.PathLike, metadata: Mapping[str, Any] | None = None) -> Manifest:
-        """Upload every file of a local directory under `prefix`, then publish its manifest (last)."""
+        """Publish a local directory under `prefix`: its files, then its manifest (last).
+
+        Republishing replaces the directory: the old manifest is withdrawn first (a reader meanwhile finds nothing
+        rather than a mix of versions), and files the old manifest listed but the new directory lacks are deleted.
+        Objects under `prefix` that no manifest of ours listed are left alone.
+        """
         prefix = _check_prefix(prefix)
         root = Path(local_dir)
         if not root.is_dir():
@@ -458,9 +463,14 @@ class Store(ABC):
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != _CACHE_INDEX)
         if any(p.relative_to(root).as_posix() == MANIFEST_NAME for p in files):
             raise ConfigError(f"{str(root / MANIFEST_NAME)!r} would clash with the store's own manifest; rename that file.")
+        old = self.read_manifest(prefix)
+        if old is not None:
+            self.delete(_manifest_key(prefix))
         entries = [
             self.put_file(_join(prefix, p.relative_to(root).as_posix()), p, metadata) for p in files
         ]
+        for gone in set(old.keys() if old else []) - {e.key for e in entries}:
+            self.delete(gone)
         return self.write_manifest(prefix, entries)
 
     def _entry_key(self, prefix: str, key: str) -> str:

@@ -173,6 +173,19 @@ def test_put_dir_get_dir_round_trip_with_manifest(store, tmp_path):
     into = store.get_dir("demo/export/vllm", tmp_path / "copy")
     assert into == tmp_path / "copy" and (into / "sub" / "draftline.json").read_text() == "{}"
     assert store.read_manifest("demo/nothing-here") is None
+    with pytest.raises(ObjectNotFound, match="nothing-here"):
+        store.get_dir("demo/nothing-here")
+
+    # Republishing replaces the directory: a file the new version lacks does not linger (an engine would load it).
+    (src / "model.safetensors").unlink()
+    (src / "model-00001-of-00001.safetensors").write_bytes(b"new weights")
+    store.put_bytes("demo/export/vllm/README.txt", b"not ours: left alone")
+    again = store.put_dir("demo/export/vllm", src)
+    assert "model.safetensors" not in again and not store.exists("demo/export/vllm/model.safetensors")
+    assert store.exists("demo/export/vllm/README.txt")
+    got = store.get_dir("demo/export/vllm")
+    assert not (got / "model.safetensors").exists()
+    assert (got / "model-00001-of-00001.safetensors").read_bytes() == b"new weights"
 
 
 def test_changed_bytes_are_caught_by_the_manifest(store, tmp_path):
