@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -208,7 +209,9 @@ class LocalS3:
         # Its own session, so stop() can end weed and anything it spawned as a group; cwd holds master.toml.
         self.process = subprocess.Popen(
             cmd, cwd=self.data_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True,
+            # The kernel signals when the starting *thread* ends, so only a main-thread start is tied to us.
+            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
         )
         log.close()
         try:

