@@ -67,16 +67,13 @@ class Figures(BaseModel):
     likely_causes: list[str] = []  # from the evaluation's parity check
 
 
-def lineage_name(result: EvalResult) -> str:
-    """The drafter lineage a history series follows: the training run named in draftline.json, else the drafter."""
-    lineage = result.drafter_lineage or {}
+def lineage_name(lineage: dict[str, Any] | None, fallback: str) -> str:
+    """The drafter lineage a history series follows: the training run named in draftline.json, else `fallback`."""
     for key in ("lineage", "training_run", "run", "name"):
-        value = lineage.get(key)
+        value = (lineage or {}).get(key)
         if isinstance(value, str) and value:
             return value
-        if isinstance(value, dict) and isinstance(value.get("run"), str):
-            return value["run"]
-    return result.drafter
+    return fallback
 
 
 def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, lineage: str | None = None) -> Figures:
@@ -86,7 +83,7 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
     return Figures(
         engine=result.engine, engine_version=result.engine_version, status=result.status, reason=result.reason,
         hardware=result.hardware, target=result.target, drafter=result.drafter,
-        lineage=lineage or lineage_name(result), drafter_fingerprint=drafter_fingerprint,
+        lineage=lineage or lineage_name(result.drafter_lineage, result.drafter), drafter_fingerprint=drafter_fingerprint,
         prompt_set=result.prompt_set, prompt_set_sha256=result.prompt_set_sha256,
         num_speculative_tokens=result.num_speculative_tokens,
         acceptance_length=acc.mean_acceptance_length if acc else None,
@@ -125,12 +122,26 @@ class Finding(BaseModel):
             return f"{self.engine} {self.metric}{where} is {self.new:.2f}, below the floor {self.limit:.2f}"
         olds = []
         if self.last_good is not None:
-            olds.append(f"{self.last_good:.2f} (last good run {self.last_good_at})")
+            olds.append(f"{self.last_good:.2f} (last good run {_when(self.last_good_at)})")
         if self.median is not None and self.median_runs > 1:
             olds.append(f"{self.median:.2f} (median of {self.median_runs} good runs)")
-        drop = max(d for d in (self.drop_vs_last_good, self.drop_vs_median) if d is not None)
         return (f"{self.engine} {self.metric}{where} fell from {' / '.join(olds)} to {self.new:.2f}: "
-                f"-{drop:.0%}, more than the allowed -{self.limit:.0%}")
+                f"-{self.drop:.0%}, more than the allowed -{self.limit:.0%}")
+
+    @property
+    def drop(self) -> float:
+        return max((d for d in (self.drop_vs_last_good, self.drop_vs_median) if d is not None), default=0.0)
+
+    def short(self) -> str:
+        where = f" @c{self.concurrency}" if self.concurrency is not None else ""
+        old = self.last_good if self.last_good is not None else self.median
+        return f"{self.metric}{where} {_fmt(old)} -> {self.new:.2f} (-{self.drop:.0%})"
+
+
+def _when(iso: str | None) -> str:
+    if not iso:
+        return "unknown"
+    return datetime.fromisoformat(iso).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 class Cause(BaseModel):
@@ -170,12 +181,19 @@ class EngineVerdict(BaseModel):
         if self.status == "pass":
             return (f"{who}: no regression against {self.median_runs} good run(s) (mean acceptance length "
                     f"{_fmt(f.acceptance_length)}, last good {_fmt(self.last_good.acceptance_length if self.last_good else None)})")
-        parts = [x.sentence() for x in self.findings]
+        kinds = {c.kind for c in self.causes}
+        # Throughput findings are the news only when acceptance held; otherwise they follow from it.
+        primary = [x for x in self.findings if x.concurrency is None or kinds <= {"engine-performance"}]
+        follow = [x for x in self.findings if x not in primary]
+        parts = [x.sentence() for x in primary]
+        if follow:
+            parts.append("with it " + ", ".join(x.short() for x in follow))
         if self.status == "failed":
             parts.insert(0, f"{who} did not complete the evaluation: {f.reason}")
-        text = f"{who} regressed: " + "; ".join(parts)
+        title = " + ".join(CAUSE_TITLES[c.kind] for c in self.causes)
+        text = f"{who} regressed ({title}): " + "; ".join(parts)
         if self.causes:
-            text += ". Cause: " + " | ".join(c.sentence() for c in self.causes)
+            text += ". Why: " + " | ".join(c.explanation for c in self.causes)
         return text
 
 
@@ -487,6 +505,68 @@ def record(verdict: Verdict, results: list[EvalResult], history: History, accept
     return keys
 
 
+class ProductionDrafter(BaseModel):
+    """The drafter the nightly evaluates: one export per engine format under one store URI."""
+
+    uri: str
+    exports: dict[str, str]  # format -> store URI of that export
+    fingerprints: dict[str, str]  # format -> sha256 over the export's files, to tell a changed drafter
+    lineage: dict[str, Any] = {}  # draftline.json of the first export
+
+
+def inspect_drafter(uri: str, formats: list[str]) -> ProductionDrafter:
+    """Find the exports under `uri` (`<format>/config.json`), fingerprint them, and check every format is there."""
+    import hashlib
+
+    from draftline.store import open_store
+
+    store = open_store(uri)
+    keys = store.list("")
+    present = sorted({k.split("/", 1)[0] for k in keys if k.count("/") == 1 and k.endswith("/config.json")})
+    if not present:
+        raise ConfigError(f"drafter {uri} holds no engine export (a folder such as vllm/ with config.json); pass the "
+                          "exports folder that train-drafter wrote, e.g. ./runs/demo/export")
+    missing = [f for f in formats if f not in present]
+    if missing:
+        raise ConfigError(f"drafter {uri} has no {', '.join(missing)} export but eval.engines lists "
+                          f"{', '.join(missing)}; export that format (export.formats) or remove the engine")
+    exports, fingerprints = {}, {}
+    for fmt in present:
+        digest = hashlib.sha256()
+        for key in (k for k in keys if k.startswith(fmt + "/") and not k.endswith("manifest.json")):
+            digest.update(f"{key[len(fmt) + 1:]}:{store.hash_object(key).sha256}\n".encode())
+        exports[fmt], fingerprints[fmt] = store.uri(fmt), digest.hexdigest()
+    lineage: dict[str, Any] = {}
+    first = formats[0] if formats else present[0]
+    if store.exists(f"{first}/draftline.json"):
+        lineage = json.loads(store.get_bytes(f"{first}/draftline.json"))
+    return ProductionDrafter(uri=uri, exports=exports, fingerprints=fingerprints, lineage=lineage)
+
+
+def load_results(store, run: str, engines: list[str], target: str, prompt_set: str, k: int,
+                 drafter: str = "", drafter_lineage: dict[str, Any] | None = None,
+                 missing_reason: str | None = None) -> list[EvalResult]:
+    """Each engine's EvalResult of an evaluation run: the report's results.json (with parity) first, else the
+    engine's own result.json; an engine with neither is a failed result (it crashed before writing one)."""
+    found: dict[str, EvalResult] = {}
+    report_key = f"{run}/eval/report/results.json"
+    if store.exists(report_key):
+        for item in json.loads(store.get_bytes(report_key)):
+            r = EvalResult.model_validate(item)
+            found.setdefault(r.engine, r)
+    out = []
+    for engine in engines:
+        if engine not in found and store.exists(f"{run}/eval/{engine}/result.json"):
+            found[engine] = EvalResult.model_validate_json(store.get_bytes(f"{run}/eval/{engine}/result.json"))
+        out.append(found.get(engine) or EvalResult(
+            run=run, engine=engine, engine_version=None, status="failed",
+            reason=(f"no result at {store.uri(f'{run}/eval/{engine}/result.json')}: the evaluation stopped before "
+                    f"writing one ({missing_reason or 'see its flow run log'})"),
+            hardware="unknown", target=target, target_path="", drafter=drafter, drafter_path="",
+            drafter_lineage=drafter_lineage or {}, prompt_set=prompt_set, num_speculative_tokens=k))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -584,7 +664,8 @@ def plot_history(verdict: Verdict, history: dict[str, list[HistoryRecord]], path
     ax2.axhline(1.0, color="grey", lw=0.8)
     for ax in (ax1, ax2):
         ax.set_xlabel("night (0 = tonight)")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(f"target {verdict.target}, drafter {verdict.drafter} (lineage {verdict.lineage})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

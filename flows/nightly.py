@@ -1,0 +1,105 @@
+"""The nightly regression flow: evaluate the production drafter on every engine, compare with history, alert on a drop.
+
+`python -m flows.nightly CONFIG DRAFTER_URI` runs it once locally; deployments/prefect.yaml schedules it.
+"""
+from __future__ import annotations
+
+import sys
+from datetime import datetime, timezone
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from draftline.config import PipelineConfig
+from draftline.regression import RegressionDetected
+from flows.evaluate import EngineRuns, evaluate
+from tasks import regression as regression_tasks
+
+
+def nightly_run_name(config: PipelineConfig, now: datetime | None = None) -> str:
+    """Each night evaluates into its own store run, so no result or cached reference of another night is reused."""
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    return f"{config.run}-nightly-{stamp}"
+
+
+@flow(name="regression-check", log_prints=True)
+def regression_check(config: PipelineConfig, drafter: dict, history_prefix: str = "history",
+                     accept_new_baseline: bool = False, evaluation_error: str | None = None) -> dict:
+    """Judge the evaluation of run `config.run` against history, publish the comparison, record it, alert on a drop.
+
+    `drafter` is what inspect-production-drafter returned; `evaluation_error` explains engines without a result.
+    Fails with the verdict's message on a regression.
+    """
+    judged = regression_tasks.judge(config, drafter, history_prefix, evaluation_error)
+    report = regression_tasks.publish(config, judged, history_prefix)
+    records = regression_tasks.record(config, judged, history_prefix, accept_new_baseline, _parent_run_name())
+    verdict = judged["verdict"]
+    message = _message(judged)
+    print(message)
+    if any(e["status"] in ("regressed", "failed") for e in verdict["engines"]):
+        event_id = regression_tasks.emit_regression_event(judged, report["comparison.md"])
+        print(f"emitted draftline.regression.detected ({event_id}); history: {', '.join(records)}")
+        raise RegressionDetected(message)
+    return {"verdict": verdict, "report": report, "history": records}
+
+
+@flow(name="nightly-regression", log_prints=True)
+def nightly_regression(config: PipelineConfig, drafter: str, history_prefix: str = "history",
+                       accept_new_baseline: bool = False, engine_runs: EngineRuns = "in-process") -> dict:
+    """The production drafter (store URI of its exports folder) on the pinned eval prompts on every configured
+    engine, compared with the last good night and the rolling median; fails and emits an event on a regression.
+
+    `accept_new_baseline` records tonight as good whatever the verdict (after an intended change).
+    """
+    tonight = config.model_copy(update={"run": nightly_run_name(config)})
+    production = regression_tasks.inspect_drafter(config, drafter)
+    evaluation = evaluate(tonight, production["exports"], engine_runs, return_state=True)
+    error = None
+    if not evaluation.is_completed():
+        # An engine that cannot serve is judged too: its result.json (status failed) or its absence is recorded.
+        error = evaluation.message or evaluation.name
+        print(f"the evaluation ended {evaluation.name} ({error}); judging what it left in the store")
+    return regression_check(tonight, production, history_prefix, accept_new_baseline, error)
+
+
+def _parent_run_name() -> str | None:
+    name = flow_run.get_parent_flow_run_id() or flow_run.get_id()
+    return str(name) if name else None
+
+
+def _message(judged: dict) -> str:
+    from draftline.regression import Verdict
+
+    return Verdict.model_validate(judged["verdict"]).message()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the nightly check once (ephemeral Prefect API unless PREFECT_API_URL is set); exit 1 on a regression."""
+    import argparse
+
+    from draftline.cli import load_with_overrides
+    from draftline.errors import DraftlineError
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("config", help="pipeline config (YAML), e.g. configs/demo.yaml")
+    parser.add_argument("drafter", help="store URI of the production drafter's exports, e.g. ./runs/demo/export")
+    parser.add_argument("--history-prefix", default="history", help="store prefix of the history (default: history)")
+    parser.add_argument("--accept-new-baseline", action="store_true", help="record tonight as good whatever it shows")
+    parser.add_argument("--store", help="override store.root")
+    args = parser.parse_args(argv)
+    try:
+        config = load_with_overrides(args.config, args.store, None)
+    except DraftlineError as exc:
+        print(f"draftline: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = nightly_regression(config, args.drafter, args.history_prefix, args.accept_new_baseline)
+    except RegressionDetected as exc:
+        print(f"draftline: {exc}", file=sys.stderr)
+        return 1
+    print(_message({"verdict": result["verdict"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

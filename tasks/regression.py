@@ -1,0 +1,81 @@
+"""Prefect tasks for the nightly regression check: find the production drafter, judge, publish, record, alert."""
+from __future__ import annotations
+
+from prefect import task
+from prefect.events import emit_event
+
+from draftline import regression
+from draftline.config import PipelineConfig
+from tasks.common import publish_link, publish_markdown, publish_table, store_at, transient_retries
+
+
+@task(name="inspect-production-drafter", **transient_retries(retries=2, base_delay_s=5.0))
+def inspect_drafter(config: PipelineConfig, drafter: str) -> dict:
+    """The exports under the drafter URI, their fingerprints and lineage; fails early if an engine's is missing."""
+    formats = [e.engine for e in config.eval.engines]
+    return regression.inspect_drafter(drafter, formats).model_dump(mode="json")
+
+
+@task(name="judge-against-history", **transient_retries(retries=2, base_delay_s=5.0))
+def judge(config: PipelineConfig, drafter: dict, history_prefix: str, evaluation_error: str | None = None) -> dict:
+    """Tonight's EvalResults against each engine's history series; returns the Verdict as JSON."""
+    store = store_at(config.store.root)
+    production = regression.ProductionDrafter.model_validate(drafter)
+    lineage = regression.lineage_name(production.lineage, production.uri.rstrip("/").rsplit("/", 1)[-1])
+    results = regression.load_results(
+        store, config.run, [e.engine for e in config.eval.engines], config.target.display_name,
+        config.eval.prompts.rsplit("/", 1)[-1], config.eval.reference.num_speculative_tokens,
+        drafter=production.uri, drafter_lineage=production.lineage, missing_reason=evaluation_error)
+    verdict = regression.judge_all(results, regression.History(store, history_prefix), config.regression,
+                                   fingerprints=production.fingerprints, lineage=lineage, drafter=production.uri)
+    return {"verdict": verdict.model_dump(mode="json"), "results": [r.model_dump(mode="json") for r in results]}
+
+
+@task(name="publish-comparison", **transient_retries(retries=2, base_delay_s=5.0))
+def publish(config: PipelineConfig, judged: dict, history_prefix: str) -> dict[str, str]:
+    """comparison.md/.json and history.png in the store, and the same table and page as Prefect artifacts."""
+    store = store_at(config.store.root)
+    verdict = regression.Verdict.model_validate(judged["verdict"])
+    history = regression.History(store, history_prefix)
+    keys = regression.write_comparison(verdict, history, config.regression, store, f"{config.run}/regression")
+    state = "REGRESSED" if verdict.regressed else "passed"
+    publish_table("nightly-regression-table", regression.comparison_rows(verdict, config.regression),
+                  f"nightly regression check ({state}) of drafter {verdict.drafter} on {verdict.target}: tonight "
+                  "against the last good run and the rolling median")
+    publish_markdown("nightly-regression", regression.comparison_markdown(verdict, config.regression, plot_name=None)
+                     + f"\nPlot and raw figures: {store.uri(keys['history.png'])}, "
+                       f"{store.uri(keys['comparison.json'])}\n",
+                     f"nightly regression check: {state}")
+    publish_link("nightly-regression-plot", store, keys["history.png"], "history plot of the nightly check")
+    return {name: store.uri(key) for name, key in keys.items()}
+
+
+@task(name="record-history", **transient_retries(retries=2, base_delay_s=5.0))
+def record(config: PipelineConfig, judged: dict, history_prefix: str, accept_new_baseline: bool,
+           nightly_run: str | None) -> list[str]:
+    """Append tonight's records to the history, whatever the verdict."""
+    store = store_at(config.store.root)
+    verdict = regression.Verdict.model_validate(judged["verdict"])
+    results = [regression.EvalResult.model_validate(r) for r in judged["results"]]
+    keys = regression.record(verdict, results, regression.History(store, history_prefix),
+                             accept=accept_new_baseline, nightly_run=nightly_run, drafter_uri=verdict.drafter)
+    return [store.uri(k) for k in keys]
+
+
+@task(name="emit-regression-event")
+def emit_regression_event(judged: dict, report_uri: str | None) -> str | None:
+    """`draftline.regression.detected` with the figures in the payload; deployments/automations.yaml notifies on it."""
+    verdict = regression.Verdict.model_validate(judged["verdict"])
+    payload = verdict.event_payload(report_uri)
+    event = emit_event(
+        event=regression.EVENT_NAME,
+        resource={
+            "prefect.resource.id": f"draftline.drafter.{verdict.target}.{verdict.lineage}",
+            "prefect.resource.name": f"drafter {verdict.lineage} for {verdict.target}",
+            "draftline.target": verdict.target,
+            "draftline.lineage": verdict.lineage,
+            "draftline.causes": ",".join(payload["causes"]),
+        },
+        payload=payload,
+    )
+    return str(event.id) if event else None
