@@ -155,7 +155,7 @@ CALLER = textwrap.dedent("""
     import httpx
     spec = ServerSpec(name="fake-ok",
         command=lambda port: [sys.executable, {server!r}, "--port", str(port), "--mode", "ok",
-                              "--pids", {pids!r}, "--ignore-term"],
+                              "--pids", {pids!r}],
         first_request=lambda url, t: httpx.post(url + "/v1/completions", json={{}}, timeout=t).raise_for_status())
     server = launch(spec, EngineConfig(engine="vllm", retries=0, first_request_timeout_s=5), {logs!r})
     print("READY", server.pgid, flush=True)

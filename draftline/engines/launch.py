@@ -192,11 +192,12 @@ def _start_once(spec: ServerSpec, cfg: EngineConfig, log_path: Path, store, log_
         server.stop(grace_s=5.0)
         raise
     except Exception as exc:
+        tail = log_tail(log_path)  # before stopping: shutdown chatter would bury the cause
         server.stop(grace_s=5.0)
         raise EngineError(
             f"{spec.name} reported healthy on port {port} but its first request failed within "
             f"{cfg.first_request_timeout_s:.0f} s ({type(exc).__name__}: {exc}); the server is stuck or broken",
-            log_tail(log_path),
+            tail,
         ) from exc
     return server
 

