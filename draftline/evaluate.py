@@ -360,6 +360,11 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _status(r: EvalResult) -> str:
+    reason = r.reason or ""
+    return reason if reason.startswith(r.status) else f"{r.status}: {reason}"
+
+
 def report_markdown(results: list[EvalResult]) -> str:
     lines = ["# Drafter evaluation", ""]
     when = max((r.finished_at or "" for r in results), default="")
@@ -374,7 +379,7 @@ def report_markdown(results: list[EvalResult]) -> str:
         ident = f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | " \
                 f"{r.prompt_set} | {r.num_speculative_tokens} "
         if r.status != "ok":
-            lines.append(ident + f"| {r.status}: {r.reason} |" + " |" * 7)
+            lines.append(ident + f"| {_status(r)} |" + " |" * 7)
             continue
         for p in r.points:
             acc = p.acceptance.mean_acceptance_length if p.acceptance else None
@@ -395,7 +400,7 @@ def report_markdown(results: list[EvalResult]) -> str:
         ident = f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | " \
                 f"{r.prompt_set} "
         if r.status != "ok":
-            lines.append(ident + f"| {r.status}: {r.reason} | | | | |")
+            lines.append(ident + f"| {_status(r)} | | | | |")
             continue
         a = r.acceptance
         pp = ", ".join(f"{x:.2f}" for x in a.per_position) if a and a.per_position else \
@@ -433,7 +438,10 @@ def plot_acceptance(results: list[EvalResult], path: Path) -> None:
         ax.bar([j + len(shown) * width for j in range(len(pp))], pp, width, label="reference decoder", color="grey")
     for r in results:
         if r not in shown:
-            ax.plot([], [], " ", label=f"{r.engine}: {r.reason or 'no per-position acceptance'}")
+            ax.plot([], [], " ", label=f"{r.engine}: {r.reason or 'no per-position acceptance reported'}")
+    groups = len(shown) + (1 if refs else 0)
+    k = max([len(r.acceptance.per_position) for r in shown] or [0])
+    ax.set_xticks([j + width * (groups - 1) / 2 for j in range(k)], [str(j) for j in range(k)])
     ax.set_xlabel("draft position")
     ax.set_ylabel("share of drafts accepted at this position")
     ax.set_ylim(0, 1)
@@ -463,8 +471,12 @@ def plot_throughput(results: list[EvalResult], path: Path) -> None:
         ax1.plot(cs, [p.speculative.output_tokens_per_s for p in r.points], "o-", label=f"{name} EAGLE-3")
         ax2.plot(cs, [p.speedup for p in r.points], "o-", label=name)
     ax2.axhline(1.0, color="grey", lw=0.8)
+    ticks = sorted({p.concurrency for r in results for p in r.points})
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
+        if ticks:
+            ax.set_xticks(ticks, [str(c) for c in ticks])
+            ax.minorticks_off()
         ax.set_xlabel("concurrency")
         ax.legend(fontsize=7)
     ax1.set_ylabel("output tokens / s")

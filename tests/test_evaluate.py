@@ -1,0 +1,191 @@
+"""Evaluation results: parity with the reference decoder, its diagnosis, prompt validation, and the stored report."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftline.config import DrafterConfig, EngineConfig
+from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.engines.base import Acceptance
+from draftline.engines.client import RunMetrics, load_prompts, requests_for, summarize, RequestResult
+from draftline.errors import ConfigError
+from draftline.evaluate import (
+    ConcurrencyPoint, EvalResult, combine_acceptance, compute_parity, likely_causes, report_markdown, with_parity,
+    write_report,
+)
+from draftline.store import open_store
+
+TARGET_CFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 300,
+              "rms_norm_eps": 1e-6, "max_position_embeddings": 512}
+
+
+def _drafter(tmp_path: Path, convention: str, draft_vocab: int = 300, drop_d2t: bool = False) -> Path:
+    d = tmp_path / f"drafter-{convention}-{draft_vocab}"
+    model = Eagle3Drafter.from_target_config(TARGET_CFG, DrafterConfig(draft_vocab_size=draft_vocab))
+    if draft_vocab < 300:
+        used = torch.arange(draft_vocab) * 2
+        t2d = torch.zeros(300, dtype=torch.bool)
+        t2d[used] = True
+        model.set_vocab(used - torch.arange(draft_vocab), t2d)
+    model.save_pretrained(d, convention=convention)
+    if drop_d2t:
+        from safetensors.torch import load_file, save_file
+
+        tensors = {k: v for k, v in load_file(str(d / "model.safetensors")).items() if k not in ("d2t", "t2d")}
+        save_file(tensors, str(d / "model.safetensors"))
+    (d / LINEAGE_FILE).write_text(json.dumps({"convention": convention, "format": convention}))
+    return d
+
+
+def _metrics(c: int, tps: float) -> RunMetrics:
+    return RunMetrics(concurrency=c, requests=4, output_tokens=int(tps * 2), duration_s=2.0, output_tokens_per_s=tps,
+                      requests_per_s=2.0, latency_mean_s=0.5, latency_p50_s=0.5, latency_p90_s=0.6, ttft_mean_s=0.05,
+                      ttft_p50_s=0.05, tpot_mean_s=0.01)
+
+
+def _result(drafter: Path, engine: str = "vllm", accepted_pp=(0.1, 0.02, 0.0)) -> EvalResult:
+    acc = Acceptance(source="vLLM /metrics counter deltas", mean_acceptance_length=1 + sum(accepted_pp),
+                     per_position=list(accepted_pp), num_drafts=100, num_accepted_tokens=round(100 * sum(accepted_pp)))
+    points = [ConcurrencyPoint(concurrency=c, baseline=_metrics(c, 100.0 * c), speculative=_metrics(c, 90.0 * c),
+                               speedup=0.9, acceptance=acc, identical_outputs=1.0) for c in (1, 4)]
+    return EvalResult(run="r", engine=engine, engine_version="0.32.0", status="ok", hardware="CPU test (2 cores)",
+                      target="tiny-llama", target_path="/t", drafter=drafter.name, drafter_path=str(drafter),
+                      prompt_set="eval_prompts.jsonl", num_speculative_tokens=3, points=points, acceptance=acc)
+
+
+REFERENCE = {"mean_acceptance_length": 2.2, "per_position_acceptance": [0.6, 0.4, 0.2]}
+
+
+def test_parity_compares_accepted_tokens_not_lengths_so_a_broken_integration_cannot_hide_behind_the_bonus_token():
+    engine = Acceptance(source="x", mean_acceptance_length=1.12, per_position=[0.1, 0.02, 0.0], num_drafts=10)
+    p = compute_parity(engine, REFERENCE, threshold=0.8)
+    assert p.value == pytest.approx(0.12 / 1.2)
+    assert p.length_ratio == pytest.approx(1.12 / 2.2)
+    assert p.integration_suspected and p.verdict.startswith("integration suspected")
+    good = Acceptance(source="x", mean_acceptance_length=2.15, per_position=[0.6, 0.35, 0.2], num_drafts=10)
+    ok = compute_parity(good, REFERENCE, threshold=0.8)
+    assert not ok.integration_suspected and ok.value == pytest.approx(1.15 / 1.2)
+
+
+def test_parity_is_not_claimed_when_the_reference_drafter_accepts_almost_nothing():
+    engine = Acceptance(source="x", mean_acceptance_length=1.0, num_drafts=10)
+    p = compute_parity(engine, {"mean_acceptance_length": 1.01}, threshold=0.8)
+    assert p.value is None and not p.integration_suspected and "not measurable" in p.verdict
+
+
+def test_parity_accepts_the_reference_decoders_own_stats_object():
+    from draftline.decode import AcceptanceStats
+
+    stats = AcceptanceStats(k=3)
+    for accepted in (3, 1, 0, 2):
+        stats.record(accepted)
+    engine = Acceptance(source="x", mean_acceptance_length=stats.mean_acceptance_length, num_drafts=4)
+    assert compute_parity(engine, stats, 0.9).value == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="mean_acceptance_length"):
+        compute_parity(engine, {"acceptance": 2.0}, 0.9)
+
+
+def test_suspected_integration_names_the_wrong_convention_and_the_missing_d2t(tmp_path):
+    sglang_export = _drafter(tmp_path, "sglang")
+    r = with_parity(_result(sglang_export, engine="vllm"), REFERENCE, 0.8)
+    assert r.parity.integration_suspected
+    causes = r.parity.likely_causes
+    assert "'sglang' convention but vllm reads 'vllm'" in causes[0]
+    assert any("position-0 acceptance 0.10 vs reference 0.60" in c for c in causes)
+
+    no_d2t = _drafter(tmp_path, "vllm", draft_vocab=100, drop_d2t=True)
+    causes = with_parity(_result(no_d2t), REFERENCE, 0.8).parity.likely_causes
+    assert causes[0].startswith("the export has no d2t map")
+
+    eagle_cfg = EngineConfig(engine="sglang", extra_args=["--speculative-algorithm", "EAGLE", "--x", "1"])
+    causes = likely_causes(_result(_drafter(tmp_path, "sglang"), engine="sglang"), eagle_cfg)
+    assert causes[0].startswith("extra_args select method EAGLE")
+
+    healthy = with_parity(_result(_drafter(tmp_path, "vllm"), accepted_pp=(0.6, 0.4, 0.19)), REFERENCE, 0.8)
+    assert not healthy.parity.integration_suspected and healthy.parity.likely_causes == []
+
+
+def test_acceptance_over_several_runs_is_weighted_by_drafts():
+    a = Acceptance(source="s", mean_acceptance_length=1.5, per_position=[0.5, 0.0], num_drafts=100,
+                   num_accepted_tokens=50, num_draft_tokens=200)
+    b = Acceptance(source="s", mean_acceptance_length=2.0, per_position=[0.8, 0.2], num_drafts=300,
+                   num_accepted_tokens=300, num_draft_tokens=600)
+    c = combine_acceptance([a, b, None])
+    assert c.mean_acceptance_length == pytest.approx(1 + 350 / 400)
+    assert c.per_position == pytest.approx([(50 + 240) / 400, 60 / 400])
+    assert c.num_draft_tokens == 800
+    assert combine_acceptance([None]) is None
+
+
+def test_report_names_every_number_and_says_plainly_when_sglang_was_skipped(tmp_path):
+    ok = with_parity(_result(_drafter(tmp_path, "vllm")), REFERENCE, 0.8)
+    skipped = EvalResult(run="r", engine="sglang", engine_version=None, status="skipped",
+                         reason="skipped: needs a GPU worker with sglang; sglang is not installed in this environment",
+                         hardware="CPU test (2 cores)", target="tiny-llama", target_path="/t", drafter="d",
+                         drafter_path="/d", prompt_set="eval_prompts.jsonl", num_speculative_tokens=3)
+    md = report_markdown([ok, skipped])
+    rows = [line for line in md.splitlines() if line.startswith("| vllm") or line.startswith("| sglang")]
+    assert len(rows) == 5  # vLLM: two concurrency rows and one parity row; SGLang: one row in each table
+    for row in rows:
+        for fact in ("tiny-llama", "CPU test (2 cores)", "eval_prompts.jsonl"):
+            assert fact in row
+    assert sum("skipped: needs a GPU worker with sglang" in r for r in rows) == 2
+    assert "skipped: skipped" not in md
+    assert "| 1 | 100.0 | 90.0 | 0.90x | 1.12 |" in md
+    assert "Integration suspected: vllm 0.32.0" in md
+
+    store = open_store(str(tmp_path / "store"))
+    keys = write_report([ok, skipped], store, "demo")
+    assert sorted(keys) == ["acceptance_by_position.png", "report.md", "results.json", "throughput_speedup.png"]
+    for name in ("acceptance_by_position.png", "throughput_speedup.png"):
+        assert store.get_bytes(keys[name])[:8] == b"\x89PNG\r\n\x1a\n"
+    back = [EvalResult.model_validate(x) for x in json.loads(store.get_bytes(keys["results.json"]))]
+    assert back[0].parity.value == pytest.approx(ok.parity.value) and back[1].status == "skipped"
+    assert "acceptance_by_position.png" in store.get_bytes(keys["report.md"]).decode()
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "not valid JSON"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', 'needs a string "id"'),
+    ('{"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "exactly one of"),
+    ('{"id": "a", "messages": [{"role": "user"}]}', '"messages" must be a non-empty list'),
+])
+def test_bad_prompt_lines_fail_early_naming_file_and_line(tmp_path, line, message):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text('{"id": "ok", "prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=message) as info:
+        load_prompts(p)
+    assert f"{p}:2:" in str(info.value)
+    with pytest.raises(ConfigError, match="no such prompt file"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_prompt_files_of_both_documented_kinds_load(tmp_path):
+    assets = Path(__file__).resolve().parents[1] / "assets" / "prompts"
+    for name in ("eval_prompts.jsonl", "eval_prompts_raw.jsonl"):
+        if not (assets / name).is_file():
+            pytest.skip("assets/prompts not committed yet")
+        prompts = load_prompts(assets / name, max_prompts=5)
+        assert len(prompts) == 5 and all((p.messages is None) != (p.prompt is None) for p in prompts)
+
+
+def test_high_concurrency_runs_get_at_least_two_requests_per_slot_and_tpot_excludes_the_first_token():
+    prompts = load_prompts_inline(["a", "b", "c"])
+    assert [p.id for p in requests_for(prompts, 4)] == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    assert len(requests_for(prompts, 1)) == 3
+    results = [RequestResult(prompt_id="a", output_tokens=11, latency_s=1.2, ttft_s=0.2, text="x"),
+               RequestResult(prompt_id="b", output_tokens=1, latency_s=0.3, ttft_s=0.3, text="y")]
+    m = summarize(results, concurrency=2, duration_s=1.5)
+    assert m.output_tokens_per_s == pytest.approx(12 / 1.5)
+    assert m.tpot_mean_s == pytest.approx(0.1)  # (1.2 - 0.2) / 10; a one-token answer has no TPOT
+    assert m.ttft_mean_s == pytest.approx(0.25)
+
+
+def load_prompts_inline(ids):
+    from draftline.engines.client import Prompt
+
+    return [Prompt(id=i, prompt=f"text {i}") for i in ids]
