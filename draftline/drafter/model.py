@@ -322,7 +322,7 @@ class Eagle3Drafter(nn.Module):
             "hidden_act": cfg.hidden_act,
             "rms_norm_eps": cfg.rms_norm_eps,
             "rope_theta": cfg.rope_theta,
-            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
             "max_position_embeddings": cfg.max_position_embeddings,
             "attention_bias": False,
             "mlp_bias": False,

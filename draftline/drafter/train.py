@@ -534,12 +534,22 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                "final_val": history["val"][-1] if history["val"] else None, "vocab": vocab_report.to_dict(),
                "aux_layer_ids": aux_ids, "convention": "vllm", "warm_start": warm, "world_size": d.world,
                "fingerprint": fingerprint, "train_shards": train_keys, "val_shards": val_keys,
-               "history": history, "drafter": store.uri(f"{prefix}/drafter")}
+               "history": history, "drafter": store.uri(f"{prefix}/drafter"), "weights_digest": weights_digest(model)}
     if d.main:
         publish_drafter(store, prefix, model, summary, target_dir, run)
         store.put_bytes(f"{prefix}/metrics.json", json.dumps(summary, indent=1).encode())
     barrier(d)
     return summary
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over every trained parameter's bytes: equal digests mean bitwise-equal weights."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().cpu().float().numpy().tobytes())
+    return h.hexdigest()
 
 
 def publish_drafter(store, prefix: str, model: Eagle3Drafter, summary: dict, target_dir, run: str) -> None:

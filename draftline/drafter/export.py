@@ -1,0 +1,143 @@
+"""Write a trained drafter once per engine format (vllm, sglang, speculators), each with aux ids in that engine's convention."""
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from draftline.drafter.model import LINEAGE_FILE, WEIGHTS_FILE, Eagle3Drafter, check_aux_ids
+from draftline.errors import ConfigError
+from draftline.target import num_layers, read_target_config, target_fingerprint, to_convention
+
+FORMATS = ("vllm", "sglang", "speculators")
+# The layer-id convention each format is read in: SGLang adds one to every id, vLLM and speculators do not.
+CONVENTION = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm"}
+
+
+def check_target(model: Eagle3Drafter, target_dir) -> dict:
+    """Refuse a target the drafter cannot serve: layer count vs aux ids, hidden size, vocabulary."""
+    cfg = read_target_config(target_dir)
+    text = cfg.get("text_config", cfg)
+    layers = num_layers(cfg)
+    check_aux_ids(model.config.aux_layer_ids, layers)
+    for ours, theirs, what in ((model.config.target_hidden_size, text.get("hidden_size"), "hidden_size"),
+                               (model.config.vocab_size, text.get("vocab_size"), "vocab_size")):
+        if theirs is not None and ours != theirs:
+            raise ConfigError(
+                f"the drafter was trained for a target with {what}={ours} but {target_dir} has {what}={theirs}; "
+                "export it for the target it was trained on"
+            )
+    return {"path": str(target_dir), "num_layers": layers, "hidden_size": text.get("hidden_size"),
+            "vocab_size": text.get("vocab_size"), "architectures": cfg.get("architectures"),
+            "fingerprint": target_fingerprint(target_dir)}
+
+
+def _speculators_config(model: Eagle3Drafter, target_dir, num_speculative_tokens: int) -> dict:
+    cfg = model.config
+    layer = model.eagle_config_json("vllm")
+    layer.pop("eagle_config")
+    for key in ("architectures", "draft_vocab_size", "target_hidden_size"):
+        layer.pop(key)
+    target_cfg = read_target_config(target_dir)
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.3.0",
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        # speculators defaults to normalising before the residual; our head keeps the raw hidden as residual.
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": str(target_dir), "architectures": target_cfg.get("architectures", [])},
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: dict,
+                 num_speculative_tokens: int = 3, include_embeddings: bool = True) -> Path:
+    """One engine-format directory: config.json, model.safetensors, draftline.json."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"export format {fmt!r} is unknown; use one of {list(FORMATS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    convention = CONVENTION[fmt]
+    if fmt == "speculators":
+        config = _speculators_config(model, target_dir, num_speculative_tokens)
+        tensors = model.export_tensors(include_embeddings)
+        tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(out, convention=convention, include_embeddings=include_embeddings)
+        config = json.loads((out / "config.json").read_text())
+    ids = to_convention(model.config.aux_layer_ids, convention)
+    record = {**lineage, "format": fmt, "convention": convention, "aux_layer_ids": ids,
+              "aux_layer_ids_vllm": list(model.config.aux_layer_ids),
+              "draft_vocab_size": model.config.draft_vocab_size, "target_hidden_size": model.config.target_hidden_size,
+              "has_d2t": model.config.draft_vocab_size < model.config.vocab_size,
+              "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if fmt == "sglang" and ids and ids[0] != 1:
+        record["note"] = ("newer SGLang adds one to the ids only when the first id is 1; check the captured layers "
+                          "when the first aux id differs from the default")
+    (out / LINEAGE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def export_drafter(drafter_dir, target_dir, out_root, formats=FORMATS, num_speculative_tokens: int = 3,
+                   lineage: dict | None = None) -> dict[str, Path]:
+    """Export a trained drafter dir (SGLang/EAGLE layout with draftline.json) into `<out_root>/<format>/` dirs."""
+    source = Path(drafter_dir)
+    from_lineage = json.loads((source / LINEAGE_FILE).read_text()) if (source / LINEAGE_FILE).is_file() else {}
+    model = Eagle3Drafter.from_pretrained(source, target_num_layers=None)
+    target = check_target(model, target_dir)
+    model.config.target_num_layers = target["num_layers"]
+    base = {"target": target, "training": from_lineage.get("training"), "data": from_lineage.get("data"),
+            "run": from_lineage.get("run"), "code_version": _code_version(), "source": str(source),
+            **(lineage or {})}
+    return {fmt: write_format(model, fmt, Path(out_root) / fmt, target_dir, base, num_speculative_tokens)
+            for fmt in formats}
+
+
+def _manifest_digest(store, prefix: str) -> dict | None:
+    key = f"{prefix}/manifest.json"
+    if not store.exists(key):
+        return None
+    return {"uri": store.uri(key), "sha256": hashlib.sha256(store.get_bytes(key)).hexdigest()}
+
+
+def export_run(store, run: str, target_dir, formats=FORMATS, num_speculative_tokens: int = 3,
+               train_prefix: str | None = None) -> dict[str, str]:
+    """Export `<run>/train/drafter` to `<run>/export/<format>/` in the store; returns each format's store URI."""
+    train_prefix = train_prefix or f"{run}/train"
+    if store.read_manifest(f"{train_prefix}/drafter") is None:
+        raise ConfigError(f"{store.uri(train_prefix + '/drafter')} holds no trained drafter; run the training stage first")
+    source = store.get_dir(f"{train_prefix}/drafter")
+    lineage = {"data_manifests": {stage: _manifest_digest(store, f"{run}/{stage}") for stage in ("traces", "hidden")},
+               "training_metrics": store.uri(f"{train_prefix}/metrics.json")}
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
+        dirs = export_drafter(source, target_dir, tmp, formats, num_speculative_tokens, lineage)
+        for fmt, path in dirs.items():
+            store.put_dir(f"{run}/export/{fmt}", path)
+            out[fmt] = store.uri(f"{run}/export/{fmt}")
+    return out
+
+
+def _code_version() -> str:
+    from draftline.drafter.train import code_version
+
+    return code_version()
+
+
+__all__ = ["FORMATS", "CONVENTION", "export_drafter", "export_run", "write_format", "check_target"]

@@ -1,0 +1,107 @@
+"""Per-engine exports: explicit aux ids in each engine's convention, d2t rules, refusal of a wrong target, real vLLM loads."""
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from draftline.config import DrafterConfig
+from draftline.drafter.export import export_drafter
+from draftline.drafter.model import Eagle3Drafter
+from draftline.drafter.train import load_target_head
+from draftline.drafter.vocab import build_vocab
+from draftline.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_LLAMA = REPO / "assets" / "demo-llama"
+
+
+def source_drafter(tmp_path, draft_vocab=1024) -> Path:
+    """An (untrained) drafter for demo-llama in the training stage's layout: SGLang format plus draftline.json."""
+    cfg, embed, _ = load_target_head(DEMO_LLAMA)
+    torch.manual_seed(0)
+    model = Eagle3Drafter.from_target_config(cfg, DrafterConfig(draft_vocab_size=draft_vocab))
+    model.load_target_weights(embed)
+    counts = torch.arange(cfg["vocab_size"]).flip(0) % 97  # any deterministic frequencies
+    d2t, t2d, _ = build_vocab(counts, draft_vocab)
+    model.set_vocab(d2t, t2d)
+    out = tmp_path / "trained"
+    model.save_pretrained(out)
+    (out / "draftline.json").write_text(json.dumps({"convention": "sglang", "run": "unit"}))
+    return out
+
+
+def test_each_format_carries_ids_in_its_engines_convention(tmp_path):
+    dirs = export_drafter(source_drafter(tmp_path), DEMO_LLAMA, tmp_path / "export")
+    vllm_cfg = json.loads((dirs["vllm"] / "config.json").read_text())
+    sglang_cfg = json.loads((dirs["sglang"] / "config.json").read_text())
+    spec_cfg = json.loads((dirs["speculators"] / "config.json").read_text())
+    assert vllm_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # inputs of layers 2, L//2, L-3
+    assert sglang_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # outputs of the layers before
+    assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert spec_cfg["speculators_model_type"] == "eagle3" and spec_cfg["norm_before_residual"] is False
+    assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == str(DEMO_LLAMA)
+    for cfg in (vllm_cfg, sglang_cfg):
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert cfg["draft_vocab_size"] == 1024 and cfg["target_hidden_size"] == 256 and cfg["vocab_size"] == 4096
+    for fmt, d in dirs.items():
+        lineage = json.loads((d / "draftline.json").read_text())
+        assert lineage["format"] == fmt and lineage["target"]["num_layers"] == 8 and lineage["target"]["fingerprint"]
+        assert lineage["code_version"] and lineage["run"] == "unit"
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        assert {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= keys
+    with safe_open(str(dirs["speculators"] / "model.safetensors"), "pt") as f:
+        assert "layers.0.self_attn.q_proj.weight" in f.keys()
+    # Our own sglang and vllm exports load back to the same head (ids converted back to vLLM's convention).
+    a, b = Eagle3Drafter.from_pretrained(dirs["sglang"]), Eagle3Drafter.from_pretrained(dirs["vllm"])
+    assert a.config.aux_layer_ids == b.config.aux_layer_ids == [2, 4, 5]
+
+
+def test_export_refuses_a_target_whose_layer_count_contradicts_the_ids(tmp_path):
+    shallow = tmp_path / "shallow"
+    shutil.copytree(DEMO_LLAMA, shallow)
+    cfg = json.loads((shallow / "config.json").read_text())
+    (shallow / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 5}))
+    with pytest.raises(ConfigError, match="contradict a target with 5 layers"):
+        export_drafter(source_drafter(tmp_path), shallow, tmp_path / "export")
+
+
+def test_full_vocabulary_exports_have_no_d2t(tmp_path):
+    dirs = export_drafter(source_drafter(tmp_path, draft_vocab=4096), DEMO_LLAMA, tmp_path / "export",
+                          formats=("vllm",))
+    with safe_open(str(dirs["vllm"] / "model.safetensors"), "pt") as f:
+        assert "d2t" not in f.keys() and "t2d" not in f.keys()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_loads_the_sglang_and_speculators_exports(tmp_path):
+    """The vllm-format export is served in the end-to-end tests; here vLLM loads the other two formats."""
+    dirs = export_drafter(source_drafter(tmp_path), DEMO_LLAMA, tmp_path / "export", formats=("sglang", "speculators"))
+    script = tmp_path / "load.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        from vllm import LLM, SamplingParams
+        if __name__ == "__main__":
+            fmt, path = sys.argv[1], sys.argv[2]
+            llm = LLM(model={str(DEMO_LLAMA)!r}, max_model_len=512, dtype="bfloat16", disable_log_stats=False,
+                      speculative_config={{"method": "eagle3", "model": path, "num_speculative_tokens": 3}})
+            out = llm.generate(["def main():"], SamplingParams(max_tokens=24, temperature=0.0))
+            drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
+            print("RESULT", json.dumps({{"format": fmt, "tokens": len(out[0].outputs[0].token_ids), "drafts": drafts}}))
+    """))
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/usr/bin:/bin"}
+    for fmt in ("sglang", "speculators"):
+        proc = subprocess.run([sys.executable, str(script), fmt, str(dirs[fmt])], capture_output=True, text=True,
+                              timeout=900, env={**__import__("os").environ, **env})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+        result = json.loads(line.split(" ", 1)[1])
+        print(result)
+        assert result["tokens"] == 24 and result["drafts"] > 0
