@@ -2,6 +2,8 @@
 # `make test` runs the test suite. Both set up .venv themselves.
 .PHONY: demo test venv
 VENV := .venv/bin
+# A loaded 2-core machine can need longer than Prefect's default to start its ephemeral API.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
 venv:
 	@scripts/setup-venv.sh
