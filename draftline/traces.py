@@ -155,10 +155,13 @@ def _generate_transformers(cfg: TracesConfig, target_dir: str, prompt_ids: list[
     eos = _eos_ids(target_dir, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     out: list[list[int] | None] = [None] * len(prompt_ids)
-    # Similar lengths together: less padding; seeds per batch keep reruns identical.
+    sample = cfg.temperature > 0
+    # Similar lengths together: less padding. Sampling goes one prompt at a time under its own seed, because
+    # generate() has one random stream per batch and the traces must not depend on how prompts were batched.
     order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
-    for start in range(0, len(order), cfg.batch_size):
-        idx = order[start:start + cfg.batch_size]
+    step = 1 if sample else cfg.batch_size
+    for start in range(0, len(order), step):
+        idx = order[start:start + step]
         width = max(len(prompt_ids[i]) for i in idx)
         ids = torch.full((len(idx), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -166,7 +169,6 @@ def _generate_transformers(cfg: TracesConfig, target_dir: str, prompt_ids: list[
             ids[row, width - len(prompt_ids[i]):] = torch.tensor(prompt_ids[i])
             mask[row, width - len(prompt_ids[i]):] = 1
         torch.manual_seed(seeds[idx[0]])
-        sample = cfg.temperature > 0
         gen = model.generate(
             input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
             max_new_tokens=max(budgets[i] for i in idx), do_sample=sample,
