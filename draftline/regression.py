@@ -506,41 +506,72 @@ def record(verdict: Verdict, results: list[EvalResult], history: History, accept
 
 
 class ProductionDrafter(BaseModel):
-    """The drafter the nightly evaluates: one export per engine format under one store URI."""
+    """The drafter the nightly evaluates: one export per engine format, found under one store URI."""
 
     uri: str
-    exports: dict[str, str]  # format -> store URI of that export
-    fingerprints: dict[str, str]  # format -> sha256 over the export's files, to tell a changed drafter
+    exports: dict[str, str]  # format -> prefix of that export in the pipeline's store (what the evaluation reads)
+    fingerprints: dict[str, str]  # format -> sha256 over the export's weights and config, to tell a changed drafter
     lineage: dict[str, Any] = {}  # draftline.json of the first export
 
 
-def inspect_drafter(uri: str, formats: list[str]) -> ProductionDrafter:
-    """Find the exports under `uri` (`<format>/config.json`), fingerprint them, and check every format is there."""
+def _prefix_within(store, uri: str) -> str | None:
+    """`uri` as a prefix of `store` when it lies inside it, else None."""
+    root = store.uri("")
+    if uri.startswith("s3://") or root.startswith("s3://"):
+        root, uri = root.rstrip("/"), uri.rstrip("/")
+        if uri == root:
+            return ""
+        return uri[len(root) + 1:] if uri.startswith(root + "/") else None
+    try:
+        rel = Path(uri).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return None
+    return "" if rel == "." else rel
+
+
+def _fingerprint(source, fmt: str, keys: list[str]) -> str:
+    """Digest of an export's files except its lineage note (re-exporting the same weights keeps the digest)."""
     import hashlib
 
-    from draftline.store import open_store
+    manifest = source.read_manifest(fmt)
+    entries = {e.key: e.sha256 for e in manifest} if manifest else {}
+    digest = hashlib.sha256()
+    for key in sorted(k for k in keys if k.startswith(fmt + "/")):
+        name = key[len(fmt) + 1:]
+        if name in ("manifest.json", "draftline.json"):
+            continue
+        digest.update(f"{name}:{entries.get(key) or source.hash_object(key).sha256}\n".encode())
+    return digest.hexdigest()
 
-    store = open_store(uri)
-    keys = store.list("")
+
+def production_drafter(uri: str, formats: list[str], store, run: str) -> ProductionDrafter:
+    """Find the exports under `uri` (`<format>/config.json`) and fingerprint them; exports outside the pipeline's
+    `store` are copied to `<run>/export/` there, so the evaluation reads them like its own and the night keeps them."""
+    from draftline.store import copy_tree, open_store
+
+    source = open_store(uri)
+    keys = source.list("")
     present = sorted({k.split("/", 1)[0] for k in keys if k.count("/") == 1 and k.endswith("/config.json")})
     if not present:
         raise ConfigError(f"drafter {uri} holds no engine export (a folder such as vllm/ with config.json); pass the "
-                          "exports folder that train-drafter wrote, e.g. ./runs/demo/export")
+                          "exports folder that the export stage wrote, e.g. ./runs/demo/export")
     missing = [f for f in formats if f not in present]
     if missing:
         raise ConfigError(f"drafter {uri} has no {', '.join(missing)} export but eval.engines lists "
                           f"{', '.join(missing)}; export that format (export.formats) or remove the engine")
-    exports, fingerprints = {}, {}
+    inside = _prefix_within(store, uri)
+    exports = {}
     for fmt in present:
-        digest = hashlib.sha256()
-        for key in (k for k in keys if k.startswith(fmt + "/") and not k.endswith("manifest.json")):
-            digest.update(f"{key[len(fmt) + 1:]}:{store.hash_object(key).sha256}\n".encode())
-        exports[fmt], fingerprints[fmt] = store.uri(fmt), digest.hexdigest()
-    lineage: dict[str, Any] = {}
-    first = formats[0] if formats else present[0]
-    if store.exists(f"{first}/draftline.json"):
-        lineage = json.loads(store.get_bytes(f"{first}/draftline.json"))
-    return ProductionDrafter(uri=uri, exports=exports, fingerprints=fingerprints, lineage=lineage)
+        if inside is None:
+            copy_tree(source, fmt, store, f"{run}/export/{fmt}")
+            exports[fmt] = f"{run}/export/{fmt}"
+        else:
+            exports[fmt] = f"{inside}/{fmt}" if inside else fmt
+    first = next((f for f in formats if f in present), present[0])
+    lineage = json.loads(source.get_bytes(f"{first}/draftline.json")) if source.exists(f"{first}/draftline.json") \
+        else {}
+    return ProductionDrafter(uri=uri, exports=exports, lineage=lineage,
+                             fingerprints={fmt: _fingerprint(source, fmt, keys) for fmt in present})
 
 
 def load_results(store, run: str, engines: list[str], target: str, prompt_set: str, k: int,

@@ -27,7 +27,7 @@ def regression_check(config: PipelineConfig, drafter: dict, history_prefix: str 
                      accept_new_baseline: bool = False, evaluation_error: str | None = None) -> dict:
     """Judge the evaluation of run `config.run` against history, publish the comparison, record it, alert on a drop.
 
-    `drafter` is what inspect-production-drafter returned; `evaluation_error` explains engines without a result.
+    `drafter` is what the production-drafter task returned; `evaluation_error` explains engines without a result.
     Fails with the verdict's message on a regression.
     """
     judged = regression_tasks.judge(config, drafter, history_prefix, evaluation_error)
@@ -52,7 +52,7 @@ def nightly_regression(config: PipelineConfig, drafter: str, history_prefix: str
     `accept_new_baseline` records tonight as good whatever the verdict (after an intended change).
     """
     tonight = config.model_copy(update={"run": nightly_run_name(config)})
-    production = regression_tasks.inspect_drafter(config, drafter)
+    production = regression_tasks.production_drafter(tonight, drafter)
     evaluation = evaluate(tonight, production["exports"], engine_runs, return_state=True)
     error = None
     if not evaluation.is_completed():

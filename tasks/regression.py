@@ -9,11 +9,13 @@ from draftline.config import PipelineConfig
 from tasks.common import publish_link, publish_markdown, publish_table, store_at, transient_retries
 
 
-@task(name="inspect-production-drafter", **transient_retries(retries=2, base_delay_s=5.0))
-def inspect_drafter(config: PipelineConfig, drafter: str) -> dict:
-    """The exports under the drafter URI, their fingerprints and lineage; fails early if an engine's is missing."""
+@task(name="production-drafter", **transient_retries(retries=2, base_delay_s=5.0))
+def production_drafter(config: PipelineConfig, drafter: str) -> dict:
+    """The exports under the drafter URI (copied into tonight's run when they live in another store), their
+    fingerprints and lineage; fails early when an engine's export is missing."""
     formats = [e.engine for e in config.eval.engines]
-    return regression.inspect_drafter(drafter, formats).model_dump(mode="json")
+    store = store_at(config.store.root)
+    return regression.production_drafter(drafter, formats, store, config.run).model_dump(mode="json")
 
 
 @task(name="judge-against-history", **transient_retries(retries=2, base_delay_s=5.0))

@@ -249,3 +249,37 @@ def test_figures_take_lineage_from_draftline_json_fields():
     assert figures_of(eval_result(lineage={"training_run": "prod-7"})).lineage == "prod-7"
     assert figures_of(eval_result(lineage={})).lineage == "vllm"  # falls back to the drafter's name
     assert figures_of(eval_result(), lineage="pinned").lineage == "pinned"
+
+
+def _export(folder, weights: bytes, exported_at: str = "2026-11-01T00:00:00Z"):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "draftline.json").write_text(json.dumps({"run": "demo", "exported_at": exported_at}))
+
+
+def test_production_drafter_inside_the_store_is_read_in_place_and_outside_is_copied(tmp_path):
+    from draftline.regression import production_drafter
+
+    store = open_store(str(tmp_path / "runs"))
+    for fmt in ("vllm", "sglang"):
+        _export(tmp_path / "runs" / "demo" / "export" / fmt, b"weights")
+    inside = production_drafter(str(tmp_path / "runs" / "demo" / "export"), ["vllm", "sglang"], store, "n1")
+    assert inside.exports == {"sglang": "demo/export/sglang", "vllm": "demo/export/vllm"}
+    assert inside.lineage["run"] == "demo" and not store.list("n1/")
+
+    elsewhere = tmp_path / "prod" / "drafter"
+    _export(elsewhere / "vllm", b"weights", exported_at="2026-11-02T00:00:00Z")
+    outside = production_drafter(str(elsewhere), ["vllm"], store, "n2")
+    assert outside.exports == {"vllm": "n2/export/vllm"}
+    assert store.get_bytes("n2/export/vllm/model.safetensors") == b"weights"
+    # Same weights re-exported (only the lineage note differs): same fingerprint; other weights: another one.
+    assert outside.fingerprints["vllm"] == inside.fingerprints["vllm"]
+    _export(tmp_path / "prod" / "perturbed" / "vllm", b"weights+noise")
+    assert production_drafter(str(tmp_path / "prod" / "perturbed"), ["vllm"], store, "n3").fingerprints["vllm"] \
+        != inside.fingerprints["vllm"]
+
+    with pytest.raises(ConfigError, match=r"has no sglang export but eval.engines lists sglang"):
+        production_drafter(str(elsewhere), ["vllm", "sglang"], store, "n4")
+    with pytest.raises(ConfigError, match=r"holds no engine export"):
+        production_drafter(str(tmp_path / "prod"), ["vllm"], store, "n5")
