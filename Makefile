@@ -12,4 +12,5 @@ demo: venv
 	$(VENV)/python -m flows.pipeline configs/demo.yaml
 
 test: venv
+	@scripts/setup-system.sh
 	$(VENV)/python -m pytest $(PYTEST_ARGS)

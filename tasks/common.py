@@ -8,6 +8,10 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.tasks import exponential_backoff
 
+# transformers resolves its names lazily and that first import is not thread-safe; tasks run in threads, so
+# the names the stages use are resolved here, once, on import.
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
 from draftline.errors import is_transient
 from draftline.store import Store, open_store
 
