@@ -54,6 +54,7 @@ class Figures(BaseModel):
     drafter: str
     lineage: str
     drafter_fingerprint: str | None = None  # digest of the exported drafter files, when known
+    target_fingerprint: str | None = None  # draftline.target.target_fingerprint of the served target, when known
     prompt_set: str
     prompt_set_sha256: str | None = None
     num_speculative_tokens: int
@@ -76,14 +77,16 @@ def lineage_name(lineage: dict[str, Any] | None, fallback: str) -> str:
     return fallback
 
 
-def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, lineage: str | None = None) -> Figures:
-    """The watched figures of one EvalResult."""
+def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, lineage: str | None = None,
+               target: str | None = None, target_fingerprint: str | None = None) -> Figures:
+    """The watched figures of one EvalResult; `lineage` and `target` name its history series when given."""
     acc = result.acceptance
     parity = result.parity
     return Figures(
         engine=result.engine, engine_version=result.engine_version, status=result.status, reason=result.reason,
-        hardware=result.hardware, target=result.target, drafter=result.drafter,
+        hardware=result.hardware, target=target or result.target, drafter=result.drafter,
         lineage=lineage or lineage_name(result.drafter_lineage, result.drafter), drafter_fingerprint=drafter_fingerprint,
+        target_fingerprint=target_fingerprint,
         prompt_set=result.prompt_set, prompt_set_sha256=result.prompt_set_sha256,
         num_speculative_tokens=result.num_speculative_tokens,
         acceptance_length=acc.mean_acceptance_length if acc else None,
@@ -442,8 +445,9 @@ def classify(verdict: EngineVerdict) -> list[Cause]:
                 last.drafter_fingerprint != cur.drafter_fingerprint:
             changed.append(f"the drafter files changed ({last.drafter_fingerprint[:12]} -> "
                            f"{cur.drafter_fingerprint[:12]})")
-        if last and last.target != cur.target:
-            changed.append(f"the target changed ({last.target} -> {cur.target})")
+        if last and last.target_fingerprint and cur.target_fingerprint and \
+                last.target_fingerprint != cur.target_fingerprint:
+            changed.append(f"the target changed ({last.target_fingerprint[:12]} -> {cur.target_fingerprint[:12]})")
         what = "; ".join(changed) if changed else "no file change seen by draftline: compare the drafter's and " \
                                                    "the target's lineage"
         causes.append(Cause(kind="drafter-or-target", explanation=(
@@ -473,14 +477,15 @@ def classify(verdict: EngineVerdict) -> list[Cause]:
 
 def judge_all(results: list[EvalResult], history: History, cfg: RegressionConfig,
               fingerprints: dict[str, str] | None = None, lineage: str | None = None,
-              drafter: str | None = None, now: datetime | None = None) -> Verdict:
+              drafter: str | None = None, target: str | None = None, target_fingerprint: str | None = None,
+              now: datetime | None = None) -> Verdict:
     """The verdict over every engine's result; `fingerprints` maps engine -> digest of the export it loaded."""
     if not results:
         raise ConfigError("no evaluation results to compare; the nightly evaluation produced none")
     fingerprints = fingerprints or {}
     verdicts = []
     for r in results:
-        fig = figures_of(r, fingerprints.get(r.engine), lineage)
+        fig = figures_of(r, fingerprints.get(r.engine), lineage, target, target_fingerprint)
         verdicts.append(judge(fig, history.records(fig.target, fig.engine, fig.lineage), cfg))
     first = verdicts[0].figures
     return Verdict(checked_at=(now or datetime.now(timezone.utc)).isoformat(), target=first.target,

