@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.futures import wait
 
 from draftline.config import PipelineConfig
 from tasks import drafter as drafter_tasks
@@ -12,19 +11,20 @@ from tasks import traces as trace_tasks
 from tasks.common import artifact_key, publish_table
 
 
-def _with_progress(config: PipelineConfig, stage: str, futures: list) -> list:
-    """Wait for shard futures, updating a progress artifact as they finish; returns their results in order."""
+def _shard_by_shard(config: PipelineConfig, stage: str, shard_task, count: int) -> list:
+    """Run one task per shard, in order, updating a progress artifact as each finishes.
+
+    In order, not in parallel threads: transformers switches torch's process-wide default dtype while it loads a
+    model, which corrupts a forward pass running in another thread. Parallelism across shards comes from
+    running the stage on several workers, each a process of its own.
+    """
     progress_id = create_progress_artifact(progress=0.0, key=artifact_key(config.run, stage, "progress"),
                                            description=f"{stage}: shards finished")
-    done = 0
-    pending = list(futures)
-    while pending:
-        finished, still = wait(pending, timeout=5)
-        if len(finished) != done or not still:
-            done = len(futures) - len(still)
-            update_progress_artifact(progress_id, progress=100.0 * done / max(1, len(futures)))
-        pending = list(still)
-    return [f.result() for f in futures]
+    results = []
+    for i in range(count):
+        results.append(shard_task(config, i))
+        update_progress_artifact(progress_id, progress=100.0 * (i + 1) / max(1, count))
+    return results
 
 
 @flow(name="generate-traces", log_prints=True)
@@ -33,8 +33,8 @@ def generate_traces(config: PipelineConfig) -> dict:
     if trace_tasks.uses_offline_engine(config):
         stats = trace_tasks.trace_stage(config)
     else:
-        futures = [trace_tasks.trace_shard.submit(config, i) for i in range(trace_tasks.shard_count(config))]
-        stats = trace_tasks.trace_stats(config, _with_progress(config, "traces", futures))
+        shards = _shard_by_shard(config, "traces", trace_tasks.trace_shard, trace_tasks.shard_count(config))
+        stats = trace_tasks.trace_stats(config, shards)
     publish_table(f"{config.run}-traces", [{k: v for k, v in stats.items() if not isinstance(v, (dict, list))}],
                   f"trace generation of run {config.run}")
     return stats
@@ -43,8 +43,7 @@ def generate_traces(config: PipelineConfig) -> dict:
 @flow(name="extract-hidden-states", log_prints=True)
 def extract_hidden_states(config: PipelineConfig) -> str:
     """The target re-reads every trace; aux and last hidden states land in <store>/<run>/hidden/."""
-    futures = [extract_tasks.extract_shard.submit(config, i) for i in range(extract_tasks.shard_count(config))]
-    shards = _with_progress(config, "extraction", futures)
+    shards = _shard_by_shard(config, "extraction", extract_tasks.extract_shard, extract_tasks.shard_count(config))
     publish_table(f"{config.run}-extraction",
                   [{k: v for k, v in s.items() if not isinstance(v, (dict, list))} for s in shards],
                   f"hidden-state shards of run {config.run}")
