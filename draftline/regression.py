@@ -184,6 +184,9 @@ class EngineVerdict(BaseModel):
         if self.status == "pass":
             return (f"{who}: no regression against {self.median_runs} good run(s) (mean acceptance length "
                     f"{_fmt(f.acceptance_length)}, last good {_fmt(self.last_good.acceptance_length if self.last_good else None)})")
+        title = " + ".join(CAUSE_TITLES[c.kind] for c in self.causes)
+        if self.status == "failed":
+            return f"{who} failed ({title}): " + " | ".join(c.explanation for c in self.causes)
         kinds = {c.kind for c in self.causes}
         # Throughput findings are the news only when acceptance held; otherwise they follow from it.
         primary = [x for x in self.findings if x.concurrency is None or kinds <= {"engine-performance"}]
@@ -191,9 +194,6 @@ class EngineVerdict(BaseModel):
         parts = [x.sentence() for x in primary]
         if follow:
             parts.append("with it " + ", ".join(x.short() for x in follow))
-        if self.status == "failed":
-            parts.insert(0, f"{who} did not complete the evaluation: {f.reason}")
-        title = " + ".join(CAUSE_TITLES[c.kind] for c in self.causes)
         text = f"{who} regressed ({title}): " + "; ".join(parts)
         if self.causes:
             text += ". Why: " + " | ".join(c.explanation for c in self.causes)

@@ -291,3 +291,22 @@ def test_production_drafter_inside_the_store_is_read_in_place_and_outside_is_cop
         production_drafter(str(elsewhere), ["vllm", "sglang"], store, "n4")
     with pytest.raises(ConfigError, match=r"holds no engine export"):
         production_drafter(str(tmp_path / "prod"), ["vllm"], store, "n5")
+
+
+def test_the_automation_file_is_a_valid_prefect_automation_once_the_block_id_is_filled_in():
+    import importlib.util
+    import uuid
+    from pathlib import Path
+
+    from prefect.events.schemas.automations import AutomationCore
+
+    path = Path(__file__).resolve().parents[1] / "deployments" / "alerts.py"
+    spec = importlib.util.spec_from_file_location("draftline_alerts", path)
+    alerts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(alerts)
+    block_id = str(uuid.uuid4())
+    [item] = alerts.automations_with(block_id)
+    automation = AutomationCore.model_validate(item)
+    assert automation.trigger.expect == {"draftline.regression.detected"}
+    assert str(automation.actions[0].block_document_id) == block_id
+    assert "{{ event.payload.message }}" in automation.actions[0].body
