@@ -352,11 +352,12 @@ class SpeculativeDecoder:
         self.aux_layer_ids = list(cfg.aux_layer_ids)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, profile: bool = False) -> Generation:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, profile: bool = False,
+                 seed: int | None = None) -> Generation:
         """Decode every prompt; profile=True also times target and drafter forwards (adds device syncs)."""
         _check_common(max_new_tokens, self.temperature)
         device = next(self.model.parameters()).device
-        generator = torch.Generator(device=device).manual_seed(self.seed)
+        generator = torch.Generator(device=device).manual_seed(self.seed if seed is None else seed)
         timer = _Timer(device, profile)
         _sync(device)
         start = time.perf_counter()
@@ -496,3 +497,166 @@ class _Span:
         if self.timer.enabled:
             _sync(self.timer.device)
             setattr(self.timer, self.attr, getattr(self.timer, self.attr) + time.perf_counter() - self.start)
+
+
+# ---------------------------------------------------------------- reference acceptance of a drafter on a prompt set
+
+@dataclass
+class ReferenceResult:
+    """Ground-truth acceptance of a drafter on a prompt set, with speedup over plain decoding in the same run."""
+
+    target: str
+    drafter: str
+    k: int
+    temperature: float
+    dtype: str
+    device: str
+    batch_size: int
+    num_prompts: int
+    max_new_tokens: int
+    stats: AcceptanceStats
+    spec_tokens: int
+    spec_seconds: float
+    plain_tokens: int
+    plain_seconds: float
+    greedy_outputs_match: bool | None  # temperature 0: speculative output == plain greedy output, every prompt
+    target_forwards_spec: int
+    target_forwards_plain: int
+
+    @property
+    def spec_tokens_per_s(self) -> float:
+        return self.spec_tokens / self.spec_seconds if self.spec_seconds > 0 else float("nan")
+
+    @property
+    def plain_tokens_per_s(self) -> float:
+        return self.plain_tokens / self.plain_seconds if self.plain_seconds > 0 else float("nan")
+
+    @property
+    def speedup(self) -> float:
+        return self.spec_tokens_per_s / self.plain_tokens_per_s
+
+    def summary(self) -> dict:
+        """JSON-ready figures; acceptance keys use the same names as the engine results."""
+        s = self.stats
+        return {
+            "engine": "reference decoder (torch, chain drafting)",
+            "target": self.target, "drafter": self.drafter, "k": self.k, "temperature": self.temperature,
+            "dtype": self.dtype, "device": self.device, "batch_size": self.batch_size,
+            "num_prompts": self.num_prompts, "max_new_tokens": self.max_new_tokens,
+            "mean_acceptance_length": s.mean_acceptance_length,
+            "per_position_acceptance": s.per_position_acceptance,
+            "conditional_acceptance": s.conditional_acceptance,
+            "accepted_histogram": s.accepted_histogram,
+            "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_position": s.accepted_per_position,
+            "spec_tokens": self.spec_tokens, "spec_seconds": self.spec_seconds,
+            "spec_tokens_per_s": self.spec_tokens_per_s,
+            "plain_tokens": self.plain_tokens, "plain_seconds": self.plain_seconds,
+            "plain_tokens_per_s": self.plain_tokens_per_s, "speedup": self.speedup,
+            "greedy_outputs_match": self.greedy_outputs_match,
+            "target_forwards_spec": self.target_forwards_spec, "target_forwards_plain": self.target_forwards_plain,
+        }
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but this machine has no CUDA GPU; use device 'cpu' or 'auto'")
+    return device
+
+
+def eos_token_ids(target_dir: str | Path, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json and the tokenizer: the engines stop at any of them."""
+    import json
+
+    ids: set[int] = set()
+    gen = Path(target_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def load_drafter(drafter_dir: str | Path, target_model, dtype: torch.dtype, device: str):
+    """An Eagle3Drafter from a drafter directory, checked against the target, on device in dtype."""
+    from draftline.drafter.model import Eagle3Drafter
+    from draftline.target import decoder_layers
+
+    drafter = Eagle3Drafter.from_pretrained(
+        drafter_dir, embed_tokens=target_model.get_input_embeddings().weight.detach().float().cpu(),
+        target_num_layers=len(decoder_layers(target_model)))
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128,
+                         device: str = "auto", dtype: str = "float32", *, temperature: float = 0.0,
+                         max_prompts: int | None = None, use_chat_template: bool = True, batch_size: int = 1,
+                         seed: int = 0, target=None) -> dict:
+    """Acceptance of `drafter_dir` on `prompts` (a prompts .jsonl path or contract-B dicts), as JSON-ready figures.
+
+    Prompts are encoded as the engines see them (chat template with generation prompt for messages). Plain
+    decoding of the same prompts runs in the same process for the speedup. See run_reference for the result object.
+    """
+    return run_reference(target_dir, drafter_dir, prompts, k, max_new_tokens, device, dtype, temperature=temperature,
+                         max_prompts=max_prompts, use_chat_template=use_chat_template, batch_size=batch_size,
+                         seed=seed, target=target).summary()
+
+
+def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128, device: str = "auto",
+                  dtype: str = "float32", *, temperature: float = 0.0, max_prompts: int | None = None,
+                  use_chat_template: bool = True, batch_size: int = 1, seed: int = 0, target=None) -> ReferenceResult:
+    """Like reference_acceptance, returning the ReferenceResult; `target` = an already loaded (model, tokenizer)."""
+    from draftline.target import load_target
+    from draftline.traces import encode_prompt, read_prompts
+
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be at least 1")
+    device = resolve_device(device)
+    rows = read_prompts(prompts) if isinstance(prompts, (str, Path)) else list(prompts)
+    if not rows:
+        raise ConfigError("the prompt set is empty; pass a prompts .jsonl file with at least one prompt")
+    rows = rows[:max_prompts] if max_prompts else rows
+    model, tokenizer = target if target is not None else load_target(target_dir, dtype, device)
+    drafter = load_drafter(drafter_dir, model, _DTYPES[dtype], device)
+    encoded = [encode_prompt(tokenizer, p, use_chat_template) for p in rows]
+    eos = eos_token_ids(target_dir, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    decoder = SpeculativeDecoder(model, drafter, k, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
+                                 seed=seed)
+
+    # Warm-up outside the timed region: first calls pay for allocator growth and kernel selection.
+    decoder.generate(encoded[:1], min(4, max_new_tokens))
+    plain_decode(model, encoded[:1], min(4, max_new_tokens), eos_token_ids=eos, pad_token_id=pad)
+
+    stats = AcceptanceStats(k=k)
+    spec_tokens = plain_tokens = spec_fw = plain_fw = 0
+    spec_s = plain_s = 0.0
+    match = True
+    for start in range(0, len(encoded), batch_size):
+        batch = encoded[start:start + batch_size]
+        plain = plain_decode(model, batch, max_new_tokens, temperature=temperature, eos_token_ids=eos,
+                             pad_token_id=pad, seed=seed + start)
+        spec = decoder.generate(batch, max_new_tokens, seed=seed + start)
+        _merge(stats, spec.stats)
+        spec_tokens, spec_s, spec_fw = spec_tokens + spec.num_tokens, spec_s + spec.seconds, spec_fw + spec.target_forwards
+        plain_tokens, plain_s, plain_fw = plain_tokens + plain.num_tokens, plain_s + plain.seconds, plain_fw + plain.target_forwards
+        match = match and spec.tokens == plain.tokens
+    return ReferenceResult(
+        target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, dtype=dtype, device=device,
+        batch_size=batch_size, num_prompts=len(encoded), max_new_tokens=max_new_tokens, stats=stats,
+        spec_tokens=spec_tokens, spec_seconds=spec_s, plain_tokens=plain_tokens, plain_seconds=plain_s,
+        greedy_outputs_match=match if temperature == 0.0 else None,
+        target_forwards_spec=spec_fw, target_forwards_plain=plain_fw)
+
+
+def _merge(total: AcceptanceStats, part: AcceptanceStats) -> None:
+    total.num_drafts += part.num_drafts
+    total.num_draft_tokens += part.num_draft_tokens
+    total.num_accepted_tokens += part.num_accepted_tokens
+    total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position, part.accepted_per_position)]
+    total.accepted_histogram = [a + b for a, b in zip(total.accepted_histogram, part.accepted_histogram)]
