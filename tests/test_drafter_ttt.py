@@ -4,7 +4,7 @@ import torch
 
 from draftline.config import DrafterConfig
 from draftline.drafter.model import DrafterCache, Eagle3Drafter
-from draftline.drafter.train import (SoftCrossEntropy, TTTModel, acceptance_length, target_distribution,
+from draftline.drafter.ttt import (SoftCrossEntropy, TTTModel, acceptance_length, target_distribution,
                                      ttt_attention_eager, ttt_attention_flex)
 from draftline.drafter.vocab import build_vocab, count_tokens
 

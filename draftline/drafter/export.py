@@ -116,9 +116,9 @@ def _manifest_digest(store, prefix: str) -> dict | None:
     return {"uri": store.uri(key), "sha256": hashlib.sha256(store.get_bytes(key)).hexdigest()}
 
 
-def export_run(store, run: str, target_dir, formats=FORMATS, num_speculative_tokens: int = 3,
-               train_prefix: str | None = None) -> dict[str, str]:
-    """Export `<run>/train/drafter` to `<run>/export/<format>/` in the store; returns each format's store URI."""
+def export_from_store(store, run: str, target_dir, formats=FORMATS, num_speculative_tokens: int = 3,
+                      train_prefix: str | None = None) -> dict[str, str]:
+    """Export `<run>/train/drafter` to `<run>/export/<format>/` in the store; returns each format's store prefix."""
     train_prefix = train_prefix or f"{run}/train"
     if store.read_manifest(f"{train_prefix}/drafter") is None:
         raise ConfigError(f"{store.uri(train_prefix + '/drafter')} holds no trained drafter; run the training stage first")
@@ -130,7 +130,7 @@ def export_run(store, run: str, target_dir, formats=FORMATS, num_speculative_tok
         dirs = export_drafter(source, target_dir, tmp, formats, num_speculative_tokens, lineage)
         for fmt, path in dirs.items():
             store.put_dir(f"{run}/export/{fmt}", path)
-            out[fmt] = store.uri(f"{run}/export/{fmt}")
+            out[fmt] = f"{run}/export/{fmt}"
     return out
 
 
@@ -140,4 +140,4 @@ def _code_version() -> str:
     return code_version()
 
 
-__all__ = ["FORMATS", "CONVENTION", "export_drafter", "export_run", "write_format", "check_target"]
+__all__ = ["FORMATS", "CONVENTION", "export_drafter", "export_from_store", "write_format", "check_target"]

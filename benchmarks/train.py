@@ -1,0 +1,257 @@
+"""EAGLE-3 training step: draftline's TTT step vs a straightforward one, side by side in one run (tokens/s, MFU, peak memory).
+
+    python benchmarks/train.py            # H200 sizes: hidden 4096, target vocab 128256, draft vocab 32000, seq 2048, k=7
+    python benchmarks/train.py --cpu      # demo sizes on CPU (hidden 256, vocab 4096, draft 2048, seq 512, k=3)
+
+Needs only torch and draftline/drafter (no transformers, no Prefect). Each implementation runs in its own spawned
+process so peak memory is its own. Writes benchmarks/results/train-<hw>.json.
+
+"draftline" = draftline.drafter.ttt: exact causal-plus-diagonal TTT attention (compiled flex attention on GPU), the
+target distribution from the last hidden state in bf16 chunks, chunked soft cross-entropy whose fp32 logits never
+exist for all rows at once. "straightforward" = what a first implementation does: fp32 target logits over the whole
+vocabulary for every token, masked softmax, plain causal SDPA per unrolled step, full draft logits + log_softmax.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftline.drafter.model import Eagle3Config, Eagle3Drafter, repeat_kv  # noqa: E402
+from draftline.drafter.ttt import TTTModel  # noqa: E402
+
+GPU_SIZES = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, draft_vocab=32000, seq=2048,
+                 rows=2, steps=7, chunk=2048)
+CPU_SIZES = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=4096, draft_vocab=2048, seq=512,
+                 rows=2, steps=3, chunk=1024)
+
+
+def build(sizes: dict, device: torch.device) -> tuple[Eagle3Drafter, torch.Tensor]:
+    h = sizes["hidden"]
+    cfg = Eagle3Config(hidden_size=h, intermediate_size=sizes["intermediate"], num_attention_heads=sizes["heads"],
+                       num_key_value_heads=sizes["kv_heads"], head_dim=h // sizes["heads"], vocab_size=sizes["vocab"],
+                       draft_vocab_size=sizes["draft_vocab"], target_hidden_size=h, aux_layer_ids=[2, 16, 29],
+                       max_position_embeddings=max(4096, sizes["seq"]))
+    torch.manual_seed(0)
+    model = Eagle3Drafter(cfg)
+    used = torch.sort(torch.randperm(sizes["vocab"])[: sizes["draft_vocab"]]).values
+    t2d = torch.zeros(sizes["vocab"], dtype=torch.bool)
+    t2d[used] = True
+    model.set_vocab(used - torch.arange(sizes["draft_vocab"]), t2d)
+    lm_head = torch.randn(sizes["vocab"], h) * h ** -0.5
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return model.to(device), lm_head.to(device, dtype)
+
+
+def batch(sizes: dict, device: torch.device) -> dict:
+    r, t, h = sizes["rows"], sizes["seq"], sizes["hidden"]
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    return {
+        "input_ids": torch.randint(0, sizes["vocab"], (r, t), generator=g).to(device),
+        "loss_mask": torch.ones(r, t, dtype=torch.bool, device=device),
+        "doc_ids": torch.zeros(r, t, dtype=torch.long, device=device),
+        "position_ids": torch.arange(t, device=device).expand(r, t).contiguous(),
+        "aux": torch.randn(r, t, 3 * h, generator=g).to(device, dtype),
+        "last": torch.randn(r, t, h, generator=g).to(device, dtype),
+    }
+
+
+def straightforward_loss(model: Eagle3Drafter, lm_head: torch.Tensor, b: dict, steps: int) -> torch.Tensor:
+    """The first implementation anyone writes: fp32 logits over the full target vocabulary, masked softmax."""
+    r, t = b["input_ids"].shape
+    target_logits = (b["last"].float() @ lm_head.float().t())  # [R, T, V] fp32, all at once
+    in_vocab = model.t2d[target_logits.argmax(-1)]
+    masked = target_logits.masked_fill(~model.t2d, float("-inf"))
+    target_p = torch.softmax(masked, -1)[..., model.draft_token_ids]  # renormalised over the draft vocabulary
+    hidden = model.fc(b["aux"].to(model.fc.weight.dtype))
+    loss = 0.0
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    for j in range(steps):
+        shift = 1 + j
+        tokens = torch.zeros_like(b["input_ids"])
+        tokens[:, : t - shift] = b["input_ids"][:, shift:]
+        q, k, v = model.midlayer.qkv(model.embed_tokens(tokens), hidden, b["position_ids"] + j)
+        attn = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True)
+        hidden = model.midlayer.finish(hidden, attn)
+        logp = torch.log_softmax(model.lm_head(model.norm(hidden)).float(), -1)
+        valid = torch.zeros(r, t, dtype=torch.bool, device=hidden.device)
+        valid[:, : t - shift - 1] = in_vocab[:, shift: t - 1]
+        p = torch.zeros_like(target_p)
+        p[:, : t - shift] = target_p[:, shift:]
+        step_loss = -(p * logp).sum(-1)
+        loss = loss + 0.8 ** j * (step_loss * valid).sum() / valid.sum().clamp(min=1)
+    return loss
+
+
+def matmul_flops_per_token(sizes: dict) -> float:
+    """Useful matmul FLOPs per token of one training step (forward + backward = 3x for trained matmuls)."""
+    h, i, v, vd, t, k = sizes["hidden"], sizes["intermediate"], sizes["vocab"], sizes["draft_vocab"], sizes["seq"], sizes["steps"]
+    hd = h // sizes["heads"]
+    q, kv = sizes["heads"] * hd, sizes["kv_heads"] * hd
+    per_step = 2 * (2 * h * (q + 2 * kv) + q * h + 3 * h * i + h * vd)
+    attention = 2 * 2 * q * (t / 2)  # causal QK^T and PV, half the keys on average
+    trained = 2 * 3 * h * h + k * (per_step + attention)
+    target = 2 * h * v  # the target's lm_head, forward only
+    return 3 * trained + target
+
+
+def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, threads: int, queue) -> None:
+    device = torch.device(device_kind)
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    model, lm_head = build(sizes, device)
+    b = batch(sizes, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    ttt = TTTModel(model, lm_head, sizes["steps"], sizes["chunk"], "flex" if device.type == "cuda" else "eager",
+                   torch.bfloat16 if device.type == "cuda" else torch.float32)
+    weights = torch.tensor([0.8 ** j for j in range(sizes["steps"])], device=device)
+
+    def step() -> float:
+        with autocast:
+            if name == "draftline":
+                loss_sum, count, _, _ = ttt(**b)
+                loss = (weights * loss_sum / count.clamp(min=1)).sum()
+            else:
+                loss = straightforward_loss(model, lm_head, b, sizes["steps"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    try:
+        for _ in range(warmup):
+            step()
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        losses = [step() for _ in range(iters)]
+        sync()
+        elapsed = time.perf_counter() - t0
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        tokens = sizes["rows"] * sizes["seq"] * iters
+        queue.put({"impl": name, "ok": True, "tokens_per_s": tokens / elapsed, "step_s": elapsed / iters,
+                   "peak_memory_bytes": int(peak), "loss": losses[-1]})
+    except torch.cuda.OutOfMemoryError as exc:  # the straightforward step may not fit; that is a result too
+        queue.put({"impl": name, "ok": False, "error": f"out of memory: {str(exc).splitlines()[0]}"})
+
+
+def measured_peak_tflops(device: torch.device) -> float:
+    """bf16 (GPU) or fp32 (CPU) matmul throughput, the denominator of MFU."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    reps = 20 if device.type == "cuda" else 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def hardware_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        for known in ("h200", "h100", "a100", "l40s", "b200"):
+            if known in name:
+                return known
+        return name.replace(" ", "-")
+    return "cpu"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="demo sizes on CPU")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="override a size, e.g. rows=1")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (oversubscribed OpenMP crawls on a shared box)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train-<hw>.json)")
+    args = parser.parse_args()
+
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    sizes = dict(CPU_SIZES if device.type == "cpu" else GPU_SIZES)
+    for item in args.set:
+        key, value = item.split("=", 1)
+        sizes[key] = int(value)
+    iters = args.iters or (3 if device.type == "cpu" else 10)
+    warmup = args.warmup or (1 if device.type == "cpu" else 3)
+
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    peak = measured_peak_tflops(device)
+    ctx = mp.get_context("spawn")
+    results = {}
+    for impl in ("draftline", "straightforward"):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=run_impl, args=(impl, sizes, device.type, iters, warmup, args.threads, queue))
+        proc.start()
+        proc.join()
+        results[impl] = queue.get() if not queue.empty() else {"impl": impl, "ok": False,
+                                                               "error": f"exit code {proc.exitcode}"}
+
+    flops = matmul_flops_per_token(sizes)
+    for r in results.values():
+        if r["ok"]:
+            r["tflops"] = r["tokens_per_s"] * flops / 1e12
+            r["mfu"] = r["tflops"] / peak
+    ours, plain = results["draftline"], results["straightforward"]
+    hw = hardware_name(device)
+    summary = {
+        "benchmark": "train", "hardware": hw, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "sizes": sizes, "iters": iters, "measured_peak_tflops": peak,
+        "matmul_flops_per_token": flops, "results": results,
+        "train_mfu": ours.get("mfu"),
+        "train_tokens_per_s": ours.get("tokens_per_s"),
+        "peak_memory_ratio_vs_straightforward": (ours["peak_memory_bytes"] / plain["peak_memory_bytes"]
+                                                 if ours["ok"] and plain["ok"] else None),
+        "speedup_vs_straightforward": (ours["tokens_per_s"] / plain["tokens_per_s"] if ours["ok"] and plain["ok"] else None),
+        "goals": {"train_mfu": ">= 0.65 (GPU)", "peak_memory_ratio_vs_straightforward": "<= 0.6"},
+        "memory_note": "GPU: torch.cuda.max_memory_allocated; CPU: peak RSS of the process (includes torch itself)",
+    }
+    print(f"EAGLE-3 training step on {summary['device']} ({hw}), sizes {sizes}, measured matmul peak {peak:.3f} TFLOP/s")
+    print(f"{'implementation':<16} {'tokens/s':>10} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8}")
+    for r in results.values():
+        if r["ok"]:
+            print(f"{r['impl']:<16} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.3f} {r['tflops']:>8.3f} {r['mfu']:>6.3f} "
+                  f"{r['peak_memory_bytes'] / 1e9:>8.2f}")
+        else:
+            print(f"{r['impl']:<16} failed: {r['error']}")
+    if summary["peak_memory_ratio_vs_straightforward"] is not None:
+        print(f"peak memory ratio vs straightforward: {summary['peak_memory_ratio_vs_straightforward']:.3f}; "
+              f"speedup {summary['speedup_vs_straightforward']:.2f}x")
+    out = Path(args.out or Path(__file__).parent / "results" / f"train-{hw}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
