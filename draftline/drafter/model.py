@@ -11,24 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftline.errors import ConfigError
+from draftline.target import default_aux_layer_ids, from_convention, to_convention
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
 LINEAGE_FILE = "draftline.json"
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """Inputs of layers 2, L//2 and L-3 (vLLM's convention), the ids every engine falls back to."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def to_sglang_ids(vllm_ids: list[int]) -> list[int]:
-    """SGLang reads an id as 'output of layer k', one less than vLLM's 'input of layer k' for the same tensor."""
-    return [i - 1 for i in vllm_ids]
-
-
-def from_sglang_ids(sglang_ids: list[int]) -> list[int]:
-    return [i + 1 for i in sglang_ids]
 
 
 @dataclass
@@ -309,7 +296,7 @@ class Eagle3Drafter(nn.Module):
         cfg = self.config
         if convention not in ("sglang", "vllm"):
             raise ValueError(f"convention must be 'sglang' or 'vllm', got {convention!r}")
-        ids = to_sglang_ids(cfg.aux_layer_ids) if convention == "sglang" else list(cfg.aux_layer_ids)
+        ids = to_convention(cfg.aux_layer_ids, convention)
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
@@ -368,7 +355,7 @@ class Eagle3Drafter(nn.Module):
                 f"{cfg_path}: no eagle_aux_hidden_state_layer_ids; add them to eagle_config (engines silently "
                 "guess otherwise)"
             )
-        ids = from_sglang_ids(ids) if convention == "sglang" else list(ids)
+        ids = from_convention(ids, convention)
         hidden = raw["hidden_size"]
         heads = raw["num_attention_heads"]
         rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
