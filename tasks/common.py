@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import functools
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
 from prefect.tasks import exponential_backoff
 
 # transformers resolves its names lazily and that first import is not thread-safe; tasks run in threads, so
@@ -15,9 +17,32 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from draftline.errors import is_transient
 from draftline.store import Store, open_store
 
+RUN_ID_FILE = "run-id"
+
+
+def store_run_id(store: Store, run: str) -> str:
+    """The identity of a run's artifacts: made once per run folder, gone when the folder is deleted."""
+    key = f"{run}/{RUN_ID_FILE}"
+    if not store.exists(key):
+        store.put_bytes(key, uuid.uuid4().hex.encode())
+    return store.get_bytes(key).decode().strip()
+
+
+@dataclass
+class StoreRun(CachePolicy):
+    """Cache key part naming the store's copy of the run, so deleting a run's artifacts invalidates its cache."""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
+        config = (inputs or {}).get("config")
+        if config is None:
+            return None
+        return store_run_id(store_at(config.store.root), config.run)
+
+
 # A rerun of the pipeline is served from these results: keyed on the task's inputs (configs, store URI, run,
-# shard index) and its source, persisted in Prefect's result storage, so finished stages are skipped across runs.
-CACHED = INPUTS + TASK_SOURCE
+# shard index), its source and the store's copy of the run, persisted in Prefect's result storage, so finished
+# stages are skipped across runs while their artifacts exist.
+CACHED = INPUTS + TASK_SOURCE + StoreRun()
 
 
 def retry_if_transient(task, task_run, state) -> bool:
