@@ -81,6 +81,15 @@ class TracesConfig(Strict):
     traces_per_shard: int = Field(256, ge=1)
     batch_size: int = Field(16, ge=1)
 
+    @model_validator(mode="after")
+    def _endpoint_needs_vllm(self):
+        if self.endpoint is not None:
+            if self.backend != "vllm":
+                raise ValueError("traces.endpoint is only used with backend: vllm; set backend: vllm or remove endpoint")
+            if not self.endpoint.startswith(("http://", "https://")):
+                raise ValueError(f"traces.endpoint={self.endpoint!r} is not a URL; write e.g. http://127.0.0.1:8000/v1")
+        return self
+
 
 class ExtractConfig(Strict):
     """Hidden-state extraction: which layers, in which convention, how batches are formed and sharded."""

@@ -1,16 +1,18 @@
 """Traces → hidden-state shards: one hooked forward per length-bucketed batch, bf16 capture, overlapped copies and writes."""
 from __future__ import annotations
 
+import io
 import json
-import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from draftline.config import ExtractConfig
+if TYPE_CHECKING:  # the benchmark runs this module on GPU machines that have torch and transformers only
+    from draftline.config import ExtractConfig
 from draftline.errors import ConfigError
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 from draftline.target import (
@@ -118,26 +120,38 @@ class HiddenStateExtractor:
     a side stream, so the next batch computes while the copy runs.
     """
 
-    def __init__(self, target_dir: str | Path, aux_layer_ids: list[int] | None = None, device: str = "auto",
+    def __init__(self, target_dir: str | Path | None, aux_layer_ids: list[int] | None = None, device: str = "auto",
                  dtype: str = "bfloat16", model=None):
-        self.target_dir = str(target_dir)
-        cfg = read_target_config(self.target_dir)
+        self.target_dir = str(target_dir) if target_dir is not None else None
+        if self.target_dir is None and model is None:
+            raise ConfigError("HiddenStateExtractor needs a target directory or a loaded model; pass target_dir")
         # Validate ids against the config before loading any weights.
-        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, num_layers(cfg))
+        depth = num_layers(read_target_config(self.target_dir)) if self.target_dir else num_layers(model)
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, depth)
         self.device = resolve_device(device)
         self.model = model if model is not None else load_target(self.target_dir, dtype, self.device)[0]
         self.decoder = decoder_model(self.model)
         self.hidden_size = int(self.model.config.get_text_config().hidden_size)
-        self.fingerprint = target_fingerprint(self.target_dir)
+        # A model handed over in memory (benchmarks) has no files to hash.
+        self.fingerprint = target_fingerprint(self.target_dir) if self.target_dir else "in-memory"
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
 
     def host_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tensors for one shard. On CUDA they are pinned and recycled from a ring of two (pinning is slow),
+        so a result stays valid until two more shards were extracted: one being written, one being computed."""
         h = self.hidden_size
-        aux = torch.empty((tokens, 3 * h), dtype=torch.bfloat16, pin_memory=self._cuda)
-        last = torch.empty((tokens, h), dtype=torch.bfloat16, pin_memory=self._cuda)
-        return aux, last
+        if not self._cuda:
+            return torch.empty((tokens, 3 * h), dtype=torch.bfloat16), torch.empty((tokens, h), dtype=torch.bfloat16)
+        self._ring_next = (getattr(self, "_ring_next", -1) + 1) % 2
+        ring = self.__dict__.setdefault("_ring", [None, None])
+        slot = ring[self._ring_next]
+        if slot is None or slot[0].shape[0] < tokens:
+            slot = (torch.empty((tokens, 3 * h), dtype=torch.bfloat16, pin_memory=True),
+                    torch.empty((tokens, h), dtype=torch.bfloat16, pin_memory=True))
+            ring[self._ring_next] = slot
+        return slot[0][:tokens], slot[1][:tokens]
 
     def _stage(self, slot: int, n: int):
         """Device staging buffers for `n` tokens, two slots used alternately (reuse waits for that slot's copy)."""
@@ -236,28 +250,50 @@ def _load_shard_traces(store, plan: ShardPlan, entries) -> list[dict]:
 _ST_DTYPES = {torch.int64: "I64", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a safetensors file byte-for-byte reproducibly (sorted header keys), streaming each tensor's memory.
+class SafetensorsStream(io.RawIOBase):
+    """A safetensors file as a read-once stream: header, then each tensor's memory, with no copy into a file first.
 
-    safetensors' own writer orders metadata keys arbitrarily, so two identical extractions would differ in their
-    header bytes and sha256; resumption and dedup by checksum need identical bytes.
+    The header keys are sorted (safetensors' own writer orders metadata arbitrarily), so identical extractions give
+    identical bytes and sha256; resumption and checks by checksum rely on that.
     """
-    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
-    offset = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment keeps tensors aligned
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
+        header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+        offset, parts = 0, []
         for name in sorted(tensors):
             t = tensors[name].contiguous()
-            if t.numel():
-                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+            size = t.numel() * t.element_size()
+            header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+            offset += size
+            if size:
+                parts.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment keeps tensors aligned
+        self._parts = [memoryview(len(raw).to_bytes(8, "little")), memoryview(raw)] + parts
+        self._tensors = tensors  # keep the memory alive while streaming
+        self.size = 8 + len(raw) + offset
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while self._parts and not len(self._parts[0]):
+            self._parts.pop(0)
+        if not self._parts:
+            return 0
+        head = self._parts[0]
+        n = min(len(buf), len(head))
+        buf[:n] = head[:n]
+        self._parts[0] = head[n:]
+        return n
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a reproducible safetensors file (see SafetensorsStream) to a local path."""
+    stream = SafetensorsStream(tensors, metadata)
+    with open(path, "wb") as f:
+        while chunk := stream.read(64 << 20):
+            f.write(chunk)
 
 
 def _write_shard(store, run: str, plan: ShardPlan, spec: str, extractor: HiddenStateExtractor, traces: list[dict],
@@ -269,12 +305,10 @@ def _write_shard(store, run: str, plan: ShardPlan, spec: str, extractor: HiddenS
             "target_fingerprint": extractor.fingerprint, "hidden_size": str(extractor.hidden_size),
             "trace_ids": json.dumps([traces[i]["id"] for i in order])}
     tensors = {"input_ids": ids, "loss_mask": mask, "cu_seqlens": cu, "aux_hidden_states": aux, "last_hidden_states": last}
-    with tempfile.TemporaryDirectory(prefix="draftline-hidden-") as tmp:
-        path = Path(tmp) / "shard.safetensors"
-        write_safetensors(path, tensors, meta)
-        info = {"tokens": int(ids.numel()), "sequences": len(order), "loss_tokens": int(mask.sum()),
-                "aux_layer_ids": extractor.aux_layer_ids, "convention": VLLM, "target_fingerprint": extractor.fingerprint}
-        publish_shard(store, run, STAGE, plan.index, SUFFIX, spec, info, local_path=path)
+    info = {"tokens": int(ids.numel()), "sequences": len(order), "loss_tokens": int(mask.sum()),
+            "aux_layer_ids": extractor.aux_layer_ids, "convention": VLLM, "target_fingerprint": extractor.fingerprint}
+    # Streamed straight into the store (atomic there): one write of the bytes, no local temp copy.
+    publish_shard(store, run, STAGE, plan.index, SUFFIX, spec, info, stream=SafetensorsStream(tensors, meta))
     return info
 
 
@@ -283,6 +317,19 @@ def _check_traces(traces: list[dict], plan: ShardPlan) -> None:
         if len(t["input_ids"]) != len(t["loss_mask"]):
             raise ConfigError(f"trace {t.get('id')!r} has {len(t['input_ids'])} input_ids but {len(t['loss_mask'])} "
                               "loss_mask values; regenerate the traces")
+
+
+_EXTRACTORS: dict[tuple, HiddenStateExtractor] = {}
+
+
+def _cached_extractor(target_dir: str, ids: tuple, device: str, dtype: str) -> HiddenStateExtractor:
+    """One loaded target per process: a worker running shard after shard loads the weights once.
+    The fingerprint in the key makes a changed checkpoint load anew."""
+    key = (target_dir, ids, device, dtype, target_fingerprint(target_dir))
+    if key not in _EXTRACTORS:
+        _EXTRACTORS.clear()
+        _EXTRACTORS[key] = HiddenStateExtractor(target_dir, list(ids) or None, device, dtype)
+    return _EXTRACTORS[key]
 
 
 class _Stage:
@@ -295,7 +342,10 @@ class _Stage:
         self.entries = {e.key: e for e in _trace_entries(store, run)}
         self.trace_sha = {k: e.sha256 for k, e in self.entries.items()}
         self.plans = plan_hidden_shards(cfg, store, run)
-        self.extractor = HiddenStateExtractor(self.target_dir, cfg.aux_layer_ids, cfg.device, dtype, model=model)
+        if model is not None:
+            self.extractor = HiddenStateExtractor(self.target_dir, cfg.aux_layer_ids, cfg.device, dtype, model=model)
+        else:
+            self.extractor = _cached_extractor(self.target_dir, tuple(cfg.aux_layer_ids or ()), cfg.device, dtype)
 
     def done(self, plan: ShardPlan):
         return finished_shard(self.store, self.run, STAGE, plan.index, _shard_spec(self.extractor, plan, self.trace_sha))
@@ -323,30 +373,45 @@ def finalize_hidden_states(store, run: str, num_shards: int) -> None:
     write_stage_manifest(store, run, STAGE, shard_records(store, run, STAGE, num_shards))
 
 
-def extract_hidden_states(cfg: ExtractConfig, target_dir: str | Path, store, run: str, dtype: str = "bfloat16",
-                          model=None) -> dict:
-    """The whole stage: every unfinished shard (writes overlap the next shard's forward), then the manifest."""
-    stage = _Stage(cfg, target_dir, store, run, dtype, model=model)
-    computed, t0, tokens = [], time.perf_counter(), 0
+def run_overlapped(extractor: HiddenStateExtractor, jobs: Iterable, write: Callable, batch_tokens: int) -> list[int]:
+    """Extract each (plan, traces) job and hand the result to `write` on a writer thread, so that shard k is
+    serialized and uploaded while shard k+1 runs on the device. Returns the computed shard indices."""
+    computed: list[int] = []
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftline-shard-writer")
     pending: Future | None = None
     try:
-        for plan in stage.plans:
-            if stage.done(plan) is not None:
-                continue
-            traces = _load_shard_traces(store, plan, stage.entries)
-            _check_traces(traces, plan)
-            order, cu, aux, last = stage.extractor.extract([t["input_ids"] for t in traces], cfg.batch_tokens)
+        for plan, traces in jobs:
+            order, cu, aux, last = extractor.extract([t["input_ids"] for t in traces], batch_tokens)
             if pending is not None:
-                pending.result()
-            spec = _shard_spec(stage.extractor, plan, stage.trace_sha)
-            pending = writer.submit(_write_shard, store, run, plan, spec, stage.extractor, traces, order, cu, aux, last)
+                pending.result()  # at most one shard in flight: bounded host memory
+            pending = writer.submit(write, plan, traces, order, cu, aux, last)
             computed.append(plan.index)
-            tokens += plan.tokens
         if pending is not None:
             pending.result()
     finally:
         writer.shutdown(wait=True)
+    return computed
+
+
+def extract_hidden_states(cfg: ExtractConfig, target_dir: str | Path, store, run: str, dtype: str = "bfloat16",
+                          model=None) -> dict:
+    """The whole stage: every unfinished shard (writes overlap the next shard's forward), then the manifest."""
+    stage = _Stage(cfg, target_dir, store, run, dtype, model=model)
+    t0 = time.perf_counter()
+
+    def jobs():
+        for plan in stage.plans:
+            if stage.done(plan) is None:
+                traces = _load_shard_traces(store, plan, stage.entries)
+                _check_traces(traces, plan)
+                yield plan, traces
+
+    def write(plan, traces, order, cu, aux, last):
+        spec = _shard_spec(stage.extractor, plan, stage.trace_sha)
+        _write_shard(store, run, plan, spec, stage.extractor, traces, order, cu, aux, last)
+
+    computed = run_overlapped(stage.extractor, jobs(), write, cfg.batch_tokens)
+    tokens = sum(stage.plans[i].tokens for i in computed)
     finalize_hidden_states(store, run, len(stage.plans))
     elapsed = time.perf_counter() - t0
     return {"shards": len(stage.plans), "computed_shards": computed, "tokens_computed": tokens,

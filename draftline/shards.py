@@ -38,10 +38,15 @@ class ShardRecord:
 
 
 def publish_shard(store, run: str, stage: str, index: int, suffix: str, spec: str, metadata: dict[str, Any],
-                  data: bytes | None = None, local_path=None) -> ShardRecord:
-    """Upload the shard (bytes or a local file), then its completion record; a crash in between leaves it unfinished."""
+                  data: bytes | None = None, local_path=None, stream=None) -> ShardRecord:
+    """Upload the shard (bytes, a local file or a stream), then its completion record; a crash between leaves it unfinished."""
     key = shard_key(run, stage, index, suffix)
-    entry = store.put_bytes(key, data) if local_path is None else store.put_file(key, local_path)
+    if stream is not None:
+        entry = store.put_stream(key, stream)
+    elif local_path is not None:
+        entry = store.put_file(key, local_path)
+    else:
+        entry = store.put_bytes(key, data)
     record = ShardRecord(key, entry.size, entry.sha256, spec, metadata)
     store.put_bytes(_record_key(run, stage, index), json.dumps(record.__dict__, sort_keys=True).encode())
     return record

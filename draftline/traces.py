@@ -123,6 +123,7 @@ def _cached_target(path: str, dtype: str, device: str):
     return load_target(path, dtype, device)
 
 
+@functools.lru_cache(maxsize=2)
 def _cached_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -204,7 +205,11 @@ def _vllm_worker(request_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     r = json.loads(Path(request_path).read_text())
-    llm = LLM(model=r["model"], dtype=r["dtype"], max_model_len=r["max_model_len"], seed=0, enforce_eager=True)
+    import torch
+
+    # On CPU graph capture buys nothing and costs start-up time; on GPU let vLLM capture graphs.
+    llm = LLM(model=r["model"], dtype=r["dtype"], max_model_len=r["max_model_len"], seed=0,
+              enforce_eager=not torch.cuda.is_available())
     params = [
         SamplingParams(temperature=r["temperature"], top_p=r["top_p"], max_tokens=b, seed=s, skip_special_tokens=False)
         for s, b in zip(r["seeds"], r["budgets"])
@@ -386,8 +391,11 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
 
 
 def trace_shard_keys(store, run: str) -> list[str]:
-    """Keys of the published trace shards, in order."""
-    return [k for k in store.list(f"{run}/{STAGE}/") if k.rsplit("/", 1)[-1].startswith("shard-") and k.endswith(SUFFIX)]
+    """Keys of the trace shards the stage's manifest lists, in order (shards of an older, larger run are ignored)."""
+    manifest = store.read_manifest(f"{run}/{STAGE}")
+    if manifest is None:
+        raise ConfigError(f"{store.uri(run + '/' + STAGE)} has no manifest.json; run trace generation for run {run!r} first")
+    return [k for k in manifest.keys() if k.rsplit("/", 1)[-1].startswith("shard-") and k.endswith(SUFFIX)]
 
 
 def read_trace_shard(store, key: str) -> list[dict]:
