@@ -1,0 +1,317 @@
+"""Speculative-decoding speedup of the reference decoder next to the analytic bound tau / (1 + k * c).
+
+    python benchmarks/decode.py            # GPU: a >=1B-parameter Llama-shaped target (random weights), bf16
+    python benchmarks/decode.py --cpu      # the demo target assets/demo-llama on CPU, float32, demo sizes
+
+One run does everything on one device: the target answers training prompts greedily (its own traces), the aux and
+final hidden states of those traces are captured with draftline.target's hooks, an EAGLE-3 drafter is trained on
+them with draftline's TTT graph (draftline.drafter.ttt), and then plain and speculative greedy decoding (batch 1,
+the latency case speculation is for) run on held-out prompts. Reported:
+  tau   = mean acceptance length (vLLM's definition, 1 + accepted / drafts) measured in the speculative run;
+  c     = drafter forward time / plain target decode-step time, both measured in this run;
+  bound = tau / (1 + k * c): the speedup if verifying k+1 tokens cost one plain step and nothing else cost time;
+  fraction_of_bound = measured speedup / bound (the issue's goal: >= 0.8).
+Greedy outputs of both runs are compared token for token (float noise in bf16 may rarely flip a near tie on GPU).
+
+Needs only torch, transformers and safetensors (no pydantic, Prefect or store). Writes benchmarks/results/decode-<hw>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draftline.decode import SpeculativeDecoder, expected_acceptance, plain_decode  # noqa: E402
+from draftline.drafter.model import Eagle3Drafter  # noqa: E402
+from draftline.drafter.ttt import TTTModel  # noqa: E402
+from draftline.drafter.vocab import build_vocab, count_tokens  # noqa: E402
+from draftline.target import capture_hidden_states, default_aux_layer_ids  # noqa: E402
+
+# Llama-3.2-1B's shape: 16 layers, hidden 2048, 32 heads / 8 KV heads, MLP 8192, vocab 128256 (1.50B params untied).
+GPU_TARGET = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu", action="store_true", help="demo sizes on CPU (assets/demo-llama)")
+    p.add_argument("--k", type=int, nargs="+", default=[3], help="draft tokens per step (one run per value)")
+    p.add_argument("--train-prompts", type=int, default=None)
+    p.add_argument("--eval-prompts", type=int, default=None)
+    p.add_argument("--trace-tokens", type=int, default=None, help="new tokens per training trace")
+    p.add_argument("--eval-tokens", type=int, default=None, help="new tokens per evaluation prompt")
+    p.add_argument("--train-steps", type=int, default=None)
+    p.add_argument("--ttt-steps", type=int, default=None)
+    p.add_argument("--draft-vocab", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode-<hw>.json)")
+    args = p.parse_args(argv)
+    gpu = not args.cpu
+    defaults = (dict(train_prompts=512, eval_prompts=16, trace_tokens=256, eval_tokens=256, train_steps=800,
+                     ttt_steps=5, draft_vocab=32000) if gpu else
+                dict(train_prompts=400, eval_prompts=16, trace_tokens=96, eval_tokens=64, train_steps=300,
+                     ttt_steps=3, draft_vocab=2048))
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- target and prompts
+
+def gpu_target(device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**GPU_TARGET)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # near-uniform default init; larger embeddings give less degenerate greedy text
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+    return model.eval(), [], "random-llama-1.5b (Llama-3.2-1B shape, random weights)"
+
+
+def random_prompts(n, vocab, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def demo_target_and_prompts(args):
+    from draftline.decode import eos_token_ids
+    from draftline.target import load_target
+    from draftline.traces import encode_prompt, read_prompts
+
+    target_dir = ROOT / "assets" / "demo-llama"
+    model, tok = load_target(target_dir, "float32", "cpu")
+    enc = lambda f, n: [encode_prompt(tok, p, True) for p in read_prompts(ROOT / "assets" / "prompts" / f)[:n]]
+    return (model, eos_token_ids(target_dir, tok), "demo-llama (assets/demo-llama, float32)",
+            enc("train_prompts.jsonl", args.train_prompts), enc("eval_prompts.jsonl", args.eval_prompts))
+
+
+# ---------------------------------------------------------------- the target's own traces and hidden states
+
+def make_traces(model, prompts, new_tokens, eos, batch):
+    out = []
+    for a in range(0, len(prompts), batch):
+        chunk = prompts[a:a + batch]
+        gen = plain_decode(model, chunk, new_tokens, eos_token_ids=eos)
+        out += [(p, t) for p, t in zip(chunk, gen.tokens)]
+    return out
+
+
+@torch.no_grad()
+def capture(model, traces, aux_ids, batch, device):
+    """Per trace: input_ids, loss_mask, aux [T, 3H], last [T, H] (after the final norm), kept on device."""
+    rows = []
+    for a in range(0, len(traces), batch):
+        chunk = traces[a:a + batch]
+        seqs = [p + t for p, t in chunk]
+        n = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), n, dtype=torch.long)
+        mask = torch.zeros(len(seqs), n, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        got = {}
+        with capture_hidden_states(model, aux_ids, got.__setitem__):
+            model.model(input_ids=ids.to(device), attention_mask=mask.to(device))
+        aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)
+        for i, (p, t) in enumerate(chunk):
+            m = len(p) + len(t)
+            rows.append(dict(input_ids=ids[i, :m].to(device),
+                             loss_mask=torch.tensor([0] * len(p) + [1] * len(t), device=device),
+                             aux=aux[i, :m].clone(), last=got["last"][i, :m].clone()))
+    return rows
+
+
+def collate(rows, device):
+    n = max(r["input_ids"].numel() for r in rows)
+    r0 = rows[0]
+    out = dict(input_ids=torch.zeros(len(rows), n, dtype=torch.long, device=device),
+               loss_mask=torch.zeros(len(rows), n, dtype=torch.long, device=device),
+               doc_ids=torch.full((len(rows), n), -1, dtype=torch.long, device=device),
+               position_ids=torch.arange(n, device=device).repeat(len(rows), 1),
+               aux=torch.zeros(len(rows), n, r0["aux"].shape[-1], dtype=r0["aux"].dtype, device=device),
+               last=torch.zeros(len(rows), n, r0["last"].shape[-1], dtype=r0["last"].dtype, device=device))
+    for i, r in enumerate(rows):
+        m = r["input_ids"].numel()
+        out["input_ids"][i, :m] = r["input_ids"]
+        out["loss_mask"][i, :m] = r["loss_mask"]
+        out["doc_ids"][i, :m] = i
+        out["aux"][i, :m] = r["aux"]
+        out["last"][i, :m] = r["last"]
+    return out
+
+
+# ---------------------------------------------------------------- drafter training (draftline's TTT graph)
+
+def train_drafter(model, rows, val_rows, args, device):
+    cfg = model.config
+    aux_ids = default_aux_layer_ids(cfg.num_hidden_layers)
+    torch.manual_seed(args.seed)
+    drafter = Eagle3Drafter.from_target_config(cfg, SimpleNamespace(draft_vocab_size=args.draft_vocab), aux_ids)
+    drafter.load_target_weights(model.get_input_embeddings().weight.detach().float().cpu())
+    counts = sum(count_tokens(r["input_ids"].cpu(), r["loss_mask"].cpu(), cfg.vocab_size) for r in rows)
+    d2t, t2d, report = build_vocab(counts, drafter.config.draft_vocab_size)
+    drafter.set_vocab(d2t, t2d)
+    drafter.to(device)
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    ttt = TTTModel(drafter, model.lm_head.weight.detach(), args.ttt_steps, 1024, "eager", dtype)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3 if not gpu else 5e-4, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 0.5 * (1 + math.cos(math.pi * s / args.train_steps))))
+    weights = torch.tensor([0.8 ** j for j in range(args.ttt_steps)], device=device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
+    per_batch = 16 if gpu else 8
+    g = torch.Generator().manual_seed(args.seed)
+    sync(device)
+    t0 = time.perf_counter()
+    for step in range(args.train_steps):
+        pick = torch.randint(0, len(rows), (per_batch,), generator=g).tolist()
+        with autocast:
+            loss_sum, count, _, _ = ttt(**collate([rows[i] for i in pick], device))
+        loss = (weights * loss_sum / count.clamp(min=1)).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == args.train_steps - 1:
+            print(f"  train step {step}: loss {loss.item():.3f}", flush=True)
+    sync(device)
+    train_s = time.perf_counter() - t0
+    sums = torch.zeros(2, args.ttt_steps, device=device)
+    with torch.no_grad(), autocast:
+        for a in range(0, len(val_rows), per_batch):
+            _, _, hits, totals = ttt(**collate(val_rows[a:a + per_batch], device))
+            sums += torch.stack([hits.float(), totals])
+    accuracy = (sums[0] / sums[1].clamp(min=1)).tolist()
+    drafter.eval()
+    return drafter.to(dtype), {"train_seconds": train_s, "steps": args.train_steps, "ttt_steps": args.ttt_steps,
+                               "val_accuracy": accuracy, "vocab": report.to_dict(), "aux_layer_ids_vllm": aux_ids}
+
+
+# ---------------------------------------------------------------- measurement
+
+def measure(model, drafter, prompts, k, new_tokens, eos, device):
+    decoder = SpeculativeDecoder(model, drafter, k, eos_token_ids=eos)
+    decoder.generate(prompts[:1], 8)  # warm-up: allocator, kernels
+    plain_decode(model, prompts[:1], 8, eos_token_ids=eos)
+    plain_s = spec_s = 0.0
+    plain_fw = plain_tokens = spec_tokens = 0
+    stats, match = None, True
+    for p in prompts:  # batch 1, alternating, so drift in machine speed hits both alike
+        plain = plain_decode(model, [p], new_tokens, eos_token_ids=eos)
+        spec = decoder.generate([p], new_tokens)
+        plain_s, plain_fw, plain_tokens = plain_s + plain.seconds, plain_fw + plain.target_forwards, plain_tokens + plain.num_tokens
+        spec_s, spec_tokens = spec_s + spec.seconds, spec_tokens + spec.num_tokens
+        match = match and spec.tokens == plain.tokens
+        if stats is None:
+            stats = spec.stats
+        else:
+            for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                setattr(stats, f, getattr(stats, f) + getattr(spec.stats, f))
+            stats.accepted_per_position = [a + b for a, b in zip(stats.accepted_per_position, spec.stats.accepted_per_position)]
+            stats.accepted_histogram = [a + b for a, b in zip(stats.accepted_histogram, spec.stats.accepted_histogram)]
+    # c: one more speculative pass with synchronised timers around every drafter and target forward.
+    prof = decoder.generate(prompts[:4], new_tokens, profile=True)
+    drafter_call_s = prof.drafter_seconds / prof.drafter_forwards
+    target_step_s = plain_s / plain_fw
+    c = drafter_call_s / target_step_s
+    tau = stats.mean_acceptance_length
+    speedup = (spec_tokens / spec_s) / (plain_tokens / plain_s)
+    bound = tau / (1 + k * c)
+    return {
+        "k": k, "tau": tau, "per_position_acceptance": stats.per_position_acceptance,
+        "conditional_acceptance": stats.conditional_acceptance, "accepted_histogram": stats.accepted_histogram,
+        "num_drafts": stats.num_drafts, "plain_tokens_per_s": plain_tokens / plain_s,
+        "spec_tokens_per_s": spec_tokens / spec_s, "speedup": speedup, "c": c,
+        "drafter_call_ms": 1e3 * drafter_call_s, "target_step_ms": 1e3 * target_step_s,
+        "verify_step_ms": 1e3 * prof.target_seconds / prof.target_forwards,
+        "bound": bound, "fraction_of_bound": speedup / bound, "greedy_outputs_match": match,
+        "tokens": plain_tokens,
+    }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gpu = not args.cpu
+    if gpu and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --cpu for the demo sizes")
+    device = torch.device("cuda" if gpu else "cpu")
+    t_all = time.perf_counter()
+    if gpu:
+        model, eos, target_name = gpu_target(device)
+        train_prompts = random_prompts(args.train_prompts, model.config.vocab_size, 32, args.seed + 1)
+        eval_prompts = random_prompts(args.eval_prompts, model.config.vocab_size, 32, args.seed + 2)
+        hw = "h200" if "H200" in torch.cuda.get_device_name(device) else torch.cuda.get_device_name(device).split()[-1].lower()
+    else:
+        model, eos, target_name, train_prompts, eval_prompts = demo_target_and_prompts(args)
+        hw = "cpu"
+    params = sum(p.numel() for p in model.parameters())
+    print(f"target {target_name}: {params / 1e9:.3f}B params on {device}", flush=True)
+
+    t = time.perf_counter()
+    traces = make_traces(model, train_prompts, args.trace_tokens, eos, 64 if gpu else 16)
+    traces_s = time.perf_counter() - t
+    print(f"traces: {len(traces)} in {traces_s:.0f} s", flush=True)
+    aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
+    rows = capture(model, traces, aux_ids, 32 if gpu else 16, device)
+    n_val = max(1, len(rows) // 10)
+    drafter, training = train_drafter(model, rows[n_val:], rows[:n_val], args, device)
+    del rows
+    print(f"drafter trained in {training['train_seconds']:.0f} s; validation accuracy per step "
+          f"{[round(a, 3) for a in training['val_accuracy']]}", flush=True)
+
+    runs = []
+    for k in args.k:
+        r = measure(model, drafter, eval_prompts, k, args.eval_tokens, eos, device)
+        r["offline_estimate"] = expected_acceptance(training["val_accuracy"], k)
+        runs.append(r)
+    result = {
+        "benchmark": "decode", "hw": hw,
+        "device": torch.cuda.get_device_name(device) if gpu else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+        "target": target_name, "target_params": params, "dtype": "bfloat16" if gpu else "float32",
+        "drafter_params": sum(p.numel() for p in drafter.parameters()), "batch_size": 1,
+        "train_prompts": len(train_prompts), "trace_tokens": args.trace_tokens, "traces_seconds": traces_s,
+        "eval_prompts": len(eval_prompts), "eval_tokens": args.eval_tokens, "training": training,
+        "runs": runs, "fraction_of_bound": min(r["fraction_of_bound"] for r in runs),
+        "seconds": time.perf_counter() - t_all,
+    }
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"decode-{hw}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{'k':>2} {'tau':>6} {'offline':>7} {'c':>6} {'bound':>6} {'speedup':>7} {'fraction':>8} "
+          f"{'plain tok/s':>11} {'spec tok/s':>10} {'match':>5}")
+    for r in runs:
+        print(f"{r['k']:>2} {r['tau']:6.3f} {r['offline_estimate']['mean_acceptance_length']:7.3f} {r['c']:6.3f} "
+              f"{r['bound']:6.3f} {r['speedup']:7.3f} {r['fraction_of_bound']:8.3f} {r['plain_tokens_per_s']:11.1f} "
+              f"{r['spec_tokens_per_s']:10.1f} {str(r['greedy_outputs_match']):>5}")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
