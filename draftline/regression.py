@@ -407,6 +407,9 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
                     last_good_at=last_rec.recorded_at if last_rec else None, median=old_median,
                     median_runs=len(pool), drop_vs_last_good=d_last, drop_vs_median=d_median, limit=limit,
                 ))
+        parity_median = _median([r.figures.parity for r in window])
+        if parity_median is not None:
+            verdict.median["parity with the reference decoder"] = parity_median
         if any(r.figures.hardware != current.hardware for r in window):
             verdict.notes.append("throughput and speedup are compared only with runs on the same hardware "
                                  f"({current.hardware})")

@@ -32,7 +32,7 @@ def regression_check(config: PipelineConfig, drafter: dict, history_prefix: str 
     """
     judged = regression_tasks.judge(config, drafter, history_prefix, evaluation_error)
     report = regression_tasks.publish(config, judged, history_prefix)
-    records = regression_tasks.record(config, judged, history_prefix, accept_new_baseline, _parent_run_name())
+    records = regression_tasks.record(config, judged, history_prefix, accept_new_baseline, _nightly_run_id())
     verdict = judged["verdict"]
     message = _message(judged)
     print(message)
@@ -62,9 +62,10 @@ def nightly_regression(config: PipelineConfig, drafter: str, history_prefix: str
     return regression_check(tonight, production, history_prefix, accept_new_baseline, error)
 
 
-def _parent_run_name() -> str | None:
-    name = flow_run.get_parent_flow_run_id() or flow_run.get_id()
-    return str(name) if name else None
+def _nightly_run_id() -> str | None:
+    """The nightly-regression flow run this check belongs to (itself when run on its own), for the history."""
+    run_id = flow_run.get_parent_flow_run_id() or flow_run.get_id()
+    return str(run_id) if run_id else None
 
 
 def _message(judged: dict) -> str:
