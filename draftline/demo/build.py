@@ -3,6 +3,7 @@
   python -m draftline.demo.build data    [--work .gpu/data] [--assets assets]
   python -m draftline.demo.build train   [--work .gpu/data] [--trained .gpu/trained] [--seconds 300] [--steps demo-llama=N]
   python -m draftline.demo.build package [--work .gpu/data] [--trained .gpu/trained] [--assets assets]
+  python -m draftline.demo.build samples [--assets assets]   (greedy samples and CPU tokens/s, for assets/README.md)
 
 `train` runs draftline.demo.train_targets for both targets (on a GPU in minutes, on a CPU in many hours).
 """
@@ -90,9 +91,45 @@ def run_training(work: Path, trained: Path, seconds: float, steps: dict[str, int
         raise SystemExit(f"training failed with exit codes {codes}")
 
 
+def greedy_samples_and_speed(assets: Path, n_samples: int = 3, new_tokens: int = 64) -> dict:
+    """Greedy answers to the first eval prompts (raw and chat) and CPU decode speed, per target (transformers, fp32)."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    raw = [json.loads(x) for x in (assets / "prompts" / "eval_prompts_raw.jsonl").read_text().splitlines()]
+    chat = [json.loads(x) for x in (assets / "prompts" / "eval_prompts.jsonl").read_text().splitlines()]
+    report = {}
+    for name in TARGET_NAMES:
+        tok = AutoTokenizer.from_pretrained(str(assets / name))
+        model = AutoModelForCausalLM.from_pretrained(str(assets / name), dtype=torch.float32).eval()
+        samples = []
+        for row, kind in [(r, "raw") for r in raw[:n_samples]] + [(c, "chat") for c in chat[:n_samples]]:
+            if kind == "raw":
+                ids = tok(row["prompt"], return_tensors="pt")["input_ids"]
+            else:
+                ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True)["input_ids"]
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:]
+            samples.append({"id": row["id"], "kind": kind, "prompt": row.get("prompt") or row["messages"][0]["content"],
+                            "completion": tok.decode(out)})
+        # Decode speed: batch 1, 128 new tokens with eos ignored, after one warm-up call.
+        ids = tok(raw[0]["prompt"], return_tensors="pt")["input_ids"]
+        model.generate(ids, max_new_tokens=8, do_sample=False)
+        speed = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model.to(dtype)
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=False)
+            speed[str(dtype).split(".")[-1]] = round((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0), 1)
+        report[name] = {"samples": samples, "cpu_tokens_per_s": speed, "torch_threads": torch.get_num_threads()}
+    return report
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=["data", "train", "package"])
+    p.add_argument("step", choices=["data", "train", "package", "samples"])
     p.add_argument("--work", default=".gpu/data")
     p.add_argument("--trained", default=".gpu/trained")
     p.add_argument("--assets", default="assets")
@@ -107,6 +144,8 @@ def main(argv=None):
     elif args.step == "train":
         steps = dict(item.split("=", 1) for item in args.steps)
         run_training(work, trained, args.seconds, {k: int(v) for k, v in steps.items()})
+    elif args.step == "samples":
+        print(json.dumps(greedy_samples_and_speed(assets), indent=1))
     else:
         from draftline.demo.package import package_all
 
