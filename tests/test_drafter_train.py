@@ -144,3 +144,20 @@ def test_ddp_with_two_gloo_processes_matches_a_single_process(tiny_hidden_run, t
     assert ranks[0]["digest"] == ranks[1]["digest"]  # both ranks hold identical weights
     print("ddp losses", ranks[0]["losses"], "single", one["losses"])
     assert ranks[0]["losses"] == pytest.approx(one["losses"], rel=1e-4)
+
+
+@pytest.mark.s3
+def test_training_streams_shards_from_s3_and_checkpoints_there(tiny_hidden_run, s3_uri):
+    """The same stage against a real S3 endpoint (SeaweedFS with credentials): shards in, checkpoints and drafter out."""
+    from draftline.store import copy_tree
+
+    local = open_store(str(tiny_hidden_run.store_root))
+    s3 = open_store(s3_uri)
+    copy_tree(local, "tiny/hidden", s3, "tiny/hidden")
+    cfg = TrainConfig(max_steps=3, val_every=3, checkpoint_every=2, **SMALL)
+    summary = train_drafter(s3, "tiny", tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg)
+    assert summary["steps"] == 3 and summary["final_val"]["tokens"] > 0
+    assert json.loads(s3.get_bytes("tiny/train/checkpoints/latest.json"))["step"] == 3
+    assert s3.exists("tiny/train/metrics.json")
+    drafter = Eagle3Drafter.from_pretrained(s3.get_dir("tiny/train/drafter"))
+    assert drafter.config.aux_layer_ids == [2, 4, 5]

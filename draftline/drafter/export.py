@@ -141,3 +141,27 @@ def _code_version() -> str:
 
 
 __all__ = ["FORMATS", "CONVENTION", "export_drafter", "export_from_store", "write_format", "check_target"]
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m draftline.drafter.export CONFIG.yaml`: export the run's trained drafter in every configured format."""
+    import argparse
+
+    from draftline.config import load_config
+    from draftline.store import open_store
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("config", help="pipeline YAML (run, store, target, export)")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config)
+    store = open_store(cfg.store.root)
+    out = export_from_store(store, cfg.run, cfg.target.path, cfg.export.formats,
+                            cfg.eval.engines[0].num_speculative_tokens if cfg.eval.engines else 3)
+    print(json.dumps({fmt: store.uri(prefix) for fmt, prefix in out.items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
+
