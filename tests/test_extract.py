@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftline.config import ExtractConfig, TracesConfig
+from draftline.config import ExtractConfig
 from draftline.errors import ConfigError
 from draftline.extract import extract_hidden_states, extract_shard, length_buckets, num_hidden_shards
 from draftline.store import open_store
 from draftline.target import load_target
-from draftline.traces import generate_traces, iter_traces
+from draftline.traces import iter_traces
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,14 +27,34 @@ def _shard(path: Path) -> tuple[dict, dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
+def write_traces(store, run: str, tokenizer, vocab: int, shards: int = 3, per_shard: int = 4, seed: int = 0) -> None:
+    """Contract-C traces with a real prompt prefix and random responses of varied length, plus the stage manifest.
+
+    Extraction only needs token ids, so the tests do not wait for the target to generate them."""
+    g = torch.Generator().manual_seed(seed)
+    entries = []
+    for s in range(shards):
+        lines = []
+        for j in range(per_shard):
+            prompt = tokenizer(f"Question {s}.{j}: what does the fox say?")["input_ids"]
+            n = int(torch.randint(3, 60, (1,), generator=g))
+            response = torch.randint(10, vocab, (n,), generator=g).tolist()
+            lines.append(json.dumps({"id": f"p{s}-{j}:0", "prompt_id": f"p{s}-{j}", "input_ids": prompt + response,
+                                     "loss_mask": [0] * len(prompt) + [1] * n, "text": ""}))
+        entries.append(store.put_bytes(f"{run}/traces/shard-{s:05d}.jsonl", ("\n".join(lines) + "\n").encode()))
+    store.write_manifest(f"{run}/traces", entries)
+
+
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory, target_dirs, tiny_prompts):
-    """Both targets' traces (transformers backend) in one local store: {kind: (store, run)}."""
+def traced(tmp_path_factory, target_dirs):
+    """Traces for both targets in one local store: (store, root); runs are named after the targets."""
+    from transformers import AutoTokenizer
+
     root = tmp_path_factory.mktemp("extract-store")
     store = open_store(str(root))
-    cfg = TracesConfig(prompts=str(tiny_prompts), traces_per_shard=4, max_new_tokens=20, batch_size=4)
     for kind, path in target_dirs.items():
-        generate_traces(cfg, path, store, kind)
+        tok = AutoTokenizer.from_pretrained(path)
+        write_traces(store, kind, tok, tok.vocab_size)
     return store, root
 
 
