@@ -109,7 +109,8 @@ if [ ! -x "$SERVER_PY" ]; then
   ui=false
 fi
 if ! alive prefect-server; then
-  PREFECT_UI_ENABLED=$ui \
+  # INFO: one access-log line per request, so a failed request (5xx) shows in the server's log.
+  PREFECT_UI_ENABLED=$ui PREFECT_SERVER_LOGGING_LEVEL="${PREFECT_SERVER_LOGGING_LEVEL:-INFO}" \
   PREFECT_SERVER_DATABASE_CONNECTION_URL="postgresql+asyncpg://prefect:$PG_PASSWORD@127.0.0.1:$PG_PORT/prefect" \
     start_bg prefect-server "$STATE/logs/prefect-server.log" \
     "$SERVER_PY" -m prefect server start --host 127.0.0.1 --port "$PREFECT_PORT"
