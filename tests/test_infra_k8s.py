@@ -164,3 +164,26 @@ def test_the_check_command_passes_on_the_repository_and_fails_on_a_dropped_varia
     assert pool_templates.main(["check", "--prefect-file", str(bad)]) == 1
     err = capsys.readouterr().err
     assert "'evaluate-vllm'" in err and "'gpu'" in err and "drop it silently" in err
+
+
+def test_in_cluster_workers_serve_each_gpu_pool_and_may_create_jobs_where_the_templates_put_them():
+    docs = [d for d in yaml.safe_load_all((REPO / "infra/k8s/workers.yaml").read_text()) if d]
+    by_kind: dict[str, list[dict]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    (role,) = by_kind["Role"]
+    (binding,) = by_kind["RoleBinding"]
+    can_create_jobs = any("batch" in r["apiGroups"] and "jobs" in r["resources"] and "create" in r["verbs"]
+                          for r in role["rules"])
+    assert can_create_jobs
+    served = {}
+    for deployment in by_kind["Deployment"]:
+        pod = deployment["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert args[args.index("--type") + 1] == "kubernetes"
+        served[args[args.index("--pool") + 1]] = deployment["metadata"]["namespace"]
+        assert pod["serviceAccountName"] == binding["subjects"][0]["name"]
+    assert set(served) == set(POOLS)
+    for pool in POOLS:
+        job_namespace = _template(pool)["variables"]["properties"]["namespace"]["default"]
+        assert served[pool] == job_namespace == role["metadata"]["namespace"]
