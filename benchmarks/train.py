@@ -101,9 +101,9 @@ def matmul_flops_per_token(sizes: dict) -> float:
     q, kv = sizes["heads"] * hd, sizes["kv_heads"] * hd
     per_step = 2 * (2 * h * (q + 2 * kv) + q * h + 3 * h * i + h * vd)
     attention = 2 * 2 * q * (t / 2)  # causal QK^T and PV, half the keys on average
-    trained = 2 * 3 * h * h + k * (per_step + attention)
+    fc = 2 * 3 * h * h  # its input (the target's states) needs no gradient: forward + weight gradient only
     target = 2 * h * v  # the target's lm_head, forward only
-    return 3 * trained + target
+    return 2 * fc + 3 * k * (per_step + attention) + target
 
 
 def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, threads: int, queue) -> None:

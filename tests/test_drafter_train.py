@@ -94,8 +94,12 @@ def test_a_run_killed_mid_way_resumes_and_ends_like_an_uninterrupted_one(tiny_hi
 
 
 def test_warm_start_continues_from_an_exported_drafter(trained, tiny_hidden_run):
+    from draftline.drafter.export import export_from_store
+
     store, base = trained
-    source = store.get_dir("tiny/train-base/drafter")
+    exported = export_from_store(store, "tiny", tiny_hidden_run.target_dir, formats=("sglang",),
+                                 train_prefix="tiny/train-base")
+    source = store.get_dir(exported["sglang"])
     cfg = TrainConfig(max_steps=1, val_every=1, checkpoint_every=1, warm_start=str(source),
                       **{**SMALL, "learning_rate": 1e-9})
     warm = train_drafter(store, "tiny", tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg,
