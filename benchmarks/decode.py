@@ -55,6 +55,10 @@ def parse_args(argv=None):
     p.add_argument("--ttt-steps", type=int, default=None)
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--drafter", default=None,
+                   help="--cpu only: use this trained drafter directory (SGLang/EAGLE format) instead of training one")
+    p.add_argument("--metrics", default=None,
+                   help="with --drafter: the training run's metrics.json, for the offline acceptance estimate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode-<hw>.json)")
     args = p.parse_args(argv)
@@ -272,22 +276,36 @@ def main(argv=None) -> dict:
     params = sum(p.numel() for p in model.parameters())
     print(f"target {target_name}: {params / 1e9:.3f}B params on {device}", flush=True)
 
-    t = time.perf_counter()
-    traces = make_traces(model, train_prompts, args.trace_tokens, eos, 64 if gpu else 16)
-    traces_s = time.perf_counter() - t
-    print(f"traces: {len(traces)} in {traces_s:.0f} s", flush=True)
-    aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
-    rows = capture(model, traces, aux_ids, 32 if gpu else 16, device)
-    n_val = max(1, len(rows) // 10)
-    drafter, training = train_drafter(model, rows[n_val:], rows[:n_val], args, device)
-    del rows
-    print(f"drafter trained in {training['train_seconds']:.0f} s; validation accuracy per step "
-          f"{[round(a, 3) for a in training['val_accuracy']]}", flush=True)
+    traces_s = None
+    if args.drafter:
+        if gpu:
+            sys.exit("--drafter is for --cpu runs; on a GPU the benchmark trains its drafter for its own target")
+        from draftline.decode import load_drafter
+
+        drafter = load_drafter(args.drafter, model, torch.float32, "cpu")
+        metrics = json.loads(Path(args.metrics).read_text()) if args.metrics else {}
+        val = (metrics.get("final_val") or {}).get("accuracy")
+        training = {"drafter_dir": str(args.drafter), "metrics": args.metrics, "val_accuracy": val,
+                    "steps": metrics.get("steps")}
+        train_prompts = []
+    else:
+        t = time.perf_counter()
+        traces = make_traces(model, train_prompts, args.trace_tokens, eos, 64 if gpu else 16)
+        traces_s = time.perf_counter() - t
+        print(f"traces: {len(traces)} in {traces_s:.0f} s", flush=True)
+        aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
+        rows = capture(model, traces, aux_ids, 32 if gpu else 16, device)
+        n_val = max(1, len(rows) // 10)
+        drafter, training = train_drafter(model, rows[n_val:], rows[:n_val], args, device)
+        del rows
+    if "train_seconds" in training:
+        print(f"drafter trained in {training['train_seconds']:.0f} s; validation accuracy per step "
+              f"{[round(a, 3) for a in training['val_accuracy']]}", flush=True)
 
     runs = []
     for k in args.k:
         r = measure(model, drafter, eval_prompts, k, args.eval_tokens, eos, device)
-        r["offline_estimate"] = expected_acceptance(training["val_accuracy"], k)
+        r["offline_estimate"] = expected_acceptance(training["val_accuracy"], k) if training["val_accuracy"] else None
         runs.append(r)
     result = {
         "benchmark": "decode", "hw": hw,
@@ -306,7 +324,8 @@ def main(argv=None) -> dict:
     print(f"\n{'k':>2} {'tau':>6} {'offline':>7} {'c':>6} {'bound':>6} {'speedup':>7} {'fraction':>8} "
           f"{'plain tok/s':>11} {'spec tok/s':>10} {'match':>5}")
     for r in runs:
-        print(f"{r['k']:>2} {r['tau']:6.3f} {r['offline_estimate']['mean_acceptance_length']:7.3f} {r['c']:6.3f} "
+        offline = r["offline_estimate"]["mean_acceptance_length"] if r["offline_estimate"] else float("nan")
+        print(f"{r['k']:>2} {r['tau']:6.3f} {offline:7.3f} {r['c']:6.3f} "
               f"{r['bound']:6.3f} {r['speedup']:7.3f} {r['fraction_of_bound']:8.3f} {r['plain_tokens_per_s']:11.1f} "
               f"{r['spec_tokens_per_s']:10.1f} {str(r['greedy_outputs_match']):>5}")
     print(f"wrote {out}")

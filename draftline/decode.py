@@ -67,11 +67,11 @@ class AcceptanceStats:
         return [a / self.num_drafts if self.num_drafts else float("nan") for a in self.accepted_per_position]
 
     @property
-    def conditional_acceptance(self) -> list[float]:
-        """P(draft i accepted | draft i-1 accepted): what training's per-step top-1 accuracy estimates."""
+    def conditional_acceptance(self) -> list[float | None]:
+        """P(draft i accepted | draft i-1 accepted): what training's per-step top-1 accuracy estimates (None: no case)."""
         out, prev = [], self.num_drafts
         for a in self.accepted_per_position:
-            out.append(a / prev if prev else float("nan"))
+            out.append(a / prev if prev else None)
             prev = a
         return out
 
