@@ -299,7 +299,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
 
     An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
     gives a "failed" result in the store and raises EngineError. With `reference` (draftline.decode's
-    acceptance summary on the same prompts), parity is filled in.
+    acceptance summary on the same prompts and k), parity is filled in; compute the reference on the trained
+    checkpoint itself, not on this engine's export, or an export bug (wrong aux-layer ids) hides in both.
     """
     target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), Path(prompts_path)
     adapter = adapter_for(cfg.engine)
@@ -463,7 +464,7 @@ def plot_throughput(results: list[EvalResult], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for r in results:
         if r.status != "ok" or not r.points:
-            ax1.plot([], [], " ", label=f"{r.engine}: {r.status} ({r.reason})")
+            ax1.plot([], [], " ", label=f"{r.engine}: {_status(r)}")
             continue
         cs = [p.concurrency for p in r.points]
         name = f"{r.engine} {r.engine_version}"

@@ -135,6 +135,19 @@ def _engine_cfg(concurrency: list[int]) -> EngineConfig:
 @pytest.fixture(scope="session")
 def reference(trained_demo):
     """The reference decoder on the trained checkpoint itself (not an export), so export bugs stay visible."""
+    import torch
+
+    from draftline.decode import reference_acceptance
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a spinning second thread costs more than it gives on a shared 2-core machine
+    try:
+        return _reference(trained_demo)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(trained_demo):
     from draftline.decode import reference_acceptance
 
     return reference_acceptance(trained_demo.target_dir, trained_demo.drafter_trained,

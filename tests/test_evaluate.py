@@ -189,3 +189,27 @@ def load_prompts_inline(ids):
     from draftline.engines.client import Prompt
 
     return [Prompt(id=i, prompt=f"text {i}") for i in ids]
+
+
+def test_an_engine_missing_here_gives_a_plain_skipped_result_and_the_evaluation_goes_on(tmp_path):
+    try:
+        import sglang  # noqa: F401
+        pytest.skip("sglang is installed here")
+    except ImportError:
+        pass
+    from draftline.config import EvalConfig
+    from draftline.evaluate import evaluate_engine
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hello"}\n')
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TARGET_CFG))
+    store = open_store(str(tmp_path / "store"))
+    cfg = EngineConfig(engine="sglang")
+    result = evaluate_engine(cfg, target, _drafter(tmp_path, "sglang"), prompts,
+                             EvalConfig(prompts=str(prompts), engines=[cfg]), store, "nightly")
+    assert result.status == "skipped" and result.points == [] and result.parity is None
+    assert result.reason.startswith("skipped: needs a GPU worker with sglang")
+    stored = EvalResult.model_validate_json(store.get_bytes("nightly/eval/sglang/result.json"))
+    assert stored.status == "skipped" and stored.target == "target" and stored.prompt_set == "p.jsonl"
