@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from draftline.demo.corpus import is_held_out, module_name, stdlib_root
 from draftline.demo.models import TARGET_NAMES
-from tests.fixtures.demo_targets import ASSETS, NUM_SPECULATIVE_TOKENS, PARITY_NEW_TOKENS
+from tests.fixtures.demo_targets import (ASSETS, EAGLE3_ON_VLLM_CPU, NUM_SPECULATIVE_TOKENS, PARITY_NEW_TOKENS,
+                                         run_vllm, write_untrained_drafter)
 
 MIB = 1 << 20
 
@@ -177,11 +178,13 @@ AGREE_TOKENS = 16
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_greedy_matches_transformers_fp32(vllm_demo_run):
-    """Teacher-force vLLM's greedy answers through transformers (fp32): vLLM must pick the fp32 argmax except at near-ties."""
+@pytest.mark.parametrize("name", TARGET_NAMES)
+def test_vllm_greedy_matches_transformers_fp32(name, vllm_demo_runs):
+    """Teacher-force vLLM's greedy answers (bf16) through transformers (fp32): vLLM must pick the fp32 argmax except at
+    near-ties. demo-llama's engine has an EAGLE-3 head attached, which must not change greedy output."""
     from transformers import AutoModelForCausalLM
 
-    run = vllm_demo_run
+    run = vllm_demo_runs(name)
     model = AutoModelForCausalLM.from_pretrained(str(run.target_dir), dtype=torch.float32).eval()
     agree, gaps = [], []
     for name, prompt, out in zip(run.prompt_names, run.prompt_ids, run.outputs):
@@ -199,8 +202,8 @@ def test_vllm_greedy_matches_transformers_fp32(vllm_demo_run):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serves_the_target_with_an_eagle3_drafter(vllm_demo_run):
-    run = vllm_demo_run
+def test_vllm_serves_demo_llama_with_an_eagle3_drafter(vllm_demo_runs):
+    run = vllm_demo_runs("demo-llama")
     lineage = json.loads((run.drafter_dir / "draftline.json").read_text())
     config = json.loads((run.drafter_dir / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] == lineage["aux_layer_ids"]
@@ -210,3 +213,19 @@ def test_vllm_serves_the_target_with_an_eagle3_drafter(vllm_demo_run):
     assert m["vllm:spec_decode_num_draft_tokens"] == NUM_SPECULATIVE_TOKENS * drafts
     # An untrained head rarely guesses right; what matters here is that its shapes load and run in vLLM.
     assert 0 <= m["vllm:spec_decode_num_accepted_tokens"] <= m["vllm:spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_cpu_serves_the_mla_target_with_an_eagle3_drafter(tmp_path):
+    """Expected to fail on vllm-cpu 0.32 for one known reason (see EAGLE3_ON_VLLM_CPU); passes once vLLM fixes it."""
+    target = ASSETS / "demo-deepseek"
+    drafter = write_untrained_drafter(target, tmp_path)
+    try:
+        result = run_vllm(target, drafter, [[1, 535, 1777]], tmp_path)
+    except RuntimeError as err:
+        if not EAGLE3_ON_VLLM_CPU["demo-deepseek"] and "No common block size" in str(err):
+            pytest.xfail("vllm-cpu 0.32: CPU_MLA kernel blocks are exactly 16, the EAGLE-3 head's CPU_ATTN needs "
+                         "multiples of 32; not a draftline bug")
+        raise
+    assert result["spec_metrics"]["vllm:spec_decode_num_drafts"] > 0
