@@ -185,7 +185,7 @@ def _generate_vllm_offline(cfg: TracesConfig, target_dir: str, prompt_ids: list[
                            budgets: list[int], dtype: str) -> list[list[int]]:
     """Run vllm.LLM in a child process: vLLM spawns its engine and must own the process's __main__."""
     request = {
-        "model": str(target_dir), "dtype": dtype, "max_model_len": cfg.max_total_tokens,
+        "model": str(target_dir), "dtype": dtype, "max_model_len": _length_limit(cfg, str(target_dir)),
         "temperature": cfg.temperature, "top_p": cfg.top_p, "prompts": prompt_ids, "seeds": seeds, "budgets": budgets,
     }
     with tempfile.TemporaryDirectory(prefix="draftline-vllm-") as tmp:
@@ -271,14 +271,24 @@ def generate_trace_shard(cfg: TracesConfig, target_dir: str | Path, prompts: lis
                                 _generate(cfg, target_dir, mine, dtype, device))
 
 
+def _length_limit(cfg: TracesConfig, target_dir: str) -> int:
+    """Longest trace: max_total_tokens, or less when the target's context is shorter (vLLM refuses a longer one)."""
+    from draftline.target import read_target_config
+
+    tc = read_target_config(target_dir)
+    tc = tc.get("text_config", tc)
+    return min(cfg.max_total_tokens, int(tc.get("max_position_embeddings") or cfg.max_total_tokens))
+
+
 def _generate(cfg, target_dir, mine, dtype, device) -> tuple[list, list]:
     """Encode and answer `mine`; returns (prompt_ids per prompt or None if too long, response ids)."""
     tok = _cached_tokenizer(target_dir) if cfg.backend == "vllm" else _cached_target(target_dir, dtype, device)[1]
     encoded = [encode_prompt(tok, p, cfg.use_chat_template) for p in mine]
-    keep = [i for i, ids in enumerate(encoded) if len(ids) < cfg.max_total_tokens]
+    limit = _length_limit(cfg, target_dir)
+    keep = [i for i, ids in enumerate(encoded) if len(ids) < limit]
     ids = [encoded[i] for i in keep]
     seeds = [_request_seed(cfg.seed, mine[i]["id"]) for i in keep]
-    budgets = [min(cfg.max_new_tokens, cfg.max_total_tokens - len(x)) for x in ids]
+    budgets = [min(cfg.max_new_tokens, limit - len(x)) for x in ids]
     if not ids:
         responses = []
     elif cfg.backend == "transformers":
