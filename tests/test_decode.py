@@ -320,6 +320,18 @@ def test_reference_acceptance_reports_acceptance_and_speedup_in_one_run(target_d
     assert summary["speedup"] > 0
 
 
+def test_reference_samples_in_ragged_batches_when_temperature_is_set(target_dirs, untrained_drafter_dir):
+    from tests.fixtures.tiny_targets import ASSETS
+
+    result = run_reference(target_dirs["llama"], untrained_drafter_dir, ASSETS / "prompts" / "eval_prompts_raw.jsonl",
+                           k=2, max_new_tokens=8, device="cpu", temperature=0.8, max_prompts=4, batch_size=3,
+                           use_chat_template=False)
+    assert result.greedy_outputs_match is None  # only greedy output has a single right answer
+    assert result.num_prompts == 4 and result.batch_size == 3
+    assert result.stats.num_draft_tokens == 2 * result.stats.num_drafts > 0
+    assert 0 < result.spec_tokens <= 4 * 8
+
+
 def test_reference_rejects_a_drafter_for_another_target(target_dirs, tmp_path):
     from tests.fixtures.tiny_targets import ASSETS
 
