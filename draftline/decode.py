@@ -8,12 +8,14 @@ Definitions follow vLLM's counters, so engine figures and this decoder's compare
   * per-position acceptance i = drafts whose i-th draft token was accepted / drafts.
 Acceptance is counted as the verifier decided it, before output is cut at EOS or max_new_tokens (as vLLM does).
 
-Greedy verification (temperature 0) reproduces plain greedy decoding of the target token for token; sampling uses
+Greedy verification (temperature 0) reproduces plain greedy decoding of the target token for token (tested exact in
+float32; in bf16 the k+1-token verify forward may round differently from a 1-token step and flip a near tie); sampling uses
 the standard rejection rule (accept a draft token with probability min(1, p/q), else sample norm(max(0, p - q))),
 so its output is distributed exactly as the target's own samples.
 
 Batches hold rows that advance by different amounts; rejected positions stay in the KV caches as masked holes
-(each row keeps its own RoPE positions), so rows never wait for each other.
+(each row keeps its own RoPE positions), so rows never wait for each other. Finished rows keep computing until the
+whole batch is done (no compaction): use batch 1, the default, for timing.
 """
 from __future__ import annotations
 
@@ -321,6 +323,12 @@ def plain_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *
 
 # ---------------------------------------------------------------- speculative decoding
 
+# How draft tokens are chosen when temperature > 0. "greedy" (vLLM's default draft_sample_method) proposes the drafter's
+# argmax and verifies it as a point mass; "probabilistic" samples q = softmax(draft logits / T) (the textbook rule).
+# Both leave the output distributed exactly as the target's; they differ in acceptance, so parity must match the engine.
+DRAFT_SAMPLING = ("greedy", "probabilistic")
+
+
 class SpeculativeDecoder:
     """EAGLE-3 chain speculative decoding of a transformers target with an Eagle3Drafter; k drafts per step.
 
@@ -329,9 +337,12 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target_model, drafter, k: int, *, temperature: float = 0.0,
-                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0):
+                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0,
+                 draft_sampling: str = "greedy"):
         if k < 1:
             raise ConfigError(f"k={k} draft tokens per step must be at least 1")
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ConfigError(f"draft_sampling={draft_sampling!r} is unknown; use one of {list(DRAFT_SAMPLING)}")
         if not temperature >= 0.0:
             raise ConfigError(f"temperature={temperature} must be 0 (greedy) or positive")
         cfg = drafter.config
@@ -349,6 +360,7 @@ class SpeculativeDecoder:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
         self.seed = seed
+        self.draft_sampling = draft_sampling
         self.aux_layer_ids = list(cfg.aux_layer_ids)
 
     @torch.no_grad()
@@ -396,6 +408,10 @@ class SpeculativeDecoder:
             for j in range(k):
                 if temp == 0.0:
                     idx = step_logits.argmax(-1)
+                elif self.draft_sampling == "greedy":
+                    # q is then a point mass: accept with probability p(d), else resample p without d.
+                    idx = step_logits.argmax(-1)
+                    q_probs.append(F.one_hot(draft_ids[idx], vocab).float())
                 else:
                     probs = torch.softmax(step_logits / temp, dim=-1)
                     idx = _sample(probs, generator)
@@ -509,6 +525,7 @@ class ReferenceResult:
     drafter: str
     k: int
     temperature: float
+    draft_sampling: str
     dtype: str
     device: str
     batch_size: int
@@ -541,6 +558,7 @@ class ReferenceResult:
         return {
             "engine": "reference decoder (torch, chain drafting)",
             "target": self.target, "drafter": self.drafter, "k": self.k, "temperature": self.temperature,
+            "draft_sampling": self.draft_sampling,
             "dtype": self.dtype, "device": self.device, "batch_size": self.batch_size,
             "num_prompts": self.num_prompts, "max_new_tokens": self.max_new_tokens,
             "mean_acceptance_length": s.mean_acceptance_length,
@@ -594,7 +612,7 @@ def load_drafter(drafter_dir: str | Path, target_model, dtype: torch.dtype, devi
 def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128,
                          device: str = "auto", dtype: str = "float32", *, temperature: float = 0.0,
                          max_prompts: int | None = None, use_chat_template: bool = True, batch_size: int = 1,
-                         seed: int = 0, target=None) -> dict:
+                         seed: int = 0, draft_sampling: str = "greedy", target=None) -> dict:
     """Acceptance of `drafter_dir` on `prompts` (a prompts .jsonl path or contract-B dicts), as JSON-ready figures.
 
     Prompts are encoded as the engines see them (chat template with generation prompt for messages). Plain
@@ -602,12 +620,13 @@ def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_t
     """
     return run_reference(target_dir, drafter_dir, prompts, k, max_new_tokens, device, dtype, temperature=temperature,
                          max_prompts=max_prompts, use_chat_template=use_chat_template, batch_size=batch_size,
-                         seed=seed, target=target).summary()
+                         seed=seed, draft_sampling=draft_sampling, target=target).summary()
 
 
 def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128, device: str = "auto",
                   dtype: str = "float32", *, temperature: float = 0.0, max_prompts: int | None = None,
-                  use_chat_template: bool = True, batch_size: int = 1, seed: int = 0, target=None) -> ReferenceResult:
+                  use_chat_template: bool = True, batch_size: int = 1, seed: int = 0, draft_sampling: str = "greedy",
+                  target=None) -> ReferenceResult:
     """Like reference_acceptance, returning the ReferenceResult; `target` = an already loaded (model, tokenizer)."""
     from draftline.target import load_target
     from draftline.traces import encode_prompt, read_prompts
@@ -627,7 +646,7 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: 
     eos = eos_token_ids(target_dir, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     decoder = SpeculativeDecoder(model, drafter, k, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
-                                 seed=seed)
+                                 seed=seed, draft_sampling=draft_sampling)
 
     # Warm-up outside the timed region: first calls pay for allocator growth and kernel selection.
     decoder.generate(encoded[:1], min(4, max_new_tokens))
@@ -647,7 +666,8 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: 
         plain_tokens, plain_s, plain_fw = plain_tokens + plain.num_tokens, plain_s + plain.seconds, plain_fw + plain.target_forwards
         match = match and spec.tokens == plain.tokens
     return ReferenceResult(
-        target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, dtype=dtype, device=device,
+        target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, draft_sampling=draft_sampling,
+        dtype=dtype, device=device,
         batch_size=batch_size, num_prompts=len(encoded), max_new_tokens=max_new_tokens, stats=stats,
         spec_tokens=spec_tokens, spec_seconds=spec_s, plain_tokens=plain_tokens, plain_seconds=plain_s,
         greedy_outputs_match=match if temperature == 0.0 else None,

@@ -231,8 +231,10 @@ def _exact_joint(model, prompt: list[int], vocab: int, temperature: float) -> to
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def test_sampling_reproduces_the_target_distribution():
-    """Rejection sampling must give the target's own distribution whatever the drafter proposes.
+@pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
+def test_sampling_reproduces_the_target_distribution(draft_sampling):
+    """Rejection sampling must give the target's own distribution whatever the drafter proposes, with drafts
+    taken as the drafter's argmax (vLLM's default) or sampled from it.
 
     Three sampled tokens (216 outcomes of a 6-token vocabulary) at temperature 0.8, N = 20000 rows of one prompt
     in one ragged batch, k = 2 (so both the first and the chained second draft are verified).
@@ -249,7 +251,8 @@ def test_sampling_reproduces_the_target_distribution():
     drafter = random_drafter(model, seed=12, std=0.5)
     prompt = [1, 4, 2, 5, 0]
     exact = _exact_joint(model, prompt, vocab, temp).flatten().double()
-    gen = SpeculativeDecoder(model, drafter, k=2, temperature=temp, seed=13).generate([prompt] * n, 3)
+    gen = SpeculativeDecoder(model, drafter, k=2, temperature=temp, seed=13,
+                             draft_sampling=draft_sampling).generate([prompt] * n, 3)
     assert all(len(t) == 3 for t in gen.tokens)
     codes = torch.tensor([a * vocab * vocab + b * vocab + c for a, b, c in gen.tokens])
     empirical = torch.bincount(codes, minlength=vocab ** 3).double() / n
@@ -270,7 +273,7 @@ def test_sampling_acceptance_rate_of_the_first_draft_is_the_overlap_of_p_and_q()
     model = tiny_target("llama", vocab=vocab, seed=21)
     drafter = random_drafter(model, seed=22, std=0.5)
     prompt = [3, 1, 4, 1, 5]
-    decoder = SpeculativeDecoder(model, drafter, k=1, temperature=temp, seed=23)
+    decoder = SpeculativeDecoder(model, drafter, k=1, temperature=temp, seed=23, draft_sampling="probabilistic")
     gen = decoder.generate([prompt] * n, 2)  # the first step decides draft 1 after the sampled first token
     # Exact overlap, averaged over the first token: run the prefill pieces for each possible first token.
     from draftline.decode import _Target
@@ -346,5 +349,7 @@ def test_reference_rejects_a_drafter_for_another_target(target_dirs, tmp_path):
                       max_prompts=1, max_new_tokens=2, device="cpu")
     with pytest.raises(ConfigError, match="dtype"):
         run_reference(target_dirs["llama"], d, [{"id": "a", "prompt": "x"}], dtype="int8", device="cpu")
+    with pytest.raises(ConfigError, match="draft_sampling"):
+        SpeculativeDecoder(other, random_drafter(other), k=2, draft_sampling="topk")
     with pytest.raises(ConfigError, match="k=0"):
         SpeculativeDecoder(other, random_drafter(other), k=0)
