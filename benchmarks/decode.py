@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode-<hw>.json)")
     args = p.parse_args(argv)
     gpu = not args.cpu
-    defaults = (dict(train_prompts=512, eval_prompts=16, trace_tokens=256, eval_tokens=256, train_steps=800,
+    defaults = (dict(train_prompts=512, eval_prompts=8, trace_tokens=256, eval_tokens=256, train_steps=800,
                      ttt_steps=5, draft_vocab=32000) if gpu else
                 dict(train_prompts=400, eval_prompts=16, trace_tokens=96, eval_tokens=64, train_steps=300,
                      ttt_steps=3, draft_vocab=2048))
