@@ -376,7 +376,7 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
     if current.status == "failed":
         verdict.status = "failed"
         verdict.causes = [Cause(kind="engine-failure", explanation=(
-            f"{current.engine} {current.engine_version or ''} did not finish the evaluation ({current.reason})"
+            f"{current.engine} {current.engine_version or ''}".strip() + f" did not finish the evaluation ({current.reason})"
             + (f"; it last worked on {good[-1].recorded_at} with {good[-1].figures.engine_version}" if good else "")
         ))]
         return verdict
@@ -570,11 +570,14 @@ def production_drafter(uri: str, formats: list[str], store, run: str) -> Product
     inside = _prefix_within(store, uri)
     exports = {}
     for fmt in present:
-        if inside is None:
-            copy_tree(source, fmt, store, f"{run}/export/{fmt}")
-            exports[fmt] = f"{run}/export/{fmt}"
-        else:
+        if inside is not None and source.read_manifest(fmt) is not None:
             exports[fmt] = f"{inside}/{fmt}" if inside else fmt
+            continue
+        # Elsewhere, or without the manifest the evaluation verifies against: tonight's run gets a verified copy.
+        dest = f"{run}/export/{fmt}"
+        if copy_tree(source, fmt, store, dest) is None:
+            store.write_manifest(dest, [k for k in store.list(dest + "/") if not k.endswith("/manifest.json")])
+        exports[fmt] = dest
     first = next((f for f in formats if f in present), present[0])
     lineage = json.loads(source.get_bytes(f"{first}/draftline.json")) if source.exists(f"{first}/draftline.json") \
         else {}

@@ -272,15 +272,23 @@ def test_production_drafter_inside_the_store_is_read_in_place_and_outside_is_cop
     store = open_store(str(tmp_path / "runs"))
     for fmt in ("vllm", "sglang"):
         _export(tmp_path / "runs" / "demo" / "export" / fmt, b"weights")
+    # Hand-placed exports have no manifest to verify against: tonight's run gets a verified copy.
+    unverified = production_drafter(str(tmp_path / "runs" / "demo" / "export"), ["vllm", "sglang"], store, "n0")
+    assert unverified.exports == {"sglang": "n0/export/sglang", "vllm": "n0/export/vllm"}
+    assert store.get_dir("n0/export/vllm").joinpath("model.safetensors").read_bytes() == b"weights"
+    # Exports the export stage published (with manifests) are read in place.
+    for fmt in ("vllm", "sglang"):
+        store.write_manifest(f"demo/export/{fmt}", ["config.json", "model.safetensors", "draftline.json"])
     inside = production_drafter(str(tmp_path / "runs" / "demo" / "export"), ["vllm", "sglang"], store, "n1")
     assert inside.exports == {"sglang": "demo/export/sglang", "vllm": "demo/export/vllm"}
     assert inside.lineage["run"] == "demo" and not store.list("n1/")
+    assert inside.fingerprints == unverified.fingerprints
 
     elsewhere = tmp_path / "prod" / "drafter"
     _export(elsewhere / "vllm", b"weights", exported_at="2026-11-02T00:00:00Z")
     outside = production_drafter(str(elsewhere), ["vllm"], store, "n2")
     assert outside.exports == {"vllm": "n2/export/vllm"}
-    assert store.get_bytes("n2/export/vllm/model.safetensors") == b"weights"
+    assert store.get_dir("n2/export/vllm").joinpath("model.safetensors").read_bytes() == b"weights"
     # Same weights re-exported (only the lineage note differs): same fingerprint; other weights: another one.
     assert outside.fingerprints["vllm"] == inside.fingerprints["vllm"]
     _export(tmp_path / "prod" / "perturbed" / "vllm", b"weights+noise")
