@@ -30,8 +30,16 @@ def _env_file(path: Path) -> dict[str, str]:
     return dict(re.findall(r"^export (\w+)=(.*)$", path.read_text(), re.M))
 
 
-def _stack_pids(stack_id: str) -> list[int]:
-    """Processes that carry this stack's marker in their environment (how down.sh finds them too)."""
+def _session(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _stack_pids(stack_id: str, sessions: set[int] = frozenset()) -> list[int]:
+    """Processes with this stack's marker in their environment, or in one of these sessions (vLLM's engine process
+    renames itself, which blanks its environment, but stays in its server's session)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -40,7 +48,7 @@ def _stack_pids(stack_id: str) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"DRAFTLINE_STACK_ID={stack_id}".encode() in environ:
+        if f"DRAFTLINE_STACK_ID={stack_id}".encode() in environ or _session(int(entry.name)) in sessions:
             found.append(int(entry.name))
     return found
 
@@ -83,7 +91,8 @@ def stack():
     finally:
         # The last test checks down.sh itself; this only cleans up after a failure before it.
         if (s.dir / "secrets.env").exists() and _stack_pids(s.stack_id):
-            s.script("infra/local/down.sh", "--purge", timeout=120)
+            down = s.script("infra/local/down.sh", "--purge", timeout=180)
+            print(f"down.sh after a failed test: exit {down.returncode}\n{down.stdout}\n{down.stderr}")
 
 
 def _client_settings(stack: Stack):
@@ -264,10 +273,12 @@ def test_pipeline_deployment_runs_its_vllm_evaluation_on_the_engine_pool_with_ar
 
 def test_down_stops_everything_and_leaves_nothing_running(stack):
     stack_id, pids = stack.stack_id, stack.pids()
-    assert _stack_pids(stack_id), "the stack should be running before down.sh"
+    running = _stack_pids(stack_id)
+    assert running, "the stack should be running before down.sh"
+    sessions = {_session(pid) for pid in running} - {os.getsid(0), None}
     down = stack.script("infra/local/down.sh", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert _stack_pids(stack_id) == []
+    assert _stack_pids(stack_id, sessions) == []
     for name, pid in pids.items():
         assert not Path(f"/proc/{pid}").exists(), f"{name} (pid {pid}) still runs"
     assert not (stack.dir / "postgres/postmaster.pid").exists()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stop everything infra/local/up.sh started (workers and their flow runs, the Prefect server, SeaweedFS, Postgres)
 # and leave nothing running; data stays in DRAFTLINE_INFRA_DIR for the next up.sh (add --purge to delete it).
-set -euo pipefail
+# No errexit: a cleanup goes on past any one failure, and says at the end what (if anything) is left.
+set -u
 STATE="${DRAFTLINE_INFRA_DIR:-/var/tmp/draftline-infra}"
 purge=false
 [ "${1:-}" = "--purge" ] && purge=true
@@ -13,16 +14,27 @@ STATE="$(cd "$STATE" && pwd)"
 STACK_ID="$(sed -n 's/^STACK_ID=//p' "$STATE/secrets.env" 2>/dev/null || true)"
 
 # The processes of this stack: up.sh gave each one DRAFTLINE_STACK_ID in its environment (inherited by flow runs,
-# vLLM servers and weed, which all start sessions of their own), so none is missed and nothing else is touched.
+# vLLM servers and weed, which all start sessions of their own), plus every process in the session of such a
+# process (vLLM's engine renames itself, which blanks its environment). Nothing else is touched: not our own
+# session, nor any process without the marker outside the stack's sessions.
+session_of() { local stat; stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1; set -- ${stat##*) }; echo "${4:?}"; }
+own_session="$(session_of $$)"
 stack_pids() {
   [ -n "$STACK_ID" ] || return 0
-  local dir pid
+  local dir pid sid sessions=" "
   for dir in /proc/[0-9]*; do
     pid="${dir#/proc/}"
     [ "$pid" = "$$" ] && continue
-    if tr '\0' '\n' 2>/dev/null < "$dir/environ" | grep -qxF "DRAFTLINE_STACK_ID=$STACK_ID"; then
+    if grep -qzxF "DRAFTLINE_STACK_ID=$STACK_ID" "$dir/environ" 2>/dev/null; then
       echo "$pid"
+      sid="$(session_of "$pid")" && [ "$sid" != "$own_session" ] && sessions+="$sid "
     fi
+  done
+  [ "$sessions" = " " ] && return 0
+  for dir in /proc/[0-9]*; do
+    pid="${dir#/proc/}"
+    sid="$(session_of "$pid")" || continue
+    case "$sessions" in *" $sid "*) grep -qzxF "DRAFTLINE_STACK_ID=$STACK_ID" "$dir/environ" 2>/dev/null || echo "$pid" ;; esac
   done
 }
 stop_group() {  # stop_group NAME: SIGTERM to the process group up.sh started (pid == pgid), wait, then SIGKILL
@@ -57,11 +69,11 @@ if [ -f "$STATE/postgres/postmaster.pid" ] && [ -x "$PG_BIN/pg_ctl" ]; then
 fi
 
 # Whatever is left (a flow run's engine server, a process that ignored SIGTERM) is ended by its id.
-for attempt in 1 2 3 4 5 6 7 8 9 10; do
+for attempt in $(seq 1 15); do
   left="$(stack_pids)"
   [ -z "$left" ] && break
   signal=TERM
-  [ "$attempt" -gt 4 ] && signal=KILL
+  [ "$attempt" -gt 10 ] && signal=KILL  # the engine guard needs up to 10 s to end its group
   for pid in $left; do kill -s "$signal" "$pid" 2>/dev/null || true; done
   sleep 1
 done
