@@ -19,7 +19,6 @@ whole batch is done (no compaction): use batch 1, the default, for timing.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
