@@ -288,14 +288,6 @@ class SafetensorsStream(io.RawIOBase):
         return n
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a reproducible safetensors file (see SafetensorsStream) to a local path."""
-    stream = SafetensorsStream(tensors, metadata)
-    with open(path, "wb") as f:
-        while chunk := stream.read(64 << 20):
-            f.write(chunk)
-
-
 def _write_shard(store, run: str, plan: ShardPlan, spec: str, extractor: HiddenStateExtractor, traces: list[dict],
                  order: list[int], cu: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> dict:
     """Serialize one shard to a local temp file (contract D), upload it, publish its completion record."""
