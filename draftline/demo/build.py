@@ -91,7 +91,7 @@ def run_training(work: Path, trained: Path, seconds: float, steps: dict[str, int
         raise SystemExit(f"training failed with exit codes {codes}")
 
 
-def greedy_samples_and_speed(assets: Path, n_samples: int = 3, new_tokens: int = 64) -> dict:
+def greedy_samples_and_speed(assets: Path, n_samples: int = 2, new_tokens: int = 48) -> dict:
     """Greedy answers to the first eval prompts (raw and chat) and CPU decode speed, per target (transformers, fp32)."""
     import time
 
@@ -114,14 +114,14 @@ def greedy_samples_and_speed(assets: Path, n_samples: int = 3, new_tokens: int =
             out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:]
             samples.append({"id": row["id"], "kind": kind, "prompt": row.get("prompt") or row["messages"][0]["content"],
                             "completion": tok.decode(out)})
-        # Decode speed: batch 1, 128 new tokens with eos ignored, after one warm-up call.
+        # Decode speed: batch 1, 64 new tokens with eos ignored, after one warm-up call.
         ids = tok(raw[0]["prompt"], return_tensors="pt")["input_ids"]
         model.generate(ids, max_new_tokens=8, do_sample=False)
         speed = {}
         for dtype in (torch.float32, torch.bfloat16):
             model.to(dtype)
             t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=False)
+            out = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
             speed[str(dtype).split(".")[-1]] = round((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0), 1)
         report[name] = {"samples": samples, "cpu_tokens_per_s": speed, "torch_threads": torch.get_num_threads()}
     return report
