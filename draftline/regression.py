@@ -683,7 +683,7 @@ def plot_history(verdict: Verdict, history: dict[str, list[HistoryRecord]], path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     for e in verdict.engines:
         if e.figures.status != "ok":
             ax1.plot([], [], " ", label=f"{e.engine}: {e.figures.status} ({e.figures.reason})")
@@ -709,7 +709,6 @@ def plot_history(verdict: Verdict, history: dict[str, list[HistoryRecord]], path
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.suptitle(f"target {verdict.target}, drafter {verdict.drafter} (lineage {verdict.lineage})", fontsize=9)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
