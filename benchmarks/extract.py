@@ -231,7 +231,9 @@ def cpu_bench(args) -> dict:
         rows[kind] = {"forward_tokens_per_s": tokens / t_fwd, "full_extraction_tokens_per_s": tokens / t_full,
                       "tokens": tokens, "hidden": extractor.hidden_size,
                       "bytes_per_token": 8 * extractor.hidden_size + 9}
+    # Shared CI machines run other jobs: the load average says how much of the CPU these figures had.
     return {"hardware": platform.processor() or platform.machine(), "cpu_threads": torch.get_num_threads(),
+            "load_average_1m": os.getloadavg()[0],
             "torch": torch.__version__, "targets": rows}
 
 
