@@ -686,7 +686,8 @@ def plot_history(verdict: Verdict, history: dict[str, list[HistoryRecord]], path
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     for e in verdict.engines:
         if e.figures.status != "ok":
-            ax1.plot([], [], " ", label=f"{e.engine}: {e.figures.status} ({e.figures.reason})")
+            reason = (e.figures.reason or "")[:60] + ("..." if len(e.figures.reason or "") > 60 else "")
+            ax1.plot([], [], " ", label=f"{e.engine}: {e.figures.status} ({reason})")
             continue
         past = [r for r in history.get(e.engine, []) if r.figures.status == "ok"]
         figs = [r.figures for r in past] + [e.figures]
