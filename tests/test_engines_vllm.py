@@ -209,6 +209,9 @@ def test_baseline_and_eagle3_serve_the_same_prompts_at_each_concurrency(vllm_eva
 def test_acceptance_from_metrics_is_consistent_and_matches_the_reference_decoder(vllm_eval, reference):
     result, _ = vllm_eval
     acc = result.acceptance
+    print(f"vLLM {acc.mean_acceptance_length:.3f} per position {acc.per_position}; reference "
+          f"{reference['mean_acceptance_length']:.3f} per position {reference['per_position_acceptance']}; "
+          f"{result.parity.verdict}")
     assert acc.num_drafts > 0 and acc.num_draft_tokens == K * acc.num_drafts
     # Chain drafting: a later position is only accepted after the earlier ones, and the per-position counts
     # add up to the accepted total.
@@ -255,6 +258,9 @@ def test_served_acceptance_agrees_with_vllms_offline_metrics_on_the_same_prompts
     offline = json.loads(line.split(" ", 1)[1])
     served = result.points[0].acceptance  # concurrency 1: each prompt once, as offline
     offline_len = 1 + offline["accepted"] / offline["drafts"]
+    print(f"served (concurrency 1): length {served.mean_acceptance_length:.3f} over {served.num_drafts} drafts, "
+          f"per position {served.per_position}; offline: length {offline_len:.3f} over {offline['drafts']} drafts, "
+          f"accepted per position {offline['per_position']}")
     assert served.mean_acceptance_length == pytest.approx(offline_len, abs=OFFLINE_TOLERANCE)
     assert served.num_drafts == pytest.approx(offline["drafts"], rel=0.1)
     offline_pp = [a / offline["drafts"] for a in offline["per_position"]]
@@ -280,6 +286,7 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     wrong = good.model_copy(update={"drafter": "drafter-wrong-ids", "drafter_path": str(trained_demo.drafter_wrong_ids),
                                     "acceptance": combine_acceptance([a for _, a, _ in runs]), "parity": None})
     flagged = with_parity(EvalResult.model_validate(wrong.model_dump()), reference, 0.8, cfg)
+    print(f"right ids: {good.parity.verdict}; wrong ids: {flagged.parity.verdict}")
     assert flagged.parity.integration_suspected, flagged.parity.verdict
     assert flagged.parity.value < good.parity.value
     assert any("aux-layer ids" in c for c in flagged.parity.likely_causes)
