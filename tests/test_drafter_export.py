@@ -91,7 +91,7 @@ def test_real_vllm_loads_the_sglang_and_speculators_exports(tmp_path):
         from vllm import LLM, SamplingParams
         if __name__ == "__main__":
             fmt, path = sys.argv[1], sys.argv[2]
-            llm = LLM(model={str(DEMO_LLAMA)!r}, max_model_len=512, dtype="bfloat16", disable_log_stats=False,
+            llm = LLM(model={str(DEMO_LLAMA)!r}, max_model_len=512, dtype="bfloat16", disable_log_stats=False, enforce_eager=True,
                       speculative_config={{"method": "eagle3", "model": path, "num_speculative_tokens": 3}})
             out = llm.generate(["def main():"], SamplingParams(max_tokens=24, temperature=0.0))
             drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
