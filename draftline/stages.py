@@ -66,7 +66,12 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
     """The reference decoder's acceptance on the same eval prompts and k; returns the store key of its JSON."""
     from draftline import decode
 
-    drafter_dir = _drafter_dir(store, exports, "sglang" if "sglang" in exports else next(iter(exports)))
+    # The trained checkpoint, not an export: an export bug must show as a parity gap, not cancel out in both.
+    trained = f"{config.run}/train/drafter"
+    if store.read_manifest(trained) is not None:
+        drafter_dir = store.get_dir(trained)
+    else:
+        drafter_dir = _drafter_dir(store, exports, "sglang" if "sglang" in exports else next(iter(exports)))
     summary = decode.reference_acceptance(
         config.target.path, drafter_dir, config.eval.prompts, k=config.eval.reference.num_speculative_tokens,
         max_new_tokens=config.eval.max_new_tokens, max_prompts=config.eval.reference.max_prompts or config.eval.max_prompts,
