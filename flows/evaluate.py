@@ -31,7 +31,9 @@ def _engine_deployment_run(config: PipelineConfig, engine: EngineConfig, exports
         raise EngineError(f"the {engine.engine} evaluation run {child.name} ended "
                           f"{child.state.name if child.state else 'without a state'}; see it in the Prefect UI",
                           transient=False)
-    return child.state.result()
+    # The child wrote its EvalResult to the store; the parent reads it there, so no result storage needs to be
+    # shared between the engine's worker and this one (Kubernetes pods share none).
+    return f"{config.run}/eval/{engine.engine}/result.json"
 
 
 @flow(name="evaluate", log_prints=True)

