@@ -1,7 +1,11 @@
 """Speculative-decoding speedup of the reference decoder next to the analytic bound tau / (1 + k * c).
 
-    python benchmarks/decode.py            # GPU: a >=1B-parameter Llama-shaped target (random weights), bf16
+    python benchmarks/decode.py            # GPU: demo-llama inflated to a 1.04B Llama shape, bf16
     python benchmarks/decode.py --cpu      # the demo target assets/demo-llama on CPU, float32, demo sizes
+
+The GPU target is assets/demo-llama embedded in a Llama-3.2-1B-like shape (draftline.demo.inflate): it costs a
+1B model's compute per token and writes the demo's plausible Python, so acceptance means something (a random
+target of that size only repeats itself and its drafter learns nothing).
 
 One run does everything on one device: the target answers training prompts greedily (its own traces), the aux and
 final hidden states of those traces are captured with draftline.target's hooks, an EAGLE-3 drafter is trained on
@@ -37,10 +41,6 @@ from draftline.drafter.ttt import TTTModel  # noqa: E402
 from draftline.drafter.vocab import build_vocab, count_tokens  # noqa: E402
 from draftline.target import capture_hidden_states, default_aux_layer_ids  # noqa: E402
 
-# Llama-3.2-1B's shape: 16 layers, hidden 2048, 32 heads / 8 KV heads, MLP 8192, vocab 128256 (1.50B params untied).
-GPU_TARGET = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def parse_args(argv=None):
@@ -60,11 +60,14 @@ def parse_args(argv=None):
     p.add_argument("--metrics", default=None,
                    help="with --drafter: the training run's metrics.json, for the offline acceptance estimate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", default=None,
+                   help="GPU only: write the inflated target (target/) and the trained drafter's exports "
+                        "(drafter/sglang, drafter/vllm) here, for benchmarks/eval_gpu.py")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode-<hw>.json)")
     args = p.parse_args(argv)
     gpu = not args.cpu
-    defaults = (dict(train_prompts=512, eval_prompts=8, trace_tokens=256, eval_tokens=256, train_steps=800,
-                     ttt_steps=5, draft_vocab=32000) if gpu else
+    defaults = (dict(train_prompts=400, eval_prompts=16, trace_tokens=256, eval_tokens=128, train_steps=800,
+                     ttt_steps=5, draft_vocab=2048) if gpu else
                 dict(train_prompts=400, eval_prompts=16, trace_tokens=96, eval_tokens=64, train_steps=300,
                      ttt_steps=3, draft_vocab=2048))
     for key, value in defaults.items():
@@ -80,33 +83,40 @@ def sync(device):
 
 # ---------------------------------------------------------------- target and prompts
 
-def gpu_target(device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**GPU_TARGET)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    with torch.no_grad():  # near-uniform default init; larger embeddings give less degenerate greedy text
-        model.get_input_embeddings().weight.normal_(0, 1.0)
-    return model.eval(), [], "random-llama-1.5b (Llama-3.2-1B shape, random weights)"
-
-
-def random_prompts(n, vocab, length, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
-
-
-def demo_target_and_prompts(args):
+def demo_target_and_prompts(args, device):
+    """demo-llama (CPU, float32) or its 1.04B inflation (GPU, bf16), with the demo's chat prompts encoded."""
     from draftline.decode import eos_token_ids
     from draftline.target import load_target
     from draftline.traces import encode_prompt, read_prompts
 
     target_dir = ROOT / "assets" / "demo-llama"
     model, tok = load_target(target_dir, "float32", "cpu")
+    name = "demo-llama (assets/demo-llama, float32)"
+    if device.type == "cuda":
+        from draftline.demo.inflate import inflate_llama
+
+        model = inflate_llama(model, seed=args.seed, dtype=torch.bfloat16, device=device)
+        name = "demo-llama inflated to 1.04B (draftline.demo.inflate: Llama-3.2-1B-like shape, bf16)"
     enc = lambda f, n: [encode_prompt(tok, p, True) for p in read_prompts(ROOT / "assets" / "prompts" / f)[:n]]
-    return (model, eos_token_ids(target_dir, tok), "demo-llama (assets/demo-llama, float32)",
+    return (model, eos_token_ids(target_dir, tok), name,
             enc("train_prompts.jsonl", args.train_prompts), enc("eval_prompts.jsonl", args.eval_prompts))
+
+
+def save_for_engines(model, drafter, out: Path, k: int, training: dict) -> dict:
+    """The target as a transformers checkpoint with the demo tokenizer, and the drafter in each engine's format."""
+    import shutil
+
+    from draftline.drafter.export import write_format
+
+    target = out / "target"
+    model.save_pretrained(target)
+    for f in (ROOT / "assets" / "demo-llama").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, target / f.name)
+    lineage = {"target": {"path": str(target), "num_layers": model.config.num_hidden_layers},
+               "training": {k_: v for k_, v in training.items() if k_ != "vocab"}, "source": "benchmarks/decode.py"}
+    drafter.config.target_num_layers = model.config.num_hidden_layers
+    return {fmt: str(write_format(drafter, fmt, out / "drafter" / fmt, target, lineage, k)) for fmt in ("sglang", "vllm")}
 
 
 # ---------------------------------------------------------------- the target's own traces and hidden states
@@ -265,13 +275,10 @@ def main(argv=None) -> dict:
         sys.exit("no CUDA device: run with --cpu for the demo sizes")
     device = torch.device("cuda" if gpu else "cpu")
     t_all = time.perf_counter()
+    model, eos, target_name, train_prompts, eval_prompts = demo_target_and_prompts(args, device)
     if gpu:
-        model, eos, target_name = gpu_target(device)
-        train_prompts = random_prompts(args.train_prompts, model.config.vocab_size, 32, args.seed + 1)
-        eval_prompts = random_prompts(args.eval_prompts, model.config.vocab_size, 32, args.seed + 2)
         hw = "h200" if "H200" in torch.cuda.get_device_name(device) else torch.cuda.get_device_name(device).split()[-1].lower()
     else:
-        model, eos, target_name, train_prompts, eval_prompts = demo_target_and_prompts(args)
         hw = "cpu"
     params = sum(p.numel() for p in model.parameters())
     print(f"target {target_name}: {params / 1e9:.3f}B params on {device}", flush=True)
@@ -302,6 +309,7 @@ def main(argv=None) -> dict:
         print(f"drafter trained in {training['train_seconds']:.0f} s; validation accuracy per step "
               f"{[round(a, 3) for a in training['val_accuracy']]}", flush=True)
 
+    saved = save_for_engines(model, drafter, Path(args.save), args.k[0], training) if args.save else None
     runs = []
     for k in args.k:
         r = measure(model, drafter, eval_prompts, k, args.eval_tokens, eos, device)
@@ -315,7 +323,7 @@ def main(argv=None) -> dict:
         "drafter_params": sum(p.numel() for p in drafter.parameters()), "batch_size": 1,
         "train_prompts": len(train_prompts), "trace_tokens": args.trace_tokens, "traces_seconds": traces_s,
         "eval_prompts": len(eval_prompts), "eval_tokens": args.eval_tokens, "training": training,
-        "runs": runs, "fraction_of_bound": min(r["fraction_of_bound"] for r in runs),
+        "saved": saved, "runs": runs, "fraction_of_bound": min(r["fraction_of_bound"] for r in runs),
         "seconds": time.perf_counter() - t_all,
     }
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"decode-{hw}.json"

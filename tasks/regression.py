@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.events import emit_event
+from prefect.runtime import flow_run
 
 from draftline import regression
 from draftline.config import PipelineConfig
@@ -79,6 +80,10 @@ def emit_regression_event(judged: dict, report_uri: str | None) -> str | None:
     """`draftline.regression.detected` with the figures in the payload; deployments/automations.yaml notifies on it."""
     verdict = regression.Verdict.model_validate(judged["verdict"])
     payload = verdict.event_payload(report_uri)
+    # Prefect relates the event to this task's own flow run (regression-check); the nightly run that started it is
+    # what a user opens from an alert, so it is related too.
+    parent = flow_run.get_parent_flow_run_id()
+    related = [{"prefect.resource.id": f"prefect.flow-run.{parent}", "prefect.resource.role": "nightly-run"}] if parent else []
     event = emit_event(
         event=regression.EVENT_NAME,
         resource={
@@ -89,5 +94,6 @@ def emit_regression_event(judged: dict, report_uri: str | None) -> str | None:
             "draftline.causes": ",".join(payload["causes"]),
         },
         payload=payload,
+        related=related,
     )
     return str(event.id) if event else None

