@@ -33,7 +33,7 @@ def small_config(store: Path, run: str, **train) -> dict:
                  "reference": {"num_speculative_tokens": 3},
                  "engines": [{"engine": "vllm", "num_speculative_tokens": 3, "concurrency": [1],
                               "max_model_len": 512, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-                              "ready_timeout_s": 600},
+                              "extra_args": ["--enforce-eager"], "ready_timeout_s": 600},
                              {"engine": "sglang", "num_speculative_tokens": 3, "concurrency": [1],
                               "require_gpu": True}]},
     }

@@ -66,7 +66,9 @@ def demo_config(trained_demo, store_root: Path) -> PipelineConfig:
         "eval": {"prompts": str(trained_demo.eval_prompts), "max_new_tokens": 32, "temperature": 0.0,
                  "reference": {"num_speculative_tokens": K},
                  "engines": [{"engine": "vllm", "num_speculative_tokens": K, "concurrency": [1], "max_model_len": 512,
-                              "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "ready_timeout_s": 600, "retries": 0},
+                              # No torch.compile warm-up: six server starts here, each minutes longer with it.
+                              "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "extra_args": ["--enforce-eager"],
+                              "ready_timeout_s": 600, "retries": 0},
                              {"engine": "sglang", "num_speculative_tokens": K, "require_gpu": True}]},
         # Two cores shared with other jobs: tokens per second swing by more than any sane limit, so this test
         # judges acceptance and parity only (tests/test_regression.py covers the throughput limits).
