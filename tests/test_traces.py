@@ -151,7 +151,7 @@ def test_vllm_endpoint_traces_on_demo_deepseek(tmp_path, target_dirs, tiny_promp
     from draftline.engines.launch import launch
     from draftline.engines.vllm import VllmAdapter
 
-    engine = EngineConfig(engine="vllm", max_model_len=256, retries=0)
+    engine = EngineConfig(engine="vllm", max_model_len=256, retries=0, extra_args=["--enforce-eager"])  # no CPU compile
     spec = VllmAdapter().server_spec(engine, Path(target_dirs["deepseek"]), None, "demo-deepseek")
     with launch(spec, engine, tmp_path / "logs") as server:
         store = open_store(str(tmp_path / "store"))
