@@ -4,6 +4,8 @@
 VENV := .venv/bin
 # A loaded 2-core machine can need longer than Prefect's default to start its ephemeral API.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
+# The machines may have no route to the internet: no telemetry attempts (they log an ERROR line each time).
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 venv:
 	@scripts/setup-venv.sh
