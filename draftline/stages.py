@@ -131,6 +131,8 @@ def print_summary(config: PipelineConfig, report: dict[str, Any], elapsed_s: flo
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:  # piped or logged (CI, make): rich would wrap the notes at 80 columns
+        console = Console(width=140)
     table = Table(title=f"draftline run {config.run!r}: target {config.target.display_name}")
     for col in ("engine", "status", "concurrency", "acceptance_length", "speedup", "parity", "note"):
         table.add_column(col.replace("_", " "), overflow="fold")
