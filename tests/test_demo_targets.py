@@ -14,7 +14,8 @@ from safetensors import safe_open
 from draftline.demo.corpus import is_held_out, module_name, stdlib_root
 from draftline.demo.models import TARGET_NAMES
 from tests.fixtures.demo_targets import (ASSETS, EAGLE3_ON_VLLM_CPU, NUM_SPECULATIVE_TOKENS, PARITY_NEW_TOKENS,
-                                         run_vllm, write_untrained_drafter)
+                                         MLA_DRAFTER_ARCHITECTURE, run_vllm, write_untrained_drafter,
+                                         write_untrained_mla_drafter)
 
 MIB = 1 << 20
 
@@ -234,3 +235,23 @@ def test_vllm_cpu_serves_the_mla_target_with_an_eagle3_drafter(tmp_path):
                          "multiples of 32; not a draftline bug")
         raise
     assert result["spec_metrics"]["vllm:spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_cpu_serves_the_mla_target_with_an_mla_eagle3_drafter(tmp_path):
+    """vLLM's own MLA EAGLE-3 head (deepseek_eagle3.py) uses CPU_MLA like the target, so the shared KV cache group has
+    one block size: an untrained head of that layout, written by the fixture, loads (strict: every key and shape)
+    and is consulted."""
+    target = ASSETS / "demo-deepseek"
+    drafter = write_untrained_mla_drafter(target, tmp_path / "mla-drafter")
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["architectures"] == [MLA_DRAFTER_ARCHITECTURE]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    result = run_vllm(target, drafter, [[1, 535, 1777]], tmp_path)
+    assert len(result["outputs"][0]) == PARITY_NEW_TOKENS
+    m = result["spec_metrics"]
+    drafts = m["vllm:spec_decode_num_drafts"]
+    assert drafts > 0, m  # the drafter was really consulted
+    assert m["vllm:spec_decode_num_draft_tokens"] == NUM_SPECULATIVE_TOKENS * drafts
+    assert 0 <= m["vllm:spec_decode_num_accepted_tokens"] <= m["vllm:spec_decode_num_draft_tokens"]
