@@ -48,13 +48,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def step_ratio(target_dir: Path, drafter_dir: Path, prompts_path: str, k: int, device: str, n_prompts: int = 4) -> dict:
+def step_ratio(target, target_dir: Path, drafter_dir: Path, prompts_path: str, k: int, device: str,
+               n_prompts: int = 4) -> dict:
     """c and the reference decoder's own batch-1 speedup, timed on this GPU (benchmarks/decode.py's measure)."""
-    model, tok = load_target(target_dir, "bfloat16", device)
+    model, tok = target
     drafter = decode.load_drafter(drafter_dir, model, torch.bfloat16, device)
     prompts = [encode_prompt(tok, p, True) for p in read_prompts(prompts_path)[:n_prompts]]
     out = measure(model, drafter, prompts, k, 128, decode.eos_token_ids(target_dir, tok), torch.device(device))
-    del model, drafter
+    del drafter
     return out
 
 
@@ -64,11 +65,13 @@ def main(argv=None) -> dict:
     target_dir, sglang_dir, vllm_dir = saved / "target", saved / "drafter" / "sglang", saved / "drafter" / "vllm"
     t0 = time.perf_counter()
     # Reference acceptance from the trained checkpoint (SGLang layout), on the engines' prompts and k.
+    target = load_target(target_dir, "bfloat16", args.device)  # loaded once for the reference and for c
     reference = decode.reference_acceptance(target_dir, sglang_dir, args.prompts, k=args.k,
                                             max_new_tokens=args.max_new_tokens, device=args.device, dtype="bfloat16",
-                                            max_prompts=args.max_prompts, batch_size=16)
+                                            max_prompts=args.max_prompts, batch_size=16, target=target)
     print(f"reference: tau {reference['mean_acceptance_length']:.3f} in {time.perf_counter() - t0:.0f} s", flush=True)
-    timing = step_ratio(target_dir, sglang_dir, args.prompts, args.k, args.device)
+    timing = step_ratio(target, target_dir, sglang_dir, args.prompts, args.k, args.device)
+    del target
     print(f"c = {timing['c']:.3f} (drafter {timing['drafter_call_ms']:.2f} ms / target step "
           f"{timing['target_step_ms']:.2f} ms)", flush=True)
     gc.collect()

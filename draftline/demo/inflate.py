@@ -84,6 +84,7 @@ def inflate_llama(small, shape: dict | None = None, seed: int = 0, dtype: torch.
     lm.norm.weight.fill_(1.0)
     lm.norm.weight[:hs] = sm.norm.weight * norm_scale
     put(model.lm_head.weight, small.lm_head.weight, slice(None))
+    qrows, kvrows = head_rows(q_heads), head_rows(range(s.num_key_value_heads))
     real = dict(zip(layer_positions(s.num_hidden_layers, cfg.num_hidden_layers), sm.layers))
     for i, layer in enumerate(lm.layers):
         layer.self_attn.o_proj.weight.zero_()
@@ -95,8 +96,6 @@ def inflate_llama(small, shape: dict | None = None, seed: int = 0, dtype: torch.
             continue
         layer.input_layernorm.weight[:hs] = src.input_layernorm.weight * norm_scale
         layer.post_attention_layernorm.weight[:hs] = src.post_attention_layernorm.weight * norm_scale
-        qrows = head_rows(q_heads)
-        kvrows = head_rows(range(s.num_key_value_heads))
         put(layer.self_attn.q_proj.weight, src.self_attn.q_proj.weight, qrows)
         put(layer.self_attn.k_proj.weight, src.self_attn.k_proj.weight, kvrows)
         put(layer.self_attn.v_proj.weight, src.self_attn.v_proj.weight, kvrows)
