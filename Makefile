@@ -13,6 +13,8 @@ venv:
 demo: venv
 	$(VENV)/python -m flows.pipeline configs/demo.yaml
 
+# Two xdist workers: most tests wait on one busy core (tests/conftest.py says how modules are kept together).
+TEST_WORKERS ?= 2
 test: venv
 	@scripts/setup-system.sh
-	$(VENV)/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

@@ -1,6 +1,32 @@
-"""Shared pytest setup: every module in tests/fixtures/ is a fixture plugin, so helpers add fixtures without editing this file."""
+"""Shared pytest setup: fixture plugins from tests/fixtures/, and what running the suite on two xdist workers needs.
+
+`make test` runs the suite on two pytest-xdist workers (--dist loadgroup): its tests mostly wait on one busy core
+each (a vLLM server, a Prefect flow, a single-threaded training run), so a 2-core machine runs two at a time.
+"""
+import os
+import tempfile
 from pathlib import Path
+
+import pytest
+
+# Each worker gets its own Prefect home: flows run without a server use Prefect's ephemeral API over a SQLite file
+# there, and two workers writing one file fail with "database is locked". Set before any test module imports Prefect.
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if _worker:
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"draftline-prefect-home-{_worker}-")
 
 pytest_plugins = sorted(
     f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
 )
+
+# Modules that share one session fixture's processes and must run on one worker: test_engines_vllm checks that no
+# process of the trained demo target survives, which a nightly run on the other worker would otherwise break.
+SHARED_GROUPS = {"test_engines_vllm": "trained-demo", "test_regression_nightly": "trained-demo"}
+
+
+def pytest_collection_modifyitems(items):
+    """Under --dist loadgroup, keep each module on one worker (module fixtures, ordered tests) unless it names a group."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.module.__name__.rsplit(".", 1)[-1]
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
