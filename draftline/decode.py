@@ -357,7 +357,8 @@ def _plain_static_target(model, batch: int, slots: int, use_graphs: bool):
     have = getattr(model, "_draftline_plain_static", None)
     if have is None or have.batch != batch or have.num_slots < slots or have.use_graphs != use_graphs:
         model._draftline_plain_static = None  # free the old buffers and graphs before allocating new ones
-        have = StaticTarget(model, None, batch, round_slots(slots), lengths=(1,), use_graphs=use_graphs)
+        have = StaticTarget(model, None, batch, round_slots(slots, 128 if batch == 1 else 16), lengths=(1,),
+                            use_graphs=use_graphs)
         have.use_graphs = use_graphs
         model._draftline_plain_static = have
     return have
@@ -552,7 +553,7 @@ class SpeculativeDecoder:
         have = self.static
         if have is None or have[0].batch != batch or have[0].num_slots < slots:
             self.static = None  # free the old buffers and graphs first
-            slots = round_slots(slots)
+            slots = round_slots(slots, 128 if batch == 1 else 16)
             self.static = (StaticTarget(self.model, self.aux_layer_ids, batch, slots, lengths=(self.k + 1,),
                                         use_graphs=use_graphs),
                            StaticDrafter(self.drafter, batch, slots, self.k + 1, use_graphs=use_graphs))

@@ -49,7 +49,8 @@ def slots_needed(prompt_slots: int, max_new_tokens: int, k: int, batch: int) -> 
 
 
 def round_slots(slots: int, multiple: int = 128) -> int:
-    """Capacity rounded up, so nearby prompt lengths reuse the same buffers and captured graphs."""
+    """Capacity rounded up, so nearby prompt lengths reuse the same buffers and captured graphs (batch 1, the
+    latency case, rounds coarsely; large batches finely, since every row attends over every slot)."""
     return -(-slots // multiple) * multiple
 
 
