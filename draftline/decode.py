@@ -129,7 +129,7 @@ class Generation:
     target_seconds: float = 0.0  # time inside target forwards, only when profiled
     drafter_seconds: float = 0.0  # time inside drafter forwards, only when profiled
     drafter_forwards: int = 0
-    mode: str = "eager"  # "eager" | "static-eager" | "cuda-graphs" (see the module docstring)
+    mode: str = "eager"  # "eager" | "static-eager" | "cuda-graphs" | "cuda-graphs-partial" (draftline.decode_static)
     setup_seconds: float = 0.0  # fast path: buffer allocation and graph capture, not part of `seconds`
 
     @property
@@ -596,7 +596,9 @@ class SpeculativeDecoder:
 
         while rows.any_active:
             active = rows.active[:]
-            # Draft steps write slots base.., which the drafter's read of the verified slots overwrites below.
+            # This iteration's positions and slots, computed once: draft step j and verified token j share them.
+            verify_pos = lengths[:, None] + offsets  # [B, k+1] logical (RoPE) positions
+            verify_slots = base + offsets  # [k+1] physical slots; draft steps' slots are overwritten below
             drafts, q_probs = [], []
             step_logits, step_hidden = last_logits, last_hidden
             for j in range(k):
@@ -614,19 +616,18 @@ class SpeculativeDecoder:
                 if j + 1 < k:
                     with timer.drafter():
                         step_logits, step_hidden = drafter.draft(drafts[-1][:, None], step_hidden,
-                                                                 (lengths + j)[:, None], base + j)
+                                                                 verify_pos[:, j:j + 1], verify_slots[j:j + 1])
                     step_logits = step_logits[:, -1]
             drafts_t = torch.stack(drafts, dim=1)  # [B, k]
 
             verify_ids = torch.cat([pending[:, None], drafts_t], dim=1)
-            verify_pos = lengths[:, None] + offsets
             with timer.target():
                 logits, aux = target(verify_ids, verify_pos, base)
             accepted, bonus = self._verify(logits, drafts_t, q_probs, generator)
 
             # Rejected slots become masked holes; slots past the longest accepted run are overwritten next time.
             slot_kept = offsets[None, :] <= accepted[:, None]
-            target.key_valid.index_copy_(1, base + offsets, slot_kept)
+            target.key_valid.index_copy_(1, verify_slots, slot_kept)
             next_ids = torch.cat([drafts_t, bonus[:, None]], dim=1)
             next_ids[arange_b, accepted] = bonus
             with timer.drafter():

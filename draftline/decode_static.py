@@ -19,7 +19,13 @@ verify already can relative to a 1-token step. Acceptance is counted exactly as 
 
 Modes (Generation.mode): "cuda-graphs" (CUDA, every captured forward replays), "static-eager" (the same
 fixed-shape code run eagerly: on CPU, or on CUDA after a failed capture, whose error is kept in
-StaticTarget.capture_error / StaticDrafter.capture_error), and "eager" (draftline.decode's reference path).
+StaticTarget.capture_error / StaticDrafter.capture_error), "cuda-graphs-partial" (one of the two captured, the other
+failed), and "eager" (draftline.decode's reference path). Capture fails on models whose forward syncs the host or
+has data-dependent shapes (transformers' DeepSeek-V3 MoE routing, for one); decoding then stays right, only slower.
+
+Host syncs: one per speculative iteration (the accepted counts and tokens, for EOS and max_new_tokens) and one per
+plain step; prefill runs eagerly (its length varies). Capture and buffer allocation happen at the first call for a
+batch size and capacity and are reported apart (Generation.setup_seconds), outside the timed decoding.
 """
 from __future__ import annotations
 

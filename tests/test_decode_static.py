@@ -148,3 +148,21 @@ def test_reference_names_the_mode_it_ran(target_dirs, tmp_path):
                             k=3, max_new_tokens=8, device="cpu", max_prompts=2, fast=True, target=(model, tok)).summary()
     assert summary["mode"] == "static-eager" and summary["plain_mode"] == "static-eager"
     assert summary["greedy_outputs_match"] is True
+
+
+def test_the_benchmark_measures_the_fast_path_with_its_own_calls():
+    """benchmarks/decode.py's measure on the static path: the code a GPU run executes, capture aside."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("benchmark_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = tiny_target("llama", vocab=6)
+    prompts = random_prompts(2, 6, seed=4)
+    r = bench.measure(model, random_drafter(model, std=0.5), prompts, 3, 12, [], torch.device("cpu"), fast=True,
+                      time_repeats=3)
+    assert r["mode"] == ["plain:static-eager", "spec:static-eager"] and r["greedy_outputs_match"] is True
+    assert r["c"] > 0 and r["drafter_call_ms"] > 0 and r["target_step_ms"] > 0 and r["verify_step_ms"] > 0
+    assert r["bound"] == pytest.approx(r["tau"] / (1 + 3 * r["c"]))
