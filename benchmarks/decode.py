@@ -12,10 +12,18 @@ final hidden states of those traces are captured with draftline.target's hooks, 
 them with draftline's TTT graph (draftline.drafter.ttt), and then plain and speculative greedy decoding (batch 1,
 the latency case speculation is for) run on held-out prompts. Reported:
   tau   = mean acceptance length (vLLM's definition, 1 + accepted / drafts) measured in the speculative run;
-  c     = drafter forward time / plain target decode-step time, both measured in this run;
+  c     = drafter forward time / plain target decode-step time, both measured in this run with the machinery the
+          decoding used: on the fast path (draftline.decode_static; CUDA graphs on a GPU) the drafter's T=1 call and
+          the target's T=1 call, each replayed many times at batch 1 between two syncs; on the eager path the
+          synchronised timers of profiled speculative runs and the plain run's time per step;
   bound = tau / (1 + k * c): the speedup if verifying k+1 tokens cost one plain step and nothing else cost time;
   fraction_of_bound = measured speedup / bound (the issue's goal: >= 0.8).
 Greedy outputs of both runs are compared token for token (float noise in bf16 may rarely flip a near tie on GPU).
+The implementation that ran is reported as "mode" ("cuda-graphs", "static-eager" or "eager"; --fast picks, auto =
+the fast path on a GPU); a GPU run also reports the eager path's figures on a few prompts ("eager", secondary).
+
+With --save the target and drafter exports are written right after training, before any decoding measurement, and
+a failed measurement still writes the JSON (with "error"), so later benchmarks can use the saved files.
 
 Needs only torch, transformers and safetensors (no pydantic, Prefect or store). Writes benchmarks/results/decode-<hw>.json.
 """
@@ -64,6 +72,13 @@ def parse_args(argv=None):
                    help="GPU only: write the inflated target (target/) and the trained drafter's exports "
                         "(drafter/sglang, drafter/vllm) here, for benchmarks/eval_gpu.py")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode-<hw>.json)")
+    p.add_argument("--fast", choices=("auto", "on", "off"), default="auto",
+                   help="decoding implementation: on = static caches (CUDA graphs on a GPU), off = the eager "
+                        "reference, auto = on for a GPU")
+    p.add_argument("--eager-prompts", type=int, default=None,
+                   help="also measure the eager path on this many eval prompts when the fast path ran "
+                        "(default 4 on a GPU, 0 on CPU)")
+    p.add_argument("--time-repeats", type=int, default=200, help="replays per forward when timing c on the fast path")
     args = p.parse_args(argv)
     gpu = not args.cpu
     defaults = (dict(train_prompts=400, eval_prompts=16, trace_tokens=256, eval_tokens=128, train_steps=800,
@@ -73,6 +88,8 @@ def parse_args(argv=None):
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.eager_prompts is None:
+        args.eager_prompts = 4 if gpu else 0
     return args
 
 
@@ -226,16 +243,24 @@ def train_drafter(model, rows, val_rows, args, device):
 
 # ---------------------------------------------------------------- measurement
 
-def measure(model, drafter, prompts, k, new_tokens, eos, device):
-    decoder = SpeculativeDecoder(model, drafter, k, eos_token_ids=eos)
-    decoder.generate(prompts[:1], 8)  # warm-up: allocator, kernels
-    plain_decode(model, prompts[:1], 8, eos_token_ids=eos)
+def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, time_repeats=200):
+    """Plain and speculative greedy decoding at batch 1 on `prompts`, c, tau and the bound; fast as in SpeculativeDecoder."""
+    from draftline.decode_static import time_call
+
+    decoder = SpeculativeDecoder(model, drafter, k, eos_token_ids=eos, fast=fast)
+    # Warm-up: allocator, kernels, and on the fast path the buffers and graphs (sized for the longest prompt, so
+    # the timed runs reuse them).
+    longest = max(prompts, key=len)
+    decoder.generate([longest], new_tokens)
+    plain_decode(model, [longest], new_tokens, eos_token_ids=eos, fast=fast)
     plain_s = spec_s = 0.0
     plain_fw = plain_tokens = spec_tokens = 0
-    stats, match = None, True
+    stats, match, modes, setup_s = None, True, set(), 0.0
     for p in prompts:  # batch 1, alternating, so drift in machine speed hits both alike
-        plain = plain_decode(model, [p], new_tokens, eos_token_ids=eos)
+        plain = plain_decode(model, [p], new_tokens, eos_token_ids=eos, fast=fast)
         spec = decoder.generate([p], new_tokens)
+        modes.update({f"spec:{spec.mode}", f"plain:{plain.mode}"})
+        setup_s += plain.setup_seconds + spec.setup_seconds
         plain_s, plain_fw, plain_tokens = plain_s + plain.seconds, plain_fw + plain.target_forwards, plain_tokens + plain.num_tokens
         spec_s, spec_tokens = spec_s + spec.seconds, spec_tokens + spec.num_tokens
         match = match and spec.tokens == plain.tokens
@@ -246,22 +271,35 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device):
                 setattr(stats, f, getattr(stats, f) + getattr(spec.stats, f))
             stats.accepted_per_position = [a + b for a, b in zip(stats.accepted_per_position, spec.stats.accepted_per_position)]
             stats.accepted_histogram = [a + b for a, b in zip(stats.accepted_histogram, spec.stats.accepted_histogram)]
-    # c: more speculative passes, batch 1 like the measurement, with synchronised timers around every forward.
-    profiled = [decoder.generate([p], new_tokens, profile=True) for p in prompts[:4]]
-    drafter_call_s = sum(g.drafter_seconds for g in profiled) / sum(g.drafter_forwards for g in profiled)
-    verify_s = sum(g.target_seconds for g in profiled) / sum(g.target_forwards for g in profiled)
-    target_step_s = plain_s / plain_fw
+    timing = {}
+    if decoder.static is not None:
+        # The forwards the decoding loop ran, replayed on the inputs of the last run (batch 1), synced around.
+        target, heads = decoder.static
+        plain_target = model._draftline_plain_static
+        drafter_call_s = time_call(heads.step, time_repeats)
+        target_step_s = time_call(plain_target.calls[1], time_repeats)
+        verify_s = time_call(target.calls[k + 1], time_repeats)
+        timing = {"drafter_read_ms": 1e3 * time_call(heads.read, time_repeats),
+                  "plain_step_wall_ms": 1e3 * plain_s / plain_fw,
+                  "capture_errors": [e for e in (plain_target.capture_error, target.capture_error,
+                                                 heads.capture_error) if e]}
+    else:
+        # Eager: more speculative passes with synchronised timers around every forward.
+        profiled = [decoder.generate([p], new_tokens, profile=True) for p in prompts[:4]]
+        drafter_call_s = sum(g.drafter_seconds for g in profiled) / sum(g.drafter_forwards for g in profiled)
+        verify_s = sum(g.target_seconds for g in profiled) / sum(g.target_forwards for g in profiled)
+        target_step_s = plain_s / plain_fw
     c = drafter_call_s / target_step_s
     tau = stats.mean_acceptance_length
     speedup = (spec_tokens / spec_s) / (plain_tokens / plain_s)
     bound = tau / (1 + k * c)
     return {
-        "k": k, "tau": tau, "per_position_acceptance": stats.per_position_acceptance,
+        "k": k, "mode": sorted(modes), "tau": tau, "per_position_acceptance": stats.per_position_acceptance,
         "conditional_acceptance": stats.conditional_acceptance, "accepted_histogram": stats.accepted_histogram,
         "num_drafts": stats.num_drafts, "plain_tokens_per_s": plain_tokens / plain_s,
         "spec_tokens_per_s": spec_tokens / spec_s, "speedup": speedup, "c": c,
         "drafter_call_ms": 1e3 * drafter_call_s, "target_step_ms": 1e3 * target_step_s,
-        "verify_step_ms": 1e3 * verify_s,
+        "verify_step_ms": 1e3 * verify_s, **timing, "setup_seconds": setup_s,
         "bound": bound, "fraction_of_bound": speedup / bound, "greedy_outputs_match": match,
         "tokens": plain_tokens,
     }
@@ -310,12 +348,28 @@ def main(argv=None) -> dict:
         print(f"drafter trained in {training['train_seconds']:.0f} s; validation accuracy per step "
               f"{[round(a, 3) for a in training['val_accuracy']]}", flush=True)
 
+    # Exports first: a later benchmark (eval_gpu.py) needs them even if a measurement below fails.
     saved = save_for_engines(model, drafter, Path(args.save), args.k[0], training) if args.save else None
-    runs = []
-    for k in args.k:
-        r = measure(model, drafter, eval_prompts, k, args.eval_tokens, eos, device)
-        r["offline_estimate"] = expected_acceptance(training["val_accuracy"], k) if training["val_accuracy"] else None
-        runs.append(r)
+    fast = {"auto": None, "on": True, "off": False}[args.fast]
+    runs, error = [], None
+    try:
+        for k in args.k:
+            r = measure(model, drafter, eval_prompts, k, args.eval_tokens, eos, device, fast=fast,
+                        time_repeats=args.time_repeats)
+            r["offline_estimate"] = expected_acceptance(training["val_accuracy"], k) if training["val_accuracy"] else None
+            if args.eager_prompts and not any(m.endswith(":eager") for m in r["mode"]):
+                eager = measure(model, drafter, eval_prompts[:args.eager_prompts], k, args.eval_tokens, eos, device,
+                                fast=False)
+                r["eager"] = {key: eager[key] for key in ("mode", "tau", "speedup", "c", "bound", "fraction_of_bound",
+                                                          "plain_tokens_per_s", "spec_tokens_per_s", "drafter_call_ms",
+                                                          "target_step_ms", "greedy_outputs_match")}
+                r["eager"]["prompts"] = len(eval_prompts[:args.eager_prompts])
+            runs.append(r)
+    except Exception as exc:  # keep what was measured and say what failed; the exports above stay usable
+        import traceback
+
+        error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        print(f"measurement failed: {error['traceback']}", flush=True)
     result = {
         "benchmark": "decode", "hw": hw,
         "device": torch.cuda.get_device_name(device) if gpu else platform.processor() or platform.machine(),
@@ -324,20 +378,27 @@ def main(argv=None) -> dict:
         "drafter_params": sum(p.numel() for p in drafter.parameters()), "batch_size": 1,
         "train_prompts": len(train_prompts), "trace_tokens": args.trace_tokens, "traces_seconds": traces_s,
         "eval_prompts": len(eval_prompts), "eval_tokens": args.eval_tokens, "training": training,
-        "saved": saved, "runs": runs, "fraction_of_bound": min(r["fraction_of_bound"] for r in runs),
-        "seconds": time.perf_counter() - t_all,
+        "saved": saved, "runs": runs,
+        "fraction_of_bound": min(r["fraction_of_bound"] for r in runs) if runs else None,
+        "error": error, "seconds": time.perf_counter() - t_all,
     }
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"decode-{hw}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{'k':>2} {'tau':>6} {'offline':>7} {'c':>6} {'bound':>6} {'speedup':>7} {'fraction':>8} "
-          f"{'plain tok/s':>11} {'spec tok/s':>10} {'match':>5}")
+          f"{'plain tok/s':>11} {'spec tok/s':>10} {'match':>5}  mode")
     for r in runs:
         offline = r["offline_estimate"]["mean_acceptance_length"] if r["offline_estimate"] else float("nan")
         print(f"{r['k']:>2} {r['tau']:6.3f} {offline:7.3f} {r['c']:6.3f} "
               f"{r['bound']:6.3f} {r['speedup']:7.3f} {r['fraction_of_bound']:8.3f} {r['plain_tokens_per_s']:11.1f} "
-              f"{r['spec_tokens_per_s']:10.1f} {str(r['greedy_outputs_match']):>5}")
+              f"{r['spec_tokens_per_s']:10.1f} {str(r['greedy_outputs_match']):>5}  {' '.join(r['mode'])}")
+        if "eager" in r:
+            e = r["eager"]
+            print(f"   eager path on {e['prompts']} prompts: speedup {e['speedup']:.3f}, c {e['c']:.3f}, "
+                  f"fraction of bound {e['fraction_of_bound']:.3f}")
     print(f"wrote {out}")
+    if error:
+        sys.exit(f"measurement failed ({error['type']}: {error['message']}); {out} has what was measured")
     return result
 
 

@@ -5,7 +5,8 @@ against the reference decoder and the speedup next to the bound tau / (1 + k * c
     python benchmarks/eval_gpu.py /tmp/bench --out benchmarks/results/eval-h200.json
 
 tau is vLLM's mean acceptance length at concurrency 1 (from /metrics); c = one drafter forward / one plain target
-decode step, both timed here on the same GPU with draftline's reference decoder (transformers, eager, batch 1).
+decode step, both timed here on the same GPU with draftline's reference decoder (transformers; its fast path, static
+caches replayed as CUDA graphs, batch 1).
 The reference decoder's acceptance on the same prompts gives parity = vLLM tau / reference tau.
 Needs vllm (GPU build) and draftline's dependencies, no Prefect.
 """

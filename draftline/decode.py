@@ -16,6 +16,16 @@ so its output is distributed exactly as the target's own samples.
 Batches hold rows that advance by different amounts; rejected positions stay in the KV caches as masked holes
 (each row keeps its own RoPE positions), so rows never wait for each other. Finished rows keep computing until the
 whole batch is done (no compaction): use batch 1, the default, for timing.
+
+Two implementations of the same algorithm, chosen by `fast` on SpeculativeDecoder and plain_decode (None: fast on
+CUDA, eager elsewhere); Generation.mode says which ran:
+  * "eager": the reference below, over transformers' DynamicCache (grown by concatenation, cropped after
+    rejections). Simple and exact, but host-bound on a GPU (Python work per forward, several syncs per step).
+  * "cuda-graphs" / "static-eager": draftline.decode_static's preallocated caches with fixed-shape forwards,
+    replayed as CUDA graphs on CUDA ("static-eager": the same code without capture, on CPU or when capture fails),
+    with one host sync per speculative iteration. Same tokens and acceptance as the eager path in float32 (tested);
+    in bf16 the longer masked key range may round differently and flip a near tie. Plain decoding uses the same
+    machinery, so speedups compare like with like.
 """
 from __future__ import annotations
 
@@ -119,6 +129,8 @@ class Generation:
     target_seconds: float = 0.0  # time inside target forwards, only when profiled
     drafter_seconds: float = 0.0  # time inside drafter forwards, only when profiled
     drafter_forwards: int = 0
+    mode: str = "eager"  # "eager" | "static-eager" | "cuda-graphs" | "cuda-graphs-partial" (draftline.decode_static)
+    setup_seconds: float = 0.0  # fast path: buffer allocation and graph capture, not part of `seconds`
 
     @property
     def num_tokens(self) -> int:
@@ -283,6 +295,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _use_fast_path(fast: bool | None, device) -> bool:
+    """None means on for CUDA, where the eager path is host-bound; off elsewhere (the exact reference)."""
+    return torch.device(device).type == "cuda" if fast is None else bool(fast)
+
+
+def _static_mode(*parts) -> str:
+    captured = [p.graphs for p in parts]
+    return "cuda-graphs" if all(captured) else "cuda-graphs-partial" if any(captured) else "static-eager"
+
+
 def _check_common(max_new_tokens: int, temperature: float) -> None:
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be at least 1")
@@ -294,11 +316,19 @@ def _check_common(max_new_tokens: int, temperature: float) -> None:
 
 @torch.no_grad()
 def plain_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0) -> Generation:
-    """Decode the target alone, one token per forward, with the same batching and masking as the speculative path."""
+                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0,
+                 fast: bool | None = None) -> Generation:
+    """Decode the target alone, one token per forward, with the same batching and masking as the speculative path.
+
+    fast: the static-cache path (CUDA graphs on CUDA) instead of the eager one; None = on for CUDA. Its buffers and
+    graphs are kept on the model object and reused while batch size and capacity fit.
+    """
     _check_common(max_new_tokens, temperature)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    if _use_fast_path(fast, device):
+        return _plain_decode_static(model, prompts, max_new_tokens, temperature, eos_token_ids, pad_token_id,
+                                    generator, use_graphs=torch.device(device).type == "cuda")
     _sync(device)
     start = time.perf_counter()
     target = _Target(model, None)
@@ -320,6 +350,51 @@ def plain_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *
     return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start, target_forwards=target.forwards)
 
 
+def _plain_static_target(model, batch: int, slots: int, use_graphs: bool):
+    """The StaticTarget plain decoding reuses (kept on the model), rebuilt when batch, capacity or mode change."""
+    from draftline.decode_static import StaticTarget, round_slots
+
+    have = getattr(model, "_draftline_plain_static", None)
+    if have is None or have.batch != batch or have.num_slots < slots or have.use_graphs != use_graphs:
+        model._draftline_plain_static = None  # free the old buffers and graphs before allocating new ones
+        have = StaticTarget(model, None, batch, round_slots(slots, 128 if batch == 1 else 16), lengths=(1,),
+                            use_graphs=use_graphs)
+        have.use_graphs = use_graphs
+        model._draftline_plain_static = have
+    return have
+
+
+def _plain_decode_static(model, prompts, max_new_tokens, temperature, eos_token_ids, pad_token_id, generator,
+                         use_graphs: bool) -> Generation:
+    from draftline.decode_static import slots_needed
+
+    device = next(model.parameters()).device
+    ids, valid, positions = _left_pad(prompts, pad_token_id, device)
+    _sync(device)
+    setup_start = time.perf_counter()
+    target = _plain_static_target(model, len(prompts), slots_needed(ids.shape[1], max_new_tokens, 0, len(prompts)),
+                                  use_graphs)
+    target.reset()
+    _sync(device)
+    start = time.perf_counter()
+    rows = _Rows(len(prompts), max_new_tokens, eos_token_ids)
+    logits, _ = target.prefill(ids, positions, valid)
+    nxt = _pick(logits[:, -1], temperature, generator)
+    for row, t in enumerate(nxt.tolist()):
+        rows.emit(row, [t])
+    lengths = valid.sum(1)
+    slot = torch.full((1,), ids.shape[1], dtype=torch.long, device=device)
+    while rows.any_active:
+        logits, _ = target(nxt[:, None], lengths[:, None], slot)
+        lengths, slot = lengths + 1, slot + 1
+        nxt = _pick(logits[:, -1], temperature, generator)
+        for row, t in enumerate(nxt.tolist()):
+            rows.emit(row, [t])
+    _sync(device)
+    return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start, target_forwards=target.forwards,
+                      mode=_static_mode(target), setup_seconds=start - setup_start)
+
+
 # ---------------------------------------------------------------- speculative decoding
 
 # How draft tokens are chosen when temperature > 0. "greedy" (vLLM's default draft_sample_method) proposes the drafter's
@@ -333,11 +408,16 @@ class SpeculativeDecoder:
 
     The drafter pairs the target's aux hidden state at position t (fc of the inputs of the layers named by its
     aux_layer_ids, vLLM convention) with the token at t+1 and predicts the token at t+2, at RoPE position t.
+
+    fast: run draftline.decode_static's static caches (CUDA graphs on CUDA) instead of the eager reference;
+    None = on for CUDA. The buffers and graphs are built at the first generate and reused while the batch size
+    matches and the capacity suffices (rebuilding, e.g. for a longer prompt, costs a capture again). Both paths
+    support ragged batches; one host sync per iteration in the fast path, several in the eager one.
     """
 
     def __init__(self, target_model, drafter, k: int, *, temperature: float = 0.0,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0,
-                 draft_sampling: str = "greedy"):
+                 draft_sampling: str = "greedy", fast: bool | None = None):
         if k < 1:
             raise ConfigError(f"k={k} draft tokens per step must be at least 1")
         if draft_sampling not in DRAFT_SAMPLING:
@@ -361,6 +441,8 @@ class SpeculativeDecoder:
         self.seed = seed
         self.draft_sampling = draft_sampling
         self.aux_layer_ids = list(cfg.aux_layer_ids)
+        self.fast = fast
+        self.static = None  # (StaticTarget, StaticDrafter) of the fast path, built at first use
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, profile: bool = False,
@@ -370,6 +452,8 @@ class SpeculativeDecoder:
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(self.seed if seed is None else seed)
         timer = _Timer(device, profile)
+        if _use_fast_path(self.fast, device):
+            return self._generate_static(prompts, max_new_tokens, generator, timer)
         _sync(device)
         start = time.perf_counter()
 
@@ -461,6 +545,113 @@ class SpeculativeDecoder:
                           stats=stats, target_seconds=timer.target_s, drafter_seconds=timer.drafter_s,
                           drafter_forwards=drafter.forwards)
 
+    def _static_runners(self, batch: int, slots: int):
+        from draftline.decode_static import StaticDrafter, StaticTarget, round_slots
+
+        device = next(self.model.parameters()).device
+        use_graphs = torch.device(device).type == "cuda"
+        have = self.static
+        if have is None or have[0].batch != batch or have[0].num_slots < slots:
+            self.static = None  # free the old buffers and graphs first
+            slots = round_slots(slots, 128 if batch == 1 else 16)
+            self.static = (StaticTarget(self.model, self.aux_layer_ids, batch, slots, lengths=(self.k + 1,),
+                                        use_graphs=use_graphs),
+                           StaticDrafter(self.drafter, batch, slots, self.k + 1, use_graphs=use_graphs))
+        return self.static
+
+    def _generate_static(self, prompts, max_new_tokens: int, generator, timer: "_Timer") -> Generation:
+        """The eager loop of generate() over static caches: same choices, same acceptance, fixed-shape forwards."""
+        from draftline.decode_static import slots_needed
+
+        device = next(self.model.parameters()).device
+        k, temp, batch = self.k, self.temperature, len(prompts)
+        ids, valid, positions = _left_pad(prompts, self.pad_token_id, device)
+        _sync(device)
+        setup_start = time.perf_counter()
+        target, drafter = self._static_runners(batch, slots_needed(ids.shape[1], max_new_tokens, k, batch))
+        target.reset()
+        drafter.reset()
+        _sync(device)
+        start = time.perf_counter()
+
+        stats = AcceptanceStats(k=k)
+        rows = _Rows(batch, max_new_tokens, self.eos_token_ids)
+        draft_ids = self.drafter.draft_token_ids
+        vocab = self.drafter.config.vocab_size
+        arange_b = torch.arange(batch, device=device)
+        offsets = torch.arange(k + 1, device=device)
+
+        with timer.target():
+            logits, aux = target.prefill(ids, positions, valid)
+        first = _pick(logits[:, -1], temp, generator)
+        for row, t in enumerate(first.tolist()):
+            rows.emit(row, [t])
+        lengths = valid.sum(1)  # logical position of each row's pending token
+        pending = first
+        next_ids = torch.cat([ids[:, 1:], first[:, None]], dim=1)
+        with timer.drafter():
+            d_logits, d_hidden = drafter.prefill(next_ids, aux, positions, valid)
+        last_logits, last_hidden = d_logits[:, -1], d_hidden[:, -1:]
+        base = torch.full((1,), ids.shape[1], dtype=torch.long, device=device)  # first free slot, both caches
+
+        while rows.any_active:
+            active = rows.active[:]
+            # This iteration's positions and slots, computed once: draft step j and verified token j share them.
+            verify_pos = lengths[:, None] + offsets  # [B, k+1] logical (RoPE) positions
+            verify_slots = base + offsets  # [k+1] physical slots; draft steps' slots are overwritten below
+            drafts, q_probs = [], []
+            step_logits, step_hidden = last_logits, last_hidden
+            for j in range(k):
+                if temp == 0.0:
+                    idx = step_logits.argmax(-1)
+                elif self.draft_sampling == "greedy":
+                    idx = step_logits.argmax(-1)
+                    q_probs.append(F.one_hot(draft_ids[idx], vocab).float())
+                else:
+                    probs = torch.softmax(step_logits / temp, dim=-1)
+                    idx = _sample(probs, generator)
+                    q = torch.zeros(batch, vocab, device=device)
+                    q_probs.append(q.index_copy_(1, draft_ids, probs))
+                drafts.append(draft_ids[idx])
+                if j + 1 < k:
+                    with timer.drafter():
+                        step_logits, step_hidden = drafter.draft(drafts[-1][:, None], step_hidden,
+                                                                 verify_pos[:, j:j + 1], verify_slots[j:j + 1])
+                    step_logits = step_logits[:, -1]
+            drafts_t = torch.stack(drafts, dim=1)  # [B, k]
+
+            verify_ids = torch.cat([pending[:, None], drafts_t], dim=1)
+            with timer.target():
+                logits, aux = target(verify_ids, verify_pos, base)
+            accepted, bonus = self._verify(logits, drafts_t, q_probs, generator)
+
+            # Rejected slots become masked holes; slots past the longest accepted run are overwritten next time.
+            slot_kept = offsets[None, :] <= accepted[:, None]
+            target.key_valid.index_copy_(1, verify_slots, slot_kept)
+            next_ids = torch.cat([drafts_t, bonus[:, None]], dim=1)
+            next_ids[arange_b, accepted] = bonus
+            with timer.drafter():
+                d_logits, d_hidden = drafter.read_verified(next_ids, aux, verify_pos, base, slot_kept)
+            last_logits = d_logits[arange_b, accepted]
+            last_hidden = d_hidden[arange_b, accepted][:, None]
+            base = base + accepted.max() + 1
+            lengths = lengths + accepted + 1
+            pending = bonus
+
+            # The iteration's one host sync, after all its device work is queued: rows' output, EOS, length.
+            report = torch.cat([accepted[:, None], drafts_t, bonus[:, None]], dim=1).tolist()
+            for row in range(batch):
+                if active[row]:
+                    acc = report[row][0]
+                    stats.record(acc)
+                    rows.emit(row, report[row][1:1 + acc] + [report[row][k + 1]])
+
+        _sync(device)
+        return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start, target_forwards=target.forwards,
+                          stats=stats, target_seconds=timer.target_s, drafter_seconds=timer.drafter_s,
+                          drafter_forwards=drafter.forwards, mode=_static_mode(target, drafter),
+                          setup_seconds=start - setup_start)
+
     def _verify(self, logits, drafts, q_probs, generator):
         """(accepted [B], next token [B]) from target logits [B, k+1, V] and drafts [B, k]."""
         k = self.k
@@ -538,6 +729,8 @@ class ReferenceResult:
     greedy_outputs_match: bool | None  # temperature 0: speculative output == plain greedy output, every prompt
     target_forwards_spec: int
     target_forwards_plain: int
+    mode: str = "eager"  # the speculative run's implementation (Generation.mode)
+    plain_mode: str = "eager"
 
     @property
     def spec_tokens_per_s(self) -> float:
@@ -572,6 +765,7 @@ class ReferenceResult:
             "plain_tokens_per_s": self.plain_tokens_per_s, "speedup": self.speedup,
             "greedy_outputs_match": self.greedy_outputs_match,
             "target_forwards_spec": self.target_forwards_spec, "target_forwards_plain": self.target_forwards_plain,
+            "mode": self.mode, "plain_mode": self.plain_mode,
         }
 
 
@@ -611,21 +805,22 @@ def load_drafter(drafter_dir: str | Path, target_model, dtype: torch.dtype, devi
 def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128,
                          device: str = "auto", dtype: str = "float32", *, temperature: float = 0.0,
                          max_prompts: int | None = None, use_chat_template: bool = True, batch_size: int = 1,
-                         seed: int = 0, draft_sampling: str = "greedy", target=None) -> dict:
+                         seed: int = 0, draft_sampling: str = "greedy", target=None, fast: bool | None = None) -> dict:
     """Acceptance of `drafter_dir` on `prompts` (a prompts .jsonl path or contract-B dicts), as JSON-ready figures.
 
     Prompts are encoded as the engines see them (chat template with generation prompt for messages). Plain
     decoding of the same prompts runs in the same process for the speedup. See run_reference for the result object.
+    fast: decode with the static-cache path (CUDA graphs on CUDA), None = on for CUDA; the summary's "mode" says which ran.
     """
     return run_reference(target_dir, drafter_dir, prompts, k, max_new_tokens, device, dtype, temperature=temperature,
                          max_prompts=max_prompts, use_chat_template=use_chat_template, batch_size=batch_size,
-                         seed=seed, draft_sampling=draft_sampling, target=target).summary()
+                         seed=seed, draft_sampling=draft_sampling, target=target, fast=fast).summary()
 
 
 def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128, device: str = "auto",
                   dtype: str = "float32", *, temperature: float = 0.0, max_prompts: int | None = None,
                   use_chat_template: bool = True, batch_size: int = 1, seed: int = 0, draft_sampling: str = "greedy",
-                  target=None) -> ReferenceResult:
+                  target=None, fast: bool | None = None) -> ReferenceResult:
     """Like reference_acceptance, returning the ReferenceResult; `target` = an already loaded (model, tokenizer)."""
     from draftline.target import load_target
     from draftline.traces import encode_prompt, read_prompts
@@ -645,32 +840,37 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: 
     eos = eos_token_ids(target_dir, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     decoder = SpeculativeDecoder(model, drafter, k, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
-                                 seed=seed, draft_sampling=draft_sampling)
+                                 seed=seed, draft_sampling=draft_sampling, fast=fast)
 
-    # Warm-up outside the timed region: first calls pay for allocator growth and kernel selection.
+    # Warm-up outside the timed region: first calls pay for allocator growth and kernel selection (and the fast
+    # path's capture, which a batch that needs more capacity pays again, outside `seconds` too).
     decoder.generate(encoded[:1], min(4, max_new_tokens))
-    plain_decode(model, encoded[:1], min(4, max_new_tokens), eos_token_ids=eos, pad_token_id=pad)
+    plain_decode(model, encoded[:1], min(4, max_new_tokens), eos_token_ids=eos, pad_token_id=pad, fast=fast)
 
     stats = AcceptanceStats(k=k)
     spec_tokens = plain_tokens = spec_fw = plain_fw = 0
     spec_s = plain_s = 0.0
     match = True
+    modes = {"spec": set(), "plain": set()}
     for start in range(0, len(encoded), batch_size):
         batch = encoded[start:start + batch_size]
         plain = plain_decode(model, batch, max_new_tokens, temperature=temperature, eos_token_ids=eos,
-                             pad_token_id=pad, seed=seed + start)
+                             pad_token_id=pad, seed=seed + start, fast=fast)
         spec = decoder.generate(batch, max_new_tokens, seed=seed + start)
         _merge(stats, spec.stats)
         spec_tokens, spec_s, spec_fw = spec_tokens + spec.num_tokens, spec_s + spec.seconds, spec_fw + spec.target_forwards
         plain_tokens, plain_s, plain_fw = plain_tokens + plain.num_tokens, plain_s + plain.seconds, plain_fw + plain.target_forwards
         match = match and spec.tokens == plain.tokens
+        modes["spec"].add(spec.mode)
+        modes["plain"].add(plain.mode)
     return ReferenceResult(
         target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, draft_sampling=draft_sampling,
         dtype=dtype, device=device,
         batch_size=batch_size, num_prompts=len(encoded), max_new_tokens=max_new_tokens, stats=stats,
         spec_tokens=spec_tokens, spec_seconds=spec_s, plain_tokens=plain_tokens, plain_seconds=plain_s,
         greedy_outputs_match=match if temperature == 0.0 else None,
-        target_forwards_spec=spec_fw, target_forwards_plain=plain_fw)
+        target_forwards_spec=spec_fw, target_forwards_plain=plain_fw,
+        mode="+".join(sorted(modes["spec"])), plain_mode="+".join(sorted(modes["plain"])))
 
 
 def _merge(total: AcceptanceStats, part: AcceptanceStats) -> None:

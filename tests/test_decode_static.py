@@ -1,0 +1,168 @@
+"""The fast path of the reference decoder (draftline.decode_static) against the eager reference, on CPU.
+
+On CPU it runs "static-eager": the fixed-shape code the GPU captures and replays, without the capture itself.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftline.decode import SpeculativeDecoder, plain_decode, run_reference
+from draftline.decode_static import StaticDrafter, StaticTarget, slots_needed, time_call
+from draftline.target import load_target
+from tests.test_decode import _exact_joint, random_drafter, random_prompts, tiny_target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _same_stats(a, b) -> None:
+    assert (a.num_drafts, a.num_accepted_tokens, a.accepted_per_position, a.accepted_histogram) == \
+           (b.num_drafts, b.num_accepted_tokens, b.accepted_per_position, b.accepted_histogram)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_static_path_reproduces_plain_greedy_on_the_demo_targets(target_dirs, kind):
+    """float32, chat prompts in one ragged batch (left padding), k=3: output equals unbatched eager plain greedy,
+    acceptance equals the eager speculative path's with the same drafter."""
+    from draftline.traces import encode_prompt, read_prompts
+    from tests.fixtures.tiny_targets import ASSETS
+
+    model, tok = load_target(target_dirs[kind], "float32", "cpu")
+    prompts = [encode_prompt(tok, p, True) for p in read_prompts(ASSETS / "prompts" / "eval_prompts.jsonl")[:6]]
+    assert len({len(p) for p in prompts}) > 1
+    drafter = random_drafter(model)
+    plain = [plain_decode(model, [p], 16, fast=False).tokens[0] for p in prompts]
+    static_plain = plain_decode(model, prompts, 16, fast=True)
+    assert static_plain.mode == "static-eager" and static_plain.tokens == plain
+    fast = SpeculativeDecoder(model, drafter, k=3, fast=True).generate(prompts, 16)
+    eager = SpeculativeDecoder(model, drafter, k=3, fast=False).generate(prompts, 16)
+    assert fast.mode == "static-eager" and eager.mode == "eager"
+    assert fast.tokens == plain == eager.tokens
+    _same_stats(fast.stats, eager.stats)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_static_path_matches_eager_when_rows_accept_different_lengths(kind):
+    """Rows accepting 0..k drafts leave masked holes in the static caches too; batch 1 and ragged batches."""
+    model = tiny_target(kind, vocab=6)
+    drafter = random_drafter(model, std=0.5)
+    prompts = random_prompts(10, 6, seed=2)
+    plain = [plain_decode(model, [p], 30, fast=False).tokens[0] for p in prompts]
+    for k in (1, 4):
+        fast = SpeculativeDecoder(model, drafter, k=k, fast=True).generate(prompts, 30)
+        eager = SpeculativeDecoder(model, drafter, k=k, fast=False).generate(prompts, 30)
+        assert fast.tokens == plain, f"k={k}"
+        _same_stats(fast.stats, eager.stats)
+        assert sum(fast.stats.accepted_histogram[1:]) > 0 and fast.stats.accepted_histogram[0] > 0
+    decoder = SpeculativeDecoder(model, drafter, k=3, fast=True)
+    for p, want in zip(prompts[:3], plain):  # batch 1 reuses one set of buffers across prompts of other lengths
+        assert decoder.generate([p], 30).tokens == [want]
+    assert decoder.static[0].num_slots >= slots_needed(max(len(p) for p in prompts[:3]), 30, 3, 1)
+
+
+def test_static_path_stops_at_eos_like_plain_decoding():
+    model = tiny_target("llama", vocab=6, seed=5)
+    drafter = random_drafter(model, std=0.5)
+    prompts = random_prompts(8, 6, seed=6)
+    eos = plain_decode(model, prompts[:1], 25, fast=False).tokens[0][5]
+    plain = [plain_decode(model, [p], 25, eos_token_ids=[eos], fast=False).tokens[0] for p in prompts]
+    assert plain_decode(model, prompts, 25, eos_token_ids=[eos], fast=True).tokens == plain
+    spec = SpeculativeDecoder(model, drafter, k=4, eos_token_ids=[eos], fast=True).generate(prompts, 25).tokens
+    assert spec == plain and any(len(t) < 25 for t in spec)
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
+def test_static_sampling_draws_what_the_eager_path_draws(draft_sampling):
+    """Same generator, same order of draws, same probabilities: the same samples and acceptance, row by row."""
+    model = tiny_target("llama", vocab=6, seed=11)
+    drafter = random_drafter(model, seed=12, std=0.5)
+    prompts = random_prompts(12, 6, seed=9)
+    kwargs = dict(k=2, temperature=0.8, seed=13, draft_sampling=draft_sampling)
+    fast = SpeculativeDecoder(model, drafter, fast=True, **kwargs).generate(prompts, 12)
+    eager = SpeculativeDecoder(model, drafter, fast=False, **kwargs).generate(prompts, 12)
+    assert fast.tokens == eager.tokens
+    _same_stats(fast.stats, eager.stats)
+    assert 0 < fast.stats.num_accepted_tokens < fast.stats.num_draft_tokens
+    assert plain_decode(model, prompts, 12, temperature=0.8, seed=3, fast=True).tokens == \
+           plain_decode(model, prompts, 12, temperature=0.8, seed=3, fast=False).tokens
+
+
+def test_static_sampling_reproduces_the_target_distribution():
+    """tests/test_decode.py's distribution test (see its bound) through the fast path, probabilistic drafts."""
+    vocab, temp, n = 6, 0.8, 20000
+    model = tiny_target("llama", vocab=vocab, seed=11)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    drafter = random_drafter(model, seed=12, std=0.5)
+    prompt = [1, 4, 2, 5, 0]
+    exact = _exact_joint(model, prompt, vocab, temp).flatten().double()
+    gen = SpeculativeDecoder(model, drafter, k=2, temperature=temp, seed=14, draft_sampling="probabilistic",
+                             fast=True).generate([prompt] * n, 3)
+    assert gen.mode == "static-eager" and all(len(t) == 3 for t in gen.tokens)
+    codes = torch.tensor([a * vocab * vocab + b * vocab + c for a, b, c in gen.tokens])
+    empirical = torch.bincount(codes, minlength=vocab ** 3).double() / n
+    bound = 0.5 * torch.sqrt(exact * (1 - exact) / n).sum().item() + math.sqrt(math.log(1e6) / (2 * n))
+    tv = 0.5 * (empirical - exact).abs().sum().item()
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f}"
+    assert gen.stats.accepted_per_position[1] > 0
+
+
+def test_a_failed_capture_falls_back_to_static_eager_and_says_why():
+    """Asking for graphs where capture cannot work (here: no CUDA) keeps decoding right, without graphs."""
+    model = tiny_target("llama", vocab=6)
+    drafter = random_drafter(model, std=0.5)
+    target = StaticTarget(model, drafter.config.aux_layer_ids, 2, 128, lengths=(4,), use_graphs=True)
+    heads = StaticDrafter(drafter, 2, 128, 4, use_graphs=True)
+    assert target.capture_error and heads.capture_error
+    assert not target.graphs and not heads.graphs
+    decoder = SpeculativeDecoder(model, drafter, k=3, fast=True)
+    decoder.static = (target, heads)
+    prompts = random_prompts(2, 6, seed=3, hi=10)
+    gen = decoder.generate(prompts, 20)
+    assert gen.mode == "static-eager" and decoder.static[0] is target  # the buffers were big enough to reuse
+    assert gen.tokens == [plain_decode(model, [p], 20, fast=False).tokens[0] for p in prompts]
+
+
+def test_step_timing_uses_the_decoding_calls():
+    model = tiny_target("llama", vocab=6)
+    decoder = SpeculativeDecoder(model, random_drafter(model), k=3, fast=True)
+    decoder.generate([[1, 2, 3]], 8)
+    target, drafter = decoder.static
+    assert time_call(drafter.step, repeats=5, warmup=1) > 0 and time_call(target.calls[4], repeats=5, warmup=1) > 0
+
+
+def test_reference_names_the_mode_it_ran(target_dirs, tmp_path):
+    from tests.fixtures.tiny_targets import ASSETS
+
+    model, tok = load_target(target_dirs["llama"], "float32", "cpu")
+    random_drafter(model).save_pretrained(tmp_path / "drafter", convention="sglang", include_embeddings=False)
+    summary = run_reference(target_dirs["llama"], tmp_path / "drafter", ASSETS / "prompts" / "eval_prompts.jsonl",
+                            k=3, max_new_tokens=8, device="cpu", max_prompts=2, fast=True, target=(model, tok)).summary()
+    assert summary["mode"] == "static-eager" and summary["plain_mode"] == "static-eager"
+    assert summary["greedy_outputs_match"] is True
+
+
+def test_the_benchmark_measures_the_fast_path_with_its_own_calls():
+    """benchmarks/decode.py's measure on the static path: the code a GPU run executes, capture aside."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("benchmark_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = tiny_target("llama", vocab=6)
+    prompts = random_prompts(2, 6, seed=4)
+    r = bench.measure(model, random_drafter(model, std=0.5), prompts, 3, 12, [], torch.device("cpu"), fast=True,
+                      time_repeats=3)
+    assert r["mode"] == ["plain:static-eager", "spec:static-eager"] and r["greedy_outputs_match"] is True
+    assert r["c"] > 0 and r["drafter_call_ms"] > 0 and r["target_step_ms"] > 0 and r["verify_step_ms"] > 0
+    assert r["bound"] == pytest.approx(r["tau"] / (1 + 3 * r["c"]))
