@@ -1,9 +1,9 @@
 """Hidden-state extraction speed: matmul peak, hooked forward (MFU), disk bandwidth, full extraction, the naive way.
 
-GPU (H200):  python benchmarks/extract.py            (torch + transformers only; no Prefect, no pydantic)
-CPU (demo):  python benchmarks/extract.py --cpu      (tokens/s on assets/demo-llama and assets/demo-deepseek)
+GPU (H200):  python benchmarks/extract.py --compile  (torch + transformers only; no Prefect, no pydantic)
+CPU smoke:   python benchmarks/extract.py --cpu      (the same measurements on a tiny random Llama, seconds)
 
-Prints a table and writes benchmarks/results/extract-<hw>.json. On GPU every figure comes from ONE run:
+Prints a table and writes benchmarks/results/extract-<hw>.json. Every figure comes from ONE run:
   forward_mfu                   = 2 x decoder-layer params x tokens/s / measured bf16 matmul peak
   fraction_of_binding_ceiling   = full-extraction tokens/s / min(forward tokens/s, fsync'd disk B/s / bytes per token)
 We store 3 aux states + the last state in bf16: 4 x H x 2 B = 8 x H bytes per token, the floor the issue names,
@@ -18,6 +18,7 @@ import platform
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,7 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from draftline.extract import HiddenStateExtractor, SafetensorsStream, ShardPlan, run_overlapped  # noqa: E402
+from draftline.extract import (  # noqa: E402
+    HiddenStateExtractor, HostShard, ShardPlan, length_buckets, run_overlapped, write_hidden_shard,
+)
 from draftline.store import LocalStore  # noqa: E402
 from draftline.target import decoder_layers, default_aux_layer_ids  # noqa: E402
 
@@ -49,9 +52,9 @@ def timed(fn, device, repeat: int = 3, warmup: int = 1) -> float:
     return best
 
 
-def matmul_peak(device, n: int = 8192) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+def matmul_peak(device, n: int = 8192, dtype=torch.bfloat16) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     reps = 20 if device.type == "cuda" else 1
     t = timed(lambda: [a @ b for _ in range(reps)], device)
     return 2 * n**3 * reps / t
@@ -73,15 +76,19 @@ def disk_bandwidth(folder: Path, total: int, chunk: int = 64 << 20) -> float:
     return size / elapsed
 
 
-def llama_1b(device):
-    """A Llama-3.2-1B-shaped target with random weights (speed does not depend on the values)."""
+def llama(device, tiny: bool = False):
+    """A Llama-3.2-1B-shaped target (tiny: 8 layers, hidden 256) with random weights; speed does not depend on values."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
-                      tie_word_embeddings=True, attn_implementation="sdpa")
+    size = (dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2) if tiny else
+            dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=8))
+    cfg = LlamaConfig(**size, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
+                      attn_implementation="sdpa")
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        # bf16 matmuls crawl on most CPUs: the smoke run computes in fp32 (the captured states are bf16 either way).
+        model = LlamaForCausalLM(cfg).to(torch.float32 if tiny else torch.bfloat16)
     return model.eval()
 
 
@@ -91,7 +98,7 @@ def layer_params(model) -> int:
 
 def forward_only(extractor: HiddenStateExtractor, sequences, batch_tokens: int):
     """The hooked forward with the device gather, but no host copy: what the GPU alone can do."""
-    from draftline.extract import length_buckets
+    from draftline.target import capture_hidden_states
 
     h = extractor.hidden_size
     dev = extractor.device
@@ -106,7 +113,6 @@ def forward_only(extractor: HiddenStateExtractor, sequences, batch_tokens: int):
     n_max = max(x.numel() for x in inputs)
     aux = torch.empty((n_max, 3 * h), dtype=torch.bfloat16, device=dev)
     last = torch.empty((n_max, h), dtype=torch.bfloat16, device=dev)
-    from draftline.target import capture_hidden_states
 
     def run():
         with torch.inference_mode():
@@ -127,24 +133,61 @@ def forward_only(extractor: HiddenStateExtractor, sequences, batch_tokens: int):
     return run
 
 
-def full_extraction(extractor: HiddenStateExtractor, shards: list[list[list[int]]], batch_tokens: int, root: Path):
-    """The library's own path: bucketed forward, pinned host copies, writer thread streaming reproducible
-    safetensors into a local store (temp file + fsync + rename per shard). Returns a callable."""
-    store = LocalStore(str(root))
+def as_traces(sequences: list[list[int]]) -> list[dict]:
+    return [{"id": f"t{j}", "input_ids": s, "loss_mask": [1] * len(s)} for j, s in enumerate(sequences)]
 
-    def write(plan, traces, order, cu, aux, last):
-        ids = torch.tensor([t for i in order for t in traces[i]["input_ids"]], dtype=torch.int64)
-        mask = torch.ones_like(ids, dtype=torch.uint8)
-        tensors = {"input_ids": ids, "loss_mask": mask, "cu_seqlens": cu, "aux_hidden_states": aux,
-                   "last_hidden_states": last}
-        store.put_stream(f"bench/hidden/shard-{plan.index:05d}.safetensors",
-                         SafetensorsStream(tensors, {"aux_layer_ids": json.dumps(extractor.aux_layer_ids)}))
+
+def full_extraction(extractor: HiddenStateExtractor, shards: list[list[list[int]]], batch_tokens: int, root: Path,
+                    writer_threads: int, max_batches_in_flight: int | None):
+    """The library's own path (draftline.extract.run_overlapped + write_hidden_shard): bucketed forward, copies into
+    pinned per-batch buffers, shards written from them by a pool of writer threads into a local store (temp file,
+    fsync, rename, completion record). Returns a callable."""
+    store = LocalStore(str(root))
+    traces = [as_traces(s) for s in shards]
+
+    def write(plan, shard_traces, host):
+        write_hidden_shard(store, "bench", plan, "bench", extractor, shard_traces, host)
 
     def run():
-        jobs = ((ShardPlan(i, [], sum(map(len, s)), len(s)), [{"input_ids": x} for x in s]) for i, s in enumerate(shards))
-        run_overlapped(extractor, jobs, write, batch_tokens)
+        jobs = ((ShardPlan(i, [], sum(map(len, s)), len(s)), traces[i]) for i, s in enumerate(shards))
+        run_overlapped(extractor, jobs, write, batch_tokens, writer_threads, max_batches_in_flight)
 
     return run
+
+
+def writer_only(extractor: HiddenStateExtractor, shards: list[list[list[int]]], root: Path, writer_threads: int):
+    """Just the shard writers (hash, write, fsync, publish) on host buffers filled beforehand: the host side alone."""
+    store = LocalStore(str(root))
+    h = extractor.hidden_size
+    n = max(sum(map(len, s)) for s in shards)
+    pinned = extractor.device.type == "cuda"
+    aux = torch.randn((n, 3 * h)).to(torch.bfloat16)
+    last = torch.randn((n, h)).to(torch.bfloat16)
+    if pinned:
+        aux, last = aux.pin_memory(), last.pin_memory()
+    hosts = []
+    for s in shards:
+        lengths = list(map(len, s))
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        m = int(cu[-1])
+        hosts.append(HostShard(list(range(len(s))), cu, [aux[:m]], [last[:m]]))
+    traces = [as_traces(s) for s in shards]
+
+    def run():
+        with ThreadPoolExecutor(writer_threads) as pool:
+            futures = [pool.submit(write_hidden_shard, store, "writer-only", ShardPlan(i, [], 0, 0), "bench",
+                                   extractor, traces[i], hosts[i]) for i in range(len(shards))]
+            for f in futures:
+                f.result()
+
+    return run
+
+
+def device_to_host_copy(device, nbytes: int) -> float:
+    """Bytes/s of one contiguous device→host copy into pinned memory (the copy the extractor issues per batch)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    return nbytes / timed(lambda: dst.copy_(src, non_blocking=True), device)
 
 
 def naive(model, sequences, aux_ids, folder: Path, device):
@@ -166,14 +209,15 @@ def random_sequences(n: int, length: int, vocab: int, seed: int = 0, jitter: boo
     return [torch.randint(10, vocab, (m,), generator=g).tolist() for m in lengths]
 
 
-def gpu_bench(args) -> dict:
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    peak = matmul_peak(device)
-    model = llama_1b(device)
+def bench(args) -> dict:
+    """Every figure from one run, on the GPU or (--cpu) on a tiny random Llama on the CPU."""
+    device = torch.device("cpu" if args.cpu else "cuda")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    peak = matmul_peak(device, n=1024, dtype=torch.float32) if args.cpu else matmul_peak(device)
+    model = llama(device, tiny=args.cpu)
     L, H = model.config.num_hidden_layers, model.config.hidden_size
     params = layer_params(model)
-    extractor = HiddenStateExtractor(None, default_aux_layer_ids(L), device="cuda", model=model)
+    extractor = HiddenStateExtractor(None, default_aux_layer_ids(L), device=device.type, model=model)
     if args.compile:
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward, dynamic=False)
@@ -184,11 +228,14 @@ def gpu_bench(args) -> dict:
     t_fwd = timed(forward_only(extractor, fwd_seqs, batch_tokens), device)
     fwd_tps = len(fwd_seqs) * seq_len / t_fwd
     mfu = 2 * params * fwd_tps / peak
-    bytes_per_token = 8 * H + 8 + 1
+    bytes_per_token = extractor.bytes_per_token + 8 + 1  # + input_ids (int64) and loss_mask (uint8)
+    copy_bw = device_to_host_copy(device, batch_tokens * extractor.bytes_per_token)
+    total_tokens = sum(map(len, (x for s in shards for x in s)))
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         disk = disk_bandwidth(Path(tmp), args.disk_probe_bytes)
-        total_tokens = sum(map(len, (x for s in shards for x in s)))
-        t_full = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store"), device, repeat=2)
+        t_write = timed(writer_only(extractor, shards, Path(tmp) / "writer-only", args.writer_threads), device, repeat=2)
+        t_full = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store", args.writer_threads,
+                                       args.max_batches_in_flight), device, repeat=2)
         full_tps = total_tokens / t_full
         naive_seqs = fwd_seqs[: args.naive_samples]
         (Path(tmp) / "naive").mkdir()
@@ -196,45 +243,29 @@ def gpu_bench(args) -> dict:
                         repeat=1)
         naive_tps = len(naive_seqs) * seq_len / t_naive
     ceiling = min(fwd_tps, disk / bytes_per_token)
+    host_buffers = sum(b.numel() for b in extractor.host_pool._free)
     return {
-        "hardware": name, "torch": torch.__version__, "target": "Llama-3.2-1B-shaped, random weights, bf16, SDPA",
+        "hardware": name, "torch": torch.__version__,
+        "target": "tiny Llama (CPU smoke), random weights, fp32, SDPA" if args.cpu else "Llama-3.2-1B-shaped, random weights, bf16, SDPA",
         "compiled": args.compile, "layers": L, "hidden": H, "decoder_layer_params": params,
         "aux_layer_ids": extractor.aux_layer_ids, "seq_len": seq_len, "batch_tokens": batch_tokens,
         "tokens_per_shard": per_shard * seq_len, "shards": args.shards,
+        "writer_threads": args.writer_threads, "max_batches_in_flight": args.max_batches_in_flight,
         "matmul_peak_tflops": peak / 1e12,
         "forward_tokens_per_s": fwd_tps, "forward_mfu": mfu,
+        "device_to_host_pinned_gb_per_s": copy_bw / 1e9,
         "disk_fsync_write_gb_per_s": disk / 1e9,
         "bytes_per_token": bytes_per_token, "bytes_per_token_floor": 8 * H,
         "disk_bound_tokens_per_s": disk / bytes_per_token,
+        "writer_only_tokens_per_s": total_tokens / t_write,
         "binding_ceiling": "forward" if fwd_tps <= disk / bytes_per_token else "disk",
         "binding_ceiling_tokens_per_s": ceiling,
         "full_extraction_tokens_per_s": full_tps, "fraction_of_binding_ceiling": full_tps / ceiling,
+        "host_buffer_gb": host_buffers / 1e9,
         "naive_tokens_per_s": naive_tps, "speedup_vs_naive": full_tps / naive_tps,
+        "load_average_1m": os.getloadavg()[0],
         "goals": {"forward_mfu": 0.6, "fraction_of_binding_ceiling": 0.8},
     }
-
-
-def cpu_bench(args) -> dict:
-    device = torch.device("cpu")
-    rows = {}
-    for kind in ("llama", "deepseek"):
-        target = REPO / "assets" / f"demo-{kind}"
-        extractor = HiddenStateExtractor(target, None, device="cpu")
-        vocab = extractor.model.config.vocab_size
-        seqs = random_sequences(args.cpu_sequences, args.cpu_seq_len, vocab, jitter=True)
-        tokens = sum(map(len, seqs))
-        t_fwd = timed(forward_only(extractor, seqs, args.cpu_batch_tokens), device, repeat=2)
-        with tempfile.TemporaryDirectory() as tmp:
-            half = len(seqs) // 2
-            t_full = timed(full_extraction(extractor, [seqs[:half], seqs[half:]], args.cpu_batch_tokens,
-                                           Path(tmp)), device, repeat=2)
-        rows[kind] = {"forward_tokens_per_s": tokens / t_fwd, "full_extraction_tokens_per_s": tokens / t_full,
-                      "tokens": tokens, "hidden": extractor.hidden_size,
-                      "bytes_per_token": 8 * extractor.hidden_size + 9}
-    # Shared CI machines run other jobs: the load average says how much of the CPU these figures had.
-    return {"hardware": platform.processor() or platform.machine(), "cpu_threads": torch.get_num_threads(),
-            "load_average_1m": os.getloadavg()[0],
-            "torch": torch.__version__, "targets": rows}
 
 
 def print_table(result: dict) -> None:
@@ -247,34 +278,35 @@ def print_table(result: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="CPU mode: tokens/s on the demo targets")
+    ap.add_argument("--cpu", action="store_true", help="smoke run on the CPU: a tiny random Llama, small sizes (seconds)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (GPU)")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch-tokens", type=int, default=16384, help="tokens per forward (>= 16k on the H200)")
-    ap.add_argument("--tokens-per-shard", type=int, default=65536)
-    ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--naive-samples", type=int, default=16)
-    ap.add_argument("--disk-probe-bytes", type=int, default=4 << 30)
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048; --cpu: 64)")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per forward (16384, >= 16k on the H200; --cpu: 256)")
+    ap.add_argument("--tokens-per-shard", type=int, default=None, help="65536 (--cpu: 256)")
+    ap.add_argument("--shards", type=int, default=None, help="8 (--cpu: 3)")
+    ap.add_argument("--naive-samples", type=int, default=None, help="16 (--cpu: 2)")
+    ap.add_argument("--disk-probe-bytes", type=int, default=None, help="4 GiB (--cpu: 64 MiB)")
+    ap.add_argument("--writer-threads", type=int, default=3, help="shards written side by side (extract.writer_threads)")
+    ap.add_argument("--max-batches-in-flight", type=int, default=None, help="host batch buffers at most (extract.max_batches_in_flight)")
     ap.add_argument("--workdir", default=None, help="folder on the disk to measure (default: the temp dir)")
-    ap.add_argument("--cpu-sequences", type=int, default=16)
-    ap.add_argument("--cpu-seq-len", type=int, default=256)
-    ap.add_argument("--cpu-batch-tokens", type=int, default=2048)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/extract-<hw>.json)")
     args = ap.parse_args()
+    sizes = (dict(seq_len=64, batch_tokens=256, tokens_per_shard=256, shards=3, naive_samples=2,
+                  disk_probe_bytes=64 << 20) if args.cpu else
+             dict(seq_len=2048, batch_tokens=16384, tokens_per_shard=65536, shards=8, naive_samples=16,
+                  disk_probe_bytes=4 << 30))
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if not args.cpu and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --cpu for the demo-target figures")
-    result = cpu_bench(args) if args.cpu else gpu_bench(args)
+        sys.exit("no CUDA device: run with --cpu for a smoke run")
+    result = bench(args)
     hw = "cpu" if args.cpu else "".join(c for c in result["hardware"].lower().split()[-1] if c.isalnum())
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"extract-{hw}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"hidden-state extraction benchmark ({result['hardware']})")
-    if args.cpu:
-        for kind, row in result["targets"].items():
-            print(f" demo-{kind}:")
-            print_table(row)
-    else:
-        print_table(result)
+    print_table(result)
     print(f"wrote {out}")
 
 

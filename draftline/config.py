@@ -99,6 +99,10 @@ class ExtractConfig(Strict):
     batch_tokens: int = Field(4096, ge=16)
     tokens_per_shard: int = Field(65536, ge=16)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Shards serialised and fsync'd at once, one per thread, while the next shard computes: the disk stays busy.
+    writer_threads: int = Field(3, ge=1)
+    # Host buffers of at most this many batches exist at once; None bounds them by writer_threads + 1 shards only.
+    max_batches_in_flight: int | None = Field(None, ge=1)
 
     @field_validator("aux_layer_ids")
     @classmethod

@@ -21,6 +21,14 @@ class IntegrityError(StoreError):
     """Stored bytes do not match their manifest entry (size or sha256)."""
 
 
+class ShardWriteError(DraftlineError):
+    """A shard could not be written (on a writer thread); names the shard and keeps the cause's `transient`."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
 class EngineError(DraftlineError):
     """An engine server failed to load or to serve. `log_tail` holds its last output lines."""
 

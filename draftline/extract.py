@@ -1,11 +1,11 @@
 """Traces → hidden-state shards: one hooked forward per length-bucketed batch, bf16 capture, overlapped copies and writes."""
 from __future__ import annotations
 
-import io
 import json
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -13,7 +13,7 @@ import torch
 
 if TYPE_CHECKING:  # the benchmark runs this module on GPU machines that have torch and transformers only
     from draftline.config import ExtractConfig
-from draftline.errors import ConfigError
+from draftline.errors import ConfigError, ShardWriteError, is_transient
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 from draftline.target import (
     VLLM, capture_hidden_states, decoder_model, load_target, num_layers, read_target_config, target_fingerprint,
@@ -112,12 +112,87 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+class HostBufferPool:
+    """Reusable host buffers for batch results, at most `limit` handed out at once (acquire blocks: backpressure).
+
+    Pinned on CUDA: only pinned memory takes a device→host copy at full speed, and pinning is slow, so buffers are
+    kept and reused rather than freed.
+    """
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.limit: int | None = None
+        self._free: list[torch.Tensor] = []
+        self._handed_out = 0
+        self._changed = threading.Condition()
+
+    def acquire(self, nbytes: int, min_bytes: int = 0) -> torch.Tensor:
+        """A flat uint8 buffer of at least nbytes (a new one gets max(nbytes, min_bytes)); blocks at the limit."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.limit is None or self._handed_out < self.limit)
+            self._handed_out += 1
+            # Indices, not list.remove: tensors compare elementwise.
+            by_size = sorted(range(len(self._free)), key=lambda i: self._free[i].numel())
+            fitting = [i for i in by_size if self._free[i].numel() >= nbytes]
+            if fitting:
+                return self._free.pop(fitting[0])
+            if self._free:  # too small for this batch: replace one rather than grow the pool
+                self._free.pop(by_size[0])
+        try:
+            return torch.empty(max(nbytes, min_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+        except BaseException:
+            self.release(None)
+            raise
+
+    def release(self, buf: torch.Tensor | None) -> None:
+        with self._changed:
+            if buf is not None:
+                self._free.append(buf)
+            self._handed_out -= 1
+            self._changed.notify_all()
+
+
+@dataclass
+class HostShard:
+    """One shard's hidden states in host memory, as per-batch row blocks whose concatenation is the shard's tensor.
+
+    `order` is the longest-first sequence order the shard keeps; on CUDA the blocks are filled asynchronously,
+    so readers call wait() first, and release() hands the buffers back to the pool once the shard is written.
+    """
+
+    order: list[int]
+    cu_seqlens: torch.Tensor
+    aux_blocks: list[torch.Tensor]
+    last_blocks: list[torch.Tensor]
+    copied: torch.cuda.Event | None = None
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    pool: HostBufferPool | None = None
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def aux(self) -> torch.Tensor:
+        self.wait()
+        return torch.cat(self.aux_blocks)
+
+    def last(self) -> torch.Tensor:
+        self.wait()
+        return torch.cat(self.last_blocks)
+
+    def release(self) -> None:
+        self.wait()  # a pending copy must not land in a buffer that is already reused
+        buffers, self.buffers = self.buffers, []
+        for buf in buffers:
+            self.pool.release(buf)
+
+
 class HiddenStateExtractor:
     """Holds a loaded target with hooks on the aux layers and the final norm; turns token sequences into host tensors.
 
     Each batch: one forward of the decoder stack (no lm_head), the hooks gather the real (unpadded) tokens of each
-    captured tensor into a bf16 device staging buffer, and one contiguous copy moves it into a pinned host buffer on
-    a side stream, so the next batch computes while the copy runs.
+    captured tensor into a bf16 device staging buffer, and one contiguous copy per captured tensor moves it into
+    the batch's own contiguous pinned host buffer on a side stream, so the next batch computes while it copies.
     """
 
     def __init__(self, target_dir: str | Path | None, aux_layer_ids: list[int] | None = None, device: str = "auto",
@@ -137,21 +212,12 @@ class HiddenStateExtractor:
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        self.host_pool = HostBufferPool(pinned=self._cuda)
 
-    def host_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host tensors for one shard. On CUDA they are pinned and recycled from a ring of two (pinning is slow),
-        so a result stays valid until two more shards were extracted: one being written, one being computed."""
-        h = self.hidden_size
-        if not self._cuda:
-            return torch.empty((tokens, 3 * h), dtype=torch.bfloat16), torch.empty((tokens, h), dtype=torch.bfloat16)
-        self._ring_next = (getattr(self, "_ring_next", -1) + 1) % 2
-        ring = self.__dict__.setdefault("_ring", [None, None])
-        slot = ring[self._ring_next]
-        if slot is None or slot[0].shape[0] < tokens:
-            slot = (torch.empty((tokens, 3 * h), dtype=torch.bfloat16, pin_memory=True),
-                    torch.empty((tokens, h), dtype=torch.bfloat16, pin_memory=True))
-            ring[self._ring_next] = slot
-        return slot[0][:tokens], slot[1][:tokens]
+    @property
+    def bytes_per_token(self) -> int:
+        """Host bytes of one token's states: 3 aux + the last hidden state, bf16."""
+        return 4 * self.hidden_size * 2
 
     def _stage(self, slot: int, n: int):
         """Device staging buffers for `n` tokens, two slots used alternately (reuse waits for that slot's copy)."""
@@ -167,66 +233,76 @@ class HiddenStateExtractor:
             self._staging[slot] = (aux, last, None)
         return aux[:n], last[:n]
 
-    @torch.inference_mode()
-    def extract_into(self, sequences: list[list[int]], order: list[list[int]], offsets: list[int],
-                     aux_out: torch.Tensor, last_out: torch.Tensor) -> None:
-        """Run every batch of `order` (lists of sequence indices) and fill rows offsets[i].. of aux_out/last_out."""
-        h = self.hidden_size
-        pad = 0
-        for b, batch in enumerate(order):
-            lengths = [len(sequences[i]) for i in batch]
-            width = max(lengths)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : lengths[row]] = torch.tensor(sequences[i], dtype=torch.long)
-            # Flat positions of real tokens, row by row; right padding + causal attention leaves them unaffected.
-            flat = torch.cat([torch.arange(row * width, row * width + n) for row, n in enumerate(lengths)])
-            n_tok = flat.numel()
-            start = offsets[batch[0]]
-            if self._cuda:
-                stage_aux, stage_last = self._stage(b % 2, n_tok)
-                ids = ids.pin_memory().to(self.device, non_blocking=True)
-                flat = flat.pin_memory().to(self.device, non_blocking=True)
-            else:  # on CPU the hooks write straight into the host buffer: no staging, no copy
-                stage_aux, stage_last = aux_out[start:start + n_tok], last_out[start:start + n_tok]
-            slots = {"aux0": 0, "aux1": 1, "aux2": 2}
-
-            def sink(name, hidden):
-                rows = hidden.reshape(-1, h).index_select(0, flat)
-                if name == "last":
-                    stage_last.copy_(rows)
-                else:
-                    s = slots[name]
-                    stage_aux[:, s * h:(s + 1) * h].copy_(rows)
-
-            with capture_hidden_states(self.model, self.aux_layer_ids, sink):
-                self.decoder(input_ids=ids, use_cache=False)
-            if self._cuda:
-                compute = torch.cuda.current_stream(self.device)
-                self._copy_stream.wait_stream(compute)
-                with torch.cuda.stream(self._copy_stream):
-                    aux_out[start:start + n_tok].copy_(stage_aux, non_blocking=True)
-                    last_out[start:start + n_tok].copy_(stage_last, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self._copy_stream)
-                a, l, _ = self._staging[b % 2]
-                self._staging[b % 2] = (a, l, event)
-        if self._cuda:
-            self._copy_stream.synchronize()
-
-    def extract(self, sequences: list[list[int]], batch_tokens: int):
-        """Sequences → (order, cu_seqlens, aux [N, 3H], last [N, H]); the shard keeps the longest-first batch order."""
+    def extract(self, sequences: list[list[int]], batch_tokens: int, shard: int | None = None) -> HostShard:
+        """Run the length-bucketed batches of `sequences`; the result's blocks stay valid until its release()."""
         lengths = [len(s) for s in sequences]
         batches = length_buckets(lengths, batch_tokens)
+        limit = self.host_pool.limit
+        if limit is not None and len(batches) > limit:
+            where = f"shard {shard}" if shard is not None else "this shard"
+            raise ConfigError(f"{where} needs {len(batches)} batches but extract.max_batches_in_flight={limit}; "
+                              f"raise it to at least {len(batches)} or lower extract.tokens_per_shard")
         order = [i for batch in batches for i in batch]
-        offsets = [0] * len(sequences)
         cu = [0]
         for i in order:
-            offsets[i] = cu[-1]
             cu.append(cu[-1] + lengths[i])
-        aux, last = self.host_buffers(cu[-1])
-        self.extract_into(sequences, batches, offsets, aux, last)
-        return order, torch.tensor(cu, dtype=torch.int64), aux, last
+        host = HostShard(order, torch.tensor(cu, dtype=torch.int64), [], [], pool=self.host_pool)
+        try:
+            for batch in batches:
+                self._extract_batch(sequences, batch, host, batch_tokens)
+        except BaseException:
+            host.release()
+            raise
+        if self._cuda:
+            host.copied = torch.cuda.Event()
+            host.copied.record(self._copy_stream)  # the copy stream runs in order: this covers every block
+        return host
+
+    @torch.inference_mode()
+    def _extract_batch(self, sequences: list[list[int]], batch: list[int], host: HostShard, batch_tokens: int) -> None:
+        h = self.hidden_size
+        lengths = [len(sequences[i]) for i in batch]
+        width, n_tok = max(lengths), sum(lengths)
+        buf = self.host_pool.acquire(n_tok * self.bytes_per_token, min_bytes=batch_tokens * self.bytes_per_token)
+        host.buffers.append(buf)
+        states = buf[: n_tok * self.bytes_per_token].view(torch.bfloat16)
+        host_aux, host_last = states[: n_tok * 3 * h].view(n_tok, 3 * h), states[n_tok * 3 * h:].view(n_tok, h)
+        host.aux_blocks.append(host_aux)
+        host.last_blocks.append(host_last)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : lengths[row]] = torch.tensor(sequences[i], dtype=torch.long)
+        # Flat positions of real tokens, row by row; right padding + causal attention leaves them unaffected.
+        flat = torch.cat([torch.arange(row * width, row * width + n) for row, n in enumerate(lengths)])
+        slot = len(host.aux_blocks) % 2
+        if self._cuda:
+            stage_aux, stage_last = self._stage(slot, n_tok)
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        else:  # on CPU the hooks write straight into the host buffer: no staging, no copy
+            stage_aux, stage_last = host_aux, host_last
+        slots = {"aux0": 0, "aux1": 1, "aux2": 2}
+
+        def sink(name, hidden):
+            rows = hidden.reshape(-1, h).index_select(0, flat)
+            if name == "last":
+                stage_last.copy_(rows)
+            else:
+                s = slots[name]
+                stage_aux[:, s * h:(s + 1) * h].copy_(rows)
+
+        with capture_hidden_states(self.model, self.aux_layer_ids, sink):
+            self.decoder(input_ids=ids, use_cache=False)
+        if self._cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                # Whole contiguous tensors into contiguous pinned memory: one DMA each, at full bandwidth.
+                host_aux.copy_(stage_aux, non_blocking=True)
+                host_last.copy_(stage_last, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            a, l, _ = self._staging[slot]
+            self._staging[slot] = (a, l, event)
 
 
 # ---------------------------------------------------------------- shards
@@ -250,57 +326,46 @@ def _load_shard_traces(store, plan: ShardPlan, entries) -> list[dict]:
 _ST_DTYPES = {torch.int64: "I64", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
-class SafetensorsStream(io.RawIOBase):
-    """A safetensors file as a read-once stream: header, then each tensor's memory, with no copy into a file first.
+def safetensors_chunks(tensors: dict[str, torch.Tensor | list[torch.Tensor]], metadata: dict[str, str]) -> list:
+    """A safetensors file as buffers to write in order: header, then each tensor's own memory (no copy).
 
-    The header keys are sorted (safetensors' own writer orders metadata arbitrarily), so identical extractions give
-    identical bytes and sha256; resumption and checks by checksum rely on that.
+    A tensor may be given as row blocks (a list) whose concatenation along dim 0 it is: they are written one after
+    another. The header keys are sorted (safetensors' own writer orders metadata arbitrarily), so identical
+    extractions give identical bytes and sha256; resumption and checks by checksum rely on that.
     """
-
-    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
-        header: dict = {"__metadata__": dict(sorted(metadata.items()))}
-        offset, parts = 0, []
-        for name in sorted(tensors):
-            t = tensors[name].contiguous()
-            size = t.numel() * t.element_size()
-            header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-            offset += size
-            if size:
-                parts.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment keeps tensors aligned
-        self._parts = [memoryview(len(raw).to_bytes(8, "little")), memoryview(raw)] + parts
-        self._tensors = tensors  # keep the memory alive while streaming
-        self.size = 8 + len(raw) + offset
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        while self._parts and not len(self._parts[0]):
-            self._parts.pop(0)
-        if not self._parts:
-            return 0
-        head = self._parts[0]
-        n = min(len(buf), len(head))
-        buf[:n] = head[:n]
-        self._parts[0] = head[n:]
-        return n
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    offset, parts = 0, []
+    for name in sorted(tensors):
+        blocks = tensors[name] if isinstance(tensors[name], list) else [tensors[name]]
+        blocks = [t.contiguous() for t in blocks]
+        first = blocks[0]
+        if any(t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in blocks):
+            raise ValueError(f"the row blocks of {name!r} differ in dtype or row shape; they cannot form one tensor")
+        shape = [sum(t.shape[0] for t in blocks), *first.shape[1:]] if first.dim() else []
+        size = sum(t.numel() * t.element_size() for t in blocks)
+        header[name] = {"dtype": _ST_DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+        parts += [t.view(torch.uint8).reshape(-1).numpy() for t in blocks if t.numel()]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment keeps tensors aligned
+    return [len(raw).to_bytes(8, "little"), raw] + parts
 
 
-def _write_shard(store, run: str, plan: ShardPlan, spec: str, extractor: HiddenStateExtractor, traces: list[dict],
-                 order: list[int], cu: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> dict:
-    """Serialize one shard to a local temp file (contract D), upload it, publish its completion record."""
+def write_hidden_shard(store, run: str, plan: ShardPlan, spec: str, extractor: HiddenStateExtractor,
+                       traces: list[dict], host: HostShard) -> dict:
+    """Write one shard (contract D) into the store straight from the host buffers, then its completion record."""
+    order = host.order
     ids = torch.tensor([t for i in order for t in traces[i]["input_ids"]], dtype=torch.int64)
     mask = torch.tensor([m for i in order for m in traces[i]["loss_mask"]], dtype=torch.uint8)
     meta = {"aux_layer_ids": json.dumps(extractor.aux_layer_ids), "convention": VLLM,
             "target_fingerprint": extractor.fingerprint, "hidden_size": str(extractor.hidden_size),
             "trace_ids": json.dumps([traces[i]["id"] for i in order])}
-    tensors = {"input_ids": ids, "loss_mask": mask, "cu_seqlens": cu, "aux_hidden_states": aux, "last_hidden_states": last}
+    host.wait()
+    tensors = {"input_ids": ids, "loss_mask": mask, "cu_seqlens": host.cu_seqlens,
+               "aux_hidden_states": host.aux_blocks, "last_hidden_states": host.last_blocks}
     info = {"tokens": int(ids.numel()), "sequences": len(order), "loss_tokens": int(mask.sum()),
             "aux_layer_ids": extractor.aux_layer_ids, "convention": VLLM, "target_fingerprint": extractor.fingerprint}
-    # Streamed straight into the store (atomic there): one write of the bytes, no local temp copy.
-    publish_shard(store, run, STAGE, plan.index, SUFFIX, spec, info, stream=SafetensorsStream(tensors, meta))
+    publish_shard(store, run, STAGE, plan.index, SUFFIX, spec, info, chunks=safetensors_chunks(tensors, meta))
     return info
 
 
@@ -355,9 +420,12 @@ def extract_shard(cfg: ExtractConfig, target_dir: str | Path, store, run: str, s
         return {**record.metadata, "computed": False}
     traces = _load_shard_traces(store, plan, stage.entries)
     _check_traces(traces, plan)
-    order, cu, aux, last = stage.extractor.extract([t["input_ids"] for t in traces], cfg.batch_tokens)
-    spec = _shard_spec(stage.extractor, plan, stage.trace_sha)
-    return {**_write_shard(store, run, plan, spec, stage.extractor, traces, order, cu, aux, last), "computed": True}
+    host = stage.extractor.extract([t["input_ids"] for t in traces], cfg.batch_tokens, shard=plan.index)
+    try:
+        spec = _shard_spec(stage.extractor, plan, stage.trace_sha)
+        return {**write_hidden_shard(store, run, plan, spec, stage.extractor, traces, host), "computed": True}
+    finally:
+        host.release()
 
 
 def finalize_hidden_states(store, run: str, num_shards: int) -> None:
@@ -365,23 +433,60 @@ def finalize_hidden_states(store, run: str, num_shards: int) -> None:
     write_stage_manifest(store, run, STAGE, shard_records(store, run, STAGE, num_shards))
 
 
-def run_overlapped(extractor: HiddenStateExtractor, jobs: Iterable, write: Callable, batch_tokens: int) -> list[int]:
-    """Extract each (plan, traces) job and hand the result to `write` on a writer thread, so that shard k is
-    serialized and uploaded while shard k+1 runs on the device. Returns the computed shard indices."""
+def run_overlapped(extractor: HiddenStateExtractor, jobs: Iterable, write: Callable, batch_tokens: int,
+                   writer_threads: int = 3, max_batches_in_flight: int | None = None) -> list[int]:
+    """Extract each (plan, traces) job and hand its HostShard to `write(plan, traces, host)` on a pool of writer
+    threads, so shards are serialized and fsync'd side by side while the next one runs on the device.
+
+    Backpressure bounds host memory: a computed shard waits until fewer than `writer_threads` shards are queued or
+    being written, and at most `max_batches_in_flight` batch buffers exist (None: no limit but the shard one).
+    A failed write stops the stage and is raised as a ShardWriteError naming the shard, once the other writers
+    have finished. Returns the indices of the shards computed and written.
+    """
+    if writer_threads < 1:
+        raise ConfigError(f"extract.writer_threads={writer_threads}; use at least 1")
+    extractor.host_pool.limit = max_batches_in_flight
+    writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="draftline-shard-writer")
+    pending: dict[Future, int] = {}
+    failures: list[tuple[int, BaseException]] = []
     computed: list[int] = []
-    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftline-shard-writer")
-    pending: Future | None = None
+
+    def write_then_release(plan, traces, host):
+        try:
+            write(plan, traces, host)
+        except BaseException as exc:
+            raise ShardWriteError(
+                f"hidden-state shard {plan.index} was not written ({type(exc).__name__}: {exc}); it has no completion "
+                "record, so a rerun computes it again", transient=is_transient(exc)) from exc
+        finally:
+            host.release()
+
+    def collect(done) -> None:
+        for future in done:
+            index = pending.pop(future)
+            if future.exception() is not None:
+                failures.append((index, future.exception()))
+
     try:
         for plan, traces in jobs:
-            order, cu, aux, last = extractor.extract([t["input_ids"] for t in traces], batch_tokens)
-            if pending is not None:
-                pending.result()  # at most one shard in flight: bounded host memory
-            pending = writer.submit(write, plan, traces, order, cu, aux, last)
+            collect([f for f in pending if f.done()])
+            if failures:
+                break  # stop computing: the stage fails anyway
+            host = extractor.extract([t["input_ids"] for t in traces], batch_tokens, shard=plan.index)
+            try:
+                while len(pending) >= writer_threads:
+                    collect(wait(pending, return_when=FIRST_COMPLETED).done)
+                pending[writers.submit(write_then_release, plan, traces, host)] = plan.index
+            except BaseException:
+                host.release()
+                raise
             computed.append(plan.index)
-        if pending is not None:
-            pending.result()
+        collect(wait(pending).done)
     finally:
-        writer.shutdown(wait=True)
+        writers.shutdown(wait=True, cancel_futures=True)
+        extractor.host_pool.limit = None
+    if failures:
+        raise min(failures, key=lambda f: f[0])[1]
     return computed
 
 
@@ -398,11 +503,12 @@ def extract_hidden_states(cfg: ExtractConfig, target_dir: str | Path, store, run
                 _check_traces(traces, plan)
                 yield plan, traces
 
-    def write(plan, traces, order, cu, aux, last):
+    def write(plan, traces, host):
         spec = _shard_spec(stage.extractor, plan, stage.trace_sha)
-        _write_shard(store, run, plan, spec, stage.extractor, traces, order, cu, aux, last)
+        write_hidden_shard(store, run, plan, spec, stage.extractor, traces, host)
 
-    computed = run_overlapped(stage.extractor, jobs(), write, cfg.batch_tokens)
+    computed = run_overlapped(stage.extractor, jobs(), write, cfg.batch_tokens, writer_threads=cfg.writer_threads,
+                              max_batches_in_flight=cfg.max_batches_in_flight)
     tokens = sum(stage.plans[i].tokens for i in computed)
     finalize_hidden_states(store, run, len(stage.plans))
     elapsed = time.perf_counter() - t0

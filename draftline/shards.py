@@ -38,10 +38,13 @@ class ShardRecord:
 
 
 def publish_shard(store, run: str, stage: str, index: int, suffix: str, spec: str, metadata: dict[str, Any],
-                  data: bytes | None = None, local_path=None, stream=None) -> ShardRecord:
-    """Upload the shard (bytes, a local file or a stream), then its completion record; a crash between leaves it unfinished."""
+                  data: bytes | None = None, local_path=None, stream=None, chunks=None) -> ShardRecord:
+    """Upload the shard (bytes, a local file, a stream or buffers to concatenate), then its completion record;
+    a crash between leaves it unfinished."""
     key = shard_key(run, stage, index, suffix)
-    if stream is not None:
+    if chunks is not None:
+        entry = store.put_chunks(key, chunks)
+    elif stream is not None:
         entry = store.put_stream(key, stream)
     elif local_path is not None:
         entry = store.put_file(key, local_path)

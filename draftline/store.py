@@ -236,13 +236,41 @@ def _fsync_dir(path: Path) -> None:
 
 def _atomic_local_write(dest: Path, stream: BinaryIO) -> tuple[int, str]:
     """Copy a stream to dest through a temp file in the same folder (fsync, then rename); returns (size, sha256)."""
+    reader = _HashingReader(stream)
+
+    def copy(out) -> tuple[int, str]:
+        while chunk := reader.read(_CHUNK):
+            out.write(chunk)
+        return reader.size, reader.sha256
+
+    return _atomic_local(dest, copy)
+
+
+def _atomic_local_write_chunks(dest: Path, chunks: Iterable) -> tuple[int, str]:
+    """Write buffers (bytes, memoryviews) to dest as _atomic_local_write does, straight from their memory."""
+
+    def copy(out) -> tuple[int, str]:
+        digest, size = hashlib.sha256(), 0
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            size += len(view)
+            for start in range(0, len(view), _CHUNK):
+                piece = view[start:start + _CHUNK]
+                digest.update(piece)  # hashlib drops the GIL on large buffers: writer threads hash in parallel
+                while piece:
+                    piece = piece[out.write(piece):]  # unbuffered: the kernel copies from the caller's memory
+        return size, digest.hexdigest()
+
+    return _atomic_local(dest, copy, buffering=0)
+
+
+def _atomic_local(dest: Path, copy, buffering: int = -1) -> tuple[int, str]:
+    """Run copy(file) on a temp file next to dest, fsync it, rename it to dest; returns copy's (size, sha256)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}{_TMP_MARK}{uuid.uuid4().hex[:12]}"
-    reader = _HashingReader(stream)
     try:
-        with open(tmp, "wb") as out:
-            while chunk := reader.read(_CHUNK):
-                out.write(chunk)
+        with open(tmp, "wb", buffering=buffering) as out:
+            size, digest = copy(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, dest)
@@ -250,7 +278,29 @@ def _atomic_local_write(dest: Path, stream: BinaryIO) -> tuple[int, str]:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(dest.parent)
-    return reader.size, reader.sha256
+    return size, digest
+
+
+class ChunkReader(io.RawIOBase):
+    """Buffers (bytes, memoryviews) as one read-once stream, without joining them first."""
+
+    def __init__(self, chunks: Iterable):
+        self._parts = [memoryview(c).cast("B") for c in chunks]
+        self._parts.reverse()  # popped from the end
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while self._parts and not len(self._parts[-1]):
+            self._parts.pop()
+        if not self._parts:
+            return 0
+        head = self._parts[-1]
+        n = min(len(buf), len(head))
+        buf[:n] = head[:n]
+        self._parts[-1] = head[n:]
+        return n
 
 
 def default_cache_dir() -> Path:
@@ -314,6 +364,10 @@ class Store(ABC):
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys under the folder `prefix` (every key for '')."""
         return sorted(self._list_sizes(_check_prefix(prefix)))
+
+    def put_chunks(self, key: str, chunks: Iterable, metadata: Mapping[str, Any] | None = None) -> ManifestEntry:
+        """Store the concatenation of `chunks` (bytes, memoryviews) under `key` atomically, without joining them."""
+        return self.put_stream(key, ChunkReader(chunks), metadata)
 
     def put_bytes(self, key: str, data: bytes, metadata: Mapping[str, Any] | None = None) -> ManifestEntry:
         """Store bytes under `key` atomically; `metadata` is carried in the returned entry (for the manifest)."""
@@ -512,6 +566,13 @@ class LocalStore(Store):
         if dest.is_dir():
             raise ConfigError(f"The key {key!r} names a folder in {self.root}; pick a key that is not a folder.")
         size, digest = _atomic_local_write(dest, stream)
+        return ManifestEntry(key=key, size=size, sha256=digest, metadata=dict(metadata or {}))
+
+    def put_chunks(self, key, chunks, metadata=None):
+        dest = self.path(key)
+        if dest.is_dir():
+            raise ConfigError(f"The key {key!r} names a folder in {self.root}; pick a key that is not a folder.")
+        size, digest = _atomic_local_write_chunks(dest, chunks)
         return ManifestEntry(key=key, size=size, sha256=digest, metadata=dict(metadata or {}))
 
     def open(self, key):

@@ -158,10 +158,11 @@ _KILLER = textwrap.dedent("""
     target, root, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = open_store(root)
     model, _ = load_target(target)
-    done = root + f"/k/hidden/_done/shard-{kill_after:05d}.json"
+    done = [root + f"/k/hidden/_done/shard-{i:05d}.json" for i in range(kill_after + 1)]
     def pre_hook(module, args):
-        # A real SIGKILL in the middle of a later shard's forward pass, once shard `kill_after` is published.
-        if os.path.exists(done):
+        # A real SIGKILL in the middle of a later shard's forward pass, once shards 0..kill_after are published
+        # (parallel writers may finish them in any order).
+        if all(map(os.path.exists, done)):
             os.kill(os.getpid(), signal.SIGKILL)
     model.model.layers[3].register_forward_pre_hook(pre_hook)
     extract_hidden_states(ExtractConfig(batch_tokens=64, tokens_per_shard=100), target, store, "k", model=model)
