@@ -56,11 +56,11 @@ def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128
             & (qb[None, :] < qb[:, None]) & (qb < t // block)[:, None])
     partial = torch.zeros(r, n_q, n_kv, dtype=torch.bool, device=doc_ids.device)
     partial[:, :, :n_q] = overlap & ~full
-    pairs = [(q, (i * t + pos) // block) for i in range(1, steps) for q in range(n_q)
-             for pos in (q * block, min(q * block + block, t) - 1)]
-    if pairs:
-        rows, cols = torch.tensor(pairs, device=doc_ids.device).unbind(1)
-        partial[:, rows, cols] = True
+    if steps > 1:  # step i's diagonal for query block q: the key blocks of its first and last query, shifted by i*T
+        offsets = torch.arange(1, steps, device=doc_ids.device)[:, None] * t
+        first, last = qb * block, (qb * block + block).clamp(max=t) - 1
+        for pos in (first, last):  # device-side indices: a host-built index tensor would wait for the device
+            partial[:, qb.expand_as(offsets + pos).reshape(-1), ((offsets + pos) // block).reshape(-1)] = True
     full_kv = torch.zeros_like(partial)
     full_kv[:, :, :n_q] = full
 
