@@ -2,6 +2,7 @@
 
     python benchmarks/train.py            # H200 sizes: hidden 4096, target vocab 128256, draft vocab 32000, seq 2048, k=7
     python benchmarks/train.py --cpu      # demo sizes on CPU (hidden 256, vocab 4096, draft 2048, seq 512, k=3)
+    python benchmarks/train.py --cpu --tiny   # seconds: a smoke run of both implementations (hidden 64, seq 128)
 
 Needs only torch and draftline/drafter (no transformers, no Prefect). Each implementation runs in its own spawned
 process so peak memory is its own. Writes benchmarks/results/train-<hw>.json.
@@ -9,7 +10,9 @@ process so peak memory is its own. Writes benchmarks/results/train-<hw>.json.
 "draftline" = draftline.drafter.ttt: exact causal-plus-diagonal TTT attention (compiled flex attention on GPU), the
 target distribution from the last hidden state in bf16 chunks, chunked soft cross-entropy whose fp32 logits never
 exist for all rows at once. "straightforward" = what a first implementation does: fp32 target logits over the whole
-vocabulary for every token, masked softmax, plain causal SDPA per unrolled step, full draft logits + log_softmax.
+vocabulary for every token, masked softmax, plain causal SDPA per unrolled step, full draft logits + log_softmax,
+and the draft layer written plainly (plain_qkv / plain_finish below: autograd keeps what it keeps), so the baseline
+stays what it was when draftline's layer gets leaner.
 """
 from __future__ import annotations
 
@@ -27,11 +30,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftline.drafter.model import Eagle3Config, Eagle3Drafter, repeat_kv  # noqa: E402
+from draftline.drafter.model import Eagle3Config, Eagle3Drafter, apply_rope, repeat_kv, rope_cos_sin  # noqa: E402
 from draftline.drafter.ttt import TTTModel  # noqa: E402
 
 GPU_SIZES = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, draft_vocab=32000, seq=2048,
                  rows=2, steps=7, chunk=2048)
+TINY_SIZES = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, draft_vocab=128, seq=128,
+                  rows=2, steps=3, chunk=64)
 CPU_SIZES = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=4096, draft_vocab=2048, seq=512,
                  rows=2, steps=3, chunk=1024)
 
@@ -67,6 +72,25 @@ def batch(sizes: dict, device: torch.device) -> dict:
     }
 
 
+def plain_qkv(layer, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+    """The draft layer's attention half as first written: fp32 norm outputs, autocast casting per projection."""
+    b, t, _ = hidden.shape
+    cfg, att = layer.cfg, layer.self_attn
+    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+    q = att.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+    k = att.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    v = att.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, q.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def plain_finish(layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    b, _, t, _ = attn.shape
+    h = hidden + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+    x = layer.post_attention_layernorm(h)
+    return h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
+
+
 def straightforward_loss(model: Eagle3Drafter, lm_head: torch.Tensor, b: dict, steps: int) -> torch.Tensor:
     """The first implementation anyone writes: fp32 logits over the full target vocabulary, masked softmax."""
     r, t = b["input_ids"].shape
@@ -81,9 +105,9 @@ def straightforward_loss(model: Eagle3Drafter, lm_head: torch.Tensor, b: dict, s
         shift = 1 + j
         tokens = torch.zeros_like(b["input_ids"])
         tokens[:, : t - shift] = b["input_ids"][:, shift:]
-        q, k, v = model.midlayer.qkv(model.embed_tokens(tokens), hidden, b["position_ids"] + j)
+        q, k, v = plain_qkv(model.midlayer, model.embed_tokens(tokens), hidden, b["position_ids"] + j)
         attn = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True)
-        hidden = model.midlayer.finish(hidden, attn)
+        hidden = plain_finish(model.midlayer, hidden, attn)
         logp = torch.log_softmax(model.lm_head(model.norm(hidden)).float(), -1)
         valid = torch.zeros(r, t, dtype=torch.bool, device=hidden.device)
         valid[:, : t - shift - 1] = in_vocab[:, shift: t - 1]
@@ -188,6 +212,7 @@ def hardware_name(device: torch.device) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="demo sizes on CPU")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke run of seconds (with --cpu)")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="override a size, e.g. rows=1")
@@ -196,7 +221,7 @@ def main() -> int:
     args = parser.parse_args()
 
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    sizes = dict(CPU_SIZES if device.type == "cpu" else GPU_SIZES)
+    sizes = dict(TINY_SIZES if args.tiny else CPU_SIZES if device.type == "cpu" else GPU_SIZES)
     for item in args.set:
         key, value = item.split("=", 1)
         sizes[key] = int(value)
@@ -246,7 +271,7 @@ def main() -> int:
     if summary["peak_memory_ratio_vs_straightforward"] is not None:
         print(f"peak memory ratio vs straightforward: {summary['peak_memory_ratio_vs_straightforward']:.3f}; "
               f"speedup {summary['speedup_vs_straightforward']:.2f}x")
-    out = Path(args.out or Path(__file__).parent / "results" / f"train-{hw}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / f"train-{hw}{'-tiny' if args.tiny else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {out}")

@@ -112,3 +112,119 @@ def test_acceptance_length_estimate():
     assert acceptance_length([1.0, 1.0, 1.0]) == 4.0
     assert acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     assert acceptance_length([0.0, 0.9]) == 1.0
+
+
+# ---- the TTT step against its plain definition ------------------------------------------------------------------
+def plain_ttt_step(model, head, steps, input_ids, loss_mask, doc_ids, position_ids, aux, last):
+    """Per-step (loss sums, counts, hits, totals) of TTT written out directly: dense masks, full log-softmax."""
+    from draftline.drafter.model import apply_rope, rope_cos_sin
+
+    cfg, layer = model.config, model.midlayer
+    att, mlp = layer.self_attn, layer.mlp
+    r, t = input_ids.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    def norm(module, x):
+        return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps))
+
+    target = last @ head.t()
+    target_argmax = target.argmax(-1)
+    target_p = torch.softmax(target[..., model.draft_token_ids], -1)
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(t, t, dtype=torch.bool).tril() & same_doc  # [R, T, T]
+    diagonal = torch.eye(t, dtype=torch.bool).expand(r, t, t)
+    hidden = model.fc(aux)
+    keys, values, out = [], [], []
+    for j in range(steps):
+        shift = 1 + j
+        tokens = torch.zeros_like(input_ids)
+        tokens[:, : t - shift] = input_ids[:, shift:]
+        x = torch.cat([norm(layer.input_layernorm, model.embed_tokens(tokens)), norm(layer.hidden_norm, hidden)], -1)
+        cos, sin = rope_cos_sin(position_ids + j, hd, cfg.rope_theta, x.dtype)
+        q = apply_rope((x @ att.q_proj.weight.t()).view(r, t, nh, hd).transpose(1, 2), cos, sin)
+        keys.append(apply_rope((x @ att.k_proj.weight.t()).view(r, t, nkv, hd).transpose(1, 2), cos, sin))
+        values.append((x @ att.v_proj.weight.t()).view(r, t, nkv, hd).transpose(1, 2))
+        k = torch.cat(keys, 2).repeat_interleave(nh // nkv, 1)
+        v = torch.cat(values, 2).repeat_interleave(nh // nkv, 1)
+        allowed = torch.cat([causal] + [diagonal] * j, -1)[:, None]
+        scores = (q @ k.transpose(-1, -2) * hd ** -0.5).masked_fill(~allowed, float("-inf"))
+        a = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(r, t, nh * hd)
+        h = hidden + a @ att.o_proj.weight.t()
+        y = norm(layer.post_attention_layernorm, h)
+        hidden = h + (torch.nn.functional.silu(y @ mlp.gate_proj.weight.t()) * (y @ mlp.up_proj.weight.t())) @ mlp.down_proj.weight.t()
+        logp = torch.log_softmax(norm(model.norm, hidden) @ model.lm_head.weight.t(), -1)
+        loss, count, hits, total = 0.0, 0, 0, 0
+        for b in range(r):
+            for s in range(t - shift - 1):
+                a_, n_ = s + shift, s + shift + 1  # the target's distribution at t+1+j predicts token t+2+j
+                if not (doc_ids[b, n_] == doc_ids[b, s] and doc_ids[b, s] >= 0 and loss_mask[b, n_]):
+                    continue
+                total += 1
+                if not model.t2d[target_argmax[b, a_]]:
+                    continue
+                count += 1
+                loss = loss - (target_p[b, a_] * logp[b, s]).sum()
+                hits += int(model.draft_to_target(logp[b, s].argmax()) == target_argmax[b, a_])
+        out.append((loss, count, hits, total))
+    return out
+
+
+def packed_batch(r=2, t=24, vocab=50, hidden=32, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.full((r, t), -1, dtype=torch.long)
+    doc[0, :9], doc[0, 9:20] = 0, 1  # two sequences, then padding
+    doc[1, :] = 0
+    pos = torch.zeros(r, t, dtype=torch.long)
+    for b in range(r):
+        for d in doc[b].unique():
+            where = doc[b] == d
+            pos[b, where] = torch.arange(int(where.sum()))
+    mask = doc >= 0
+    mask[:, :3] = False  # a prompt: not trained on
+    return {"input_ids": torch.randint(0, vocab, (r, t), generator=g), "loss_mask": mask, "doc_ids": doc,
+            "position_ids": pos, "aux": torch.randn(r, t, 3 * hidden, generator=g),
+            "last": torch.randn(r, t, hidden, generator=g)}
+
+
+@pytest.mark.parametrize("attention", ["eager", "flex"])
+def test_ttt_step_gives_the_plain_loss_accuracy_and_gradients(attention):
+    """The chunked, recomputing training step trains exactly what the plain definition of TTT says (fp32).
+
+    Flex attention has no backward on CPU: its case checks the forward only (the GPU path's gradients are flex's).
+    """
+    torch.manual_seed(0)
+    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=20))
+    used = torch.sort(torch.randperm(50)[:20]).values
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[used] = True
+    model.set_vocab(used - torch.arange(20), t2d)
+    head, steps, batch = torch.randn(50, 32), 3, packed_batch()
+    weights = torch.tensor([0.8 ** j for j in range(steps)])
+
+    ttt = TTTModel(model, head, steps, 5, attention, torch.float32).train()
+    with torch.set_grad_enabled(attention == "eager"):
+        loss_sum, count, hit, total = ttt(**batch)
+        plain = plain_ttt_step(model, head, steps, **batch)
+    assert count.tolist() == [float(c) for _, c, _, _ in plain] and min(count.tolist()) > 0
+    assert total.tolist() == [float(n) for _, _, _, n in plain]
+    assert hit.tolist() == [float(h) for _, _, h, _ in plain]
+    assert total.tolist() != count.tolist()  # some targets lie outside the draft vocabulary and are skipped
+    torch.testing.assert_close(loss_sum, torch.stack([l for l, _, _, _ in plain]), rtol=1e-5, atol=1e-5)
+    if attention == "eager":
+        params = [p for p in model.parameters() if p.requires_grad]
+        ours = torch.autograd.grad((weights * loss_sum / count).sum(), params)
+        reference = torch.autograd.grad(sum(w * l / c for w, (l, c, _, _) in zip(weights, plain)), params)
+        for p, g, want in zip(params, ours, reference):
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+
+
+def test_flex_attention_block_mask_spans_several_blocks_with_packed_sequences_and_padding():
+    torch.manual_seed(0)
+    r, t = 2, 300  # three query blocks of 128, the last one short; each step's keys start mid-block
+    q = torch.randn(r, 4, t, 16)
+    ks = [torch.randn(r, 2, t, 16) for _ in range(3)]
+    vs = [torch.randn(r, 2, t, 16) for _ in range(3)]
+    doc = torch.full((r, t), -1, dtype=torch.long)
+    doc[0, :100], doc[0, 100:290], doc[1, :260] = 0, 1, 0
+    torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc), ttt_attention_eager(q, ks, vs, doc),
+                               atol=1e-4, rtol=1e-4)

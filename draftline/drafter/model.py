@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from draftline.errors import ConfigError
 from draftline.target import default_aux_layer_ids, from_convention, to_convention
@@ -68,6 +69,55 @@ def check_aux_ids(vllm_ids: list[int], num_layers: int) -> None:
         )
 
 
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would run a matmul on x in (x's own dtype outside autocast)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def recomputed(fn, *args):
+    """fn(*args), keeping only args for backward and recomputing fn there when gradients are being recorded.
+
+    For cheap elementwise stretches (norms, casts, SiLU): the backward then holds bf16 inputs instead of the fp32
+    intermediates autograd would keep; the forward values and the gradients are bitwise those of fn itself.
+    """
+    if torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor)):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
+
+
+class _SharedCast(torch.autograd.Function):
+    """One consumer's view of a cast made once; its gradient returns in the source dtype, as autocast's own cast would."""
+
+    @staticmethod
+    def forward(ctx, source, cast):
+        ctx.source_dtype = source.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.source_dtype), None
+
+
+def matmul_inputs(x: torch.Tensor, consumers: int) -> list[torch.Tensor]:
+    """x in the matmul dtype for each of `consumers` matmuls, from a single cast.
+
+    Autocast would cast x once per matmul and keep each copy for backward; sharing one copy saves that memory,
+    and each consumer's gradient is still summed in x's dtype (fp32), so the gradients are bitwise autocast's.
+    """
+    dtype = matmul_dtype(x)
+    if dtype == x.dtype:
+        return [x] * consumers
+    cast = x.detach().to(dtype)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return [cast] * consumers
+    return [_SharedCast.apply(x, cast) for _ in range(consumers)]
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -116,7 +166,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        to_gate, to_up = matmul_inputs(x, 2)
+        # silu(gate) * up is recomputed in backward: [tokens x intermediate] tensors are the layer's largest.
+        return self.down_proj(recomputed(silu_mul, self.gate_proj(to_gate), self.up_proj(to_up)))
 
 
 class DecoderLayer(nn.Module):
@@ -135,18 +187,22 @@ class DecoderLayer(nn.Module):
         """q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied at position_ids."""
         b, t, _ = hidden.shape
         cfg = self.cfg
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        q = self.self_attn.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = self.self_attn.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        v = self.self_attn.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        # The norms are recomputed in backward from the bf16 inputs instead of keeping their fp32 intermediates.
+        to_q, to_k, to_v = matmul_inputs(recomputed(self.attention_input, embeds, hidden), 3)
+        q = self.self_attn.q_proj(to_q).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = self.self_attn.k_proj(to_k).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = self.self_attn.v_proj(to_v).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, nh, T, hd] -> the new residual stream [B, T, H]; the residual is the incoming hidden."""
         b, _, t, _ = attn.shape
         h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(recomputed(self.post_attention_layernorm, h))
 
 
 class DrafterCache:

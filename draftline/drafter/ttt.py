@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftline.drafter.model import Eagle3Drafter, repeat_kv
+from draftline.drafter.model import Eagle3Drafter, recomputed, repeat_kv
 
 
 # ---- training-time-test attention ----------------------------------------------------------------------------
@@ -31,22 +31,72 @@ def ttt_attention_eager(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
 _FLEX = None
 
 
-def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor) -> torch.Tensor:
-    """The same attention as ttt_attention_eager through compiled flex attention: only unmasked blocks are computed."""
-    global _FLEX
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128):
+    """The flex BlockMask of the TTT mask over `steps` key blocks of length T, built from block-level doc ranges.
 
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
-    r, _, t, _ = q.shape
-    steps = len(ks)
+    create_block_mask would evaluate mask_mod densely over [R, T, steps*T] under vmap at every step, which costs
+    milliseconds of host time per call while the GPU waits. Here: a query block meets a step-0 key block when it is
+    not in the future and their doc-id ranges overlap (a superset of the blocks with an allowed pair, which is all
+    correctness needs: mask_mod still decides each element); a block is full (mask_mod skipped) only when it lies
+    strictly below the diagonal, inside the sequence, and both blocks hold one and the same doc id. Each later step
+    adds the one or two key blocks holding its diagonal.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    r, t = doc_ids.shape
+    n_q, n_kv = -(-t // block), -(-steps * t // block)
+    # Pad with each row's last doc id so the ranges of the last, short block are those of its real positions.
+    padded = torch.cat([doc_ids, doc_ids[:, -1:].expand(r, n_q * block - t)], dim=1).view(r, n_q, block)
+    lo, hi = padded.amin(-1), padded.amax(-1)  # [R, n_q]
+    qb = torch.arange(n_q, device=doc_ids.device)
+    past = qb[None, :] <= qb[:, None]  # [query block, key block]
+    overlap = (lo[:, :, None] <= hi[:, None, :]) & (hi[:, :, None] >= lo[:, None, :]) & past
+    single = lo == hi
+    full = (single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+            & (qb[None, :] < qb[:, None]) & (qb < t // block)[:, None])
+    partial = torch.zeros(r, n_q, n_kv, dtype=torch.bool, device=doc_ids.device)
+    partial[:, :, :n_q] = overlap & ~full
+    if steps > 1:  # step i's diagonal for query block q: the key blocks of its first and last query, shifted by i*T
+        offsets = torch.arange(1, steps, device=doc_ids.device)[:, None] * t
+        first, last = qb * block, (qb * block + block).clamp(max=t) - 1
+        for pos in (first, last):  # device-side indices: a host-built index tensor would wait for the device
+            partial[:, qb.expand_as(offsets + pos).reshape(-1), ((offsets + pos) // block).reshape(-1)] = True
+    full_kv = torch.zeros_like(partial)
+    full_kv[:, :, :n_q] = full
+
+    def ordered(dense):  # (count per query block, key-block indices with the present ones first, ascending)
+        order = torch.sort((~dense).to(torch.int16), dim=-1, stable=True).indices
+        return dense.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    num, idx = ordered(partial)
+    full_num, full_idx = ordered(full_kv)
+    return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(t, steps * t))
+
+
+def ttt_mask_mod(doc_ids: torch.Tensor):
+    """Element mask of the TTT attention: key kv in block kv // T is step-0's causal same-doc key or a diagonal."""
+    t = doc_ids.shape[1]
 
     def mask_mod(b, h, qi, kv):
         block, s = kv // t, kv % t
         causal = (block == 0) & (s <= qi) & (doc_ids[b, s] == doc_ids[b, qi])
         return causal | ((block > 0) & (s == qi))
 
-    block_mask = create_block_mask(mask_mod, r, None, t, steps * t, device=q.device)
+    return mask_mod
+
+
+_FLEX = None
+
+
+def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor) -> torch.Tensor:
+    """The same attention as ttt_attention_eager through compiled flex attention: only unmasked blocks are computed."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+    block_mask = ttt_block_mask(doc_ids, len(ks), ttt_mask_mod(doc_ids))
     groups = q.shape[1] // ks[0].shape[1]
     return _FLEX(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), block_mask=block_mask, enable_gqa=groups > 1)
 
@@ -138,34 +188,52 @@ class TTTModel(nn.Module):
             hidden = m.midlayer.finish(hidden, self.attention(q, ks, vs, doc_ids))
             yield hidden
 
+    def loss_rows(self, loss_mask, doc_ids, in_vocab):
+        """Per step: the flat slots [n_j] that enter the loss, the slots they read the target at, and the number of
+        lossable slots (before dropping targets outside the draft vocabulary).
+
+        All steps at once, so the forward waits on the device once instead of at every step's nonzero().
+        Slot t at step j predicts token t+2+j from the target's distribution at t+1+j, inside one sequence.
+        """
+        r, t = loss_mask.shape
+        lossable = torch.zeros(self.steps, r, t, dtype=torch.bool, device=loss_mask.device)
+        target_in_vocab = torch.zeros_like(lossable)
+        in_vocab = in_vocab.view(r, t)
+        for j in range(self.steps):
+            shift = 1 + j
+            if t > shift + 1:
+                lossable[j, :, : t - shift - 1] = ((doc_ids[:, shift + 1:] == doc_ids[:, : t - shift - 1])
+                                                   & (doc_ids[:, : t - shift - 1] >= 0) & loss_mask[:, shift + 1:])
+            if t > shift:
+                target_in_vocab[j, :, : t - shift] = in_vocab[:, shift:]
+        kept = (lossable & target_in_vocab).view(self.steps, r * t)
+        slot = kept.nonzero()[:, 1]  # step-major, ascending slots within a step
+        counts = kept.sum(1)
+        slots = slot.split(counts.tolist())
+        return [(rows, rows + 1 + j) for j, rows in enumerate(slots)], counts, lossable.view(self.steps, -1).sum(1)
+
+    def loss_input(self, hidden, rows):
+        """The final norm of the rows that enter the loss, in the compute dtype [n, H]."""
+        return self.drafter.norm(hidden).reshape(-1, hidden.shape[-1]).index_select(0, rows).to(self.compute_dtype)
+
     def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux, last):
         m = self.drafter
         r, t = input_ids.shape
         dt = self.compute_dtype
         probs, in_vocab, target_argmax = target_distribution(
             last.reshape(r * t, -1), self.target_lm_head, m.draft_token_ids, m.t2d, self.chunk, dt)
-        loss_sums, counts, hits, totals = [], [], [], []
+        loss_sums, hits, rows_per_step = [], [], None
         lm_w = m.lm_head.weight.to(dt)
         for j, hidden in enumerate(self.unroll(input_ids, doc_ids, position_ids, aux)):
-            shift = 1 + j
-            # Slot t at step j predicts token t+2+j from the target's distribution at t+1+j, inside one sequence.
-            lossable = torch.zeros_like(loss_mask)
-            if t > shift + 1:
-                lossable[:, : t - shift - 1] = ((doc_ids[:, shift + 1:] == doc_ids[:, : t - shift - 1])
-                                                & (doc_ids[:, : t - shift - 1] >= 0) & loss_mask[:, shift + 1:])
-            slots = lossable.reshape(-1).nonzero().squeeze(1)
-            src = slots + shift
-            keep = in_vocab[src]
-            rows, src = slots[keep], src[keep]
-            x = m.norm(hidden).reshape(r * t, -1).index_select(0, rows).to(dt)
+            if rows_per_step is None:  # after step 0 is queued, so the device stays busy while the host waits
+                rows_per_step, counts, totals = self.loss_rows(loss_mask, doc_ids, in_vocab)
+            rows, src = rows_per_step[j]
+            # Recomputed in backward from the bf16 hidden instead of keeping the norm's fp32 intermediates.
+            x = recomputed(self.loss_input, hidden, rows)
             loss_sum, preds = SoftCrossEntropy.apply(x, lm_w, probs.index_select(0, src), self.chunk)
             loss_sums.append(loss_sum)
-            counts.append(rows.numel())
             hits.append((m.draft_to_target(preds) == target_argmax[src]).sum())
-            totals.append(slots.numel())
-        dev = input_ids.device
-        return (torch.stack(loss_sums), torch.tensor(counts, device=dev, dtype=torch.float32),
-                torch.stack(hits).float(), torch.tensor(totals, device=dev, dtype=torch.float32))
+        return torch.stack(loss_sums), counts.float(), torch.stack(hits).float(), totals.float()
 
 
 def acceptance_length(acc: list[float]) -> float:
