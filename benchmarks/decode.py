@@ -14,7 +14,9 @@ the latency case speculation is for) run on held-out prompts. Reported:
   tau   = mean acceptance length (vLLM's definition, 1 + accepted / drafts) measured in the speculative run;
   c     = drafter forward time / plain target decode-step time, both measured in this run with the machinery the
           decoding used: on the fast path (draftline.decode_static; CUDA graphs on a GPU) the drafter's T=1 call and
-          the target's T=1 call, each replayed many times at batch 1 between two syncs; on the eager path the
+          the target's T=1 call, each replayed many times at batch 1 between two syncs (the pure forwards: greedy
+          decoding replays graphs that also hold the argmax and pointer updates, and advance state, so they cannot
+          be replayed in place for timing; the difference is a few small kernels); on the eager path the
           synchronised timers of profiled speculative runs and the plain run's time per step;
   bound = tau / (1 + k * c): the speedup if verifying k+1 tokens cost one plain step and nothing else cost time;
   fraction_of_bound = measured speedup / bound (the issue's goal: >= 0.8).
@@ -243,6 +245,11 @@ def train_drafter(model, rows, val_rows, args, device):
 
 # ---------------------------------------------------------------- measurement
 
+def _greedy_capture_error(plain_target):
+    step = getattr(plain_target, "greedy_step", None)
+    return step.capture_error if step is not None else None
+
+
 def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, time_repeats=200):
     """Plain and speculative greedy decoding at batch 1 on `prompts`, c, tau and the bound; fast as in SpeculativeDecoder."""
     from draftline.decode_static import time_call
@@ -282,7 +289,8 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, t
         timing = {"drafter_read_ms": 1e3 * time_call(heads.read, time_repeats),
                   "plain_step_wall_ms": 1e3 * plain_s / plain_fw,
                   "capture_errors": [e for e in (plain_target.capture_error, target.capture_error,
-                                                 heads.capture_error) if e]}
+                                                 heads.capture_error, _greedy_capture_error(plain_target)) if e]
+                  + (decoder.static_greedy.capture_errors if decoder.static_greedy is not None else [])}
     else:
         # Eager: more speculative passes with synchronised timers around every forward.
         profiled = [decoder.generate([p], new_tokens, profile=True) for p in prompts[:4]]

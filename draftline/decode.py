@@ -23,9 +23,10 @@ CUDA, eager elsewhere); Generation.mode says which ran:
     rejections). Simple and exact, but host-bound on a GPU (Python work per forward, several syncs per step).
   * "cuda-graphs" / "static-eager": draftline.decode_static's preallocated caches with fixed-shape forwards,
     replayed as CUDA graphs on CUDA ("static-eager": the same code without capture, on CPU or when capture fails),
-    with one host sync per speculative iteration. Same tokens and acceptance as the eager path in float32 (tested);
-    in bf16 the longer masked key range may round differently and flip a near tie. Plain decoding uses the same
-    machinery, so speedups compare like with like.
+    with one host sync per speculative iteration; at temperature 0 the drafting, verification and pointer updates
+    run inside the graphs too (three replays per iteration, one per plain step). Same tokens and acceptance as the
+    eager path in float32 (tested); in bf16 the longer masked key range may round differently and flip a near tie.
+    Plain decoding uses the same machinery, so speedups compare like with like.
 """
 from __future__ import annotations
 
@@ -300,8 +301,8 @@ def _use_fast_path(fast: bool | None, device) -> bool:
     return torch.device(device).type == "cuda" if fast is None else bool(fast)
 
 
-def _static_mode(*parts) -> str:
-    captured = [p.graphs for p in parts]
+def _static_mode(*captured: bool) -> str:
+    """The fast path's mode from whether each part (target side, drafter side) replayed as graphs."""
     return "cuda-graphs" if all(captured) else "cuda-graphs-partial" if any(captured) else "static-eager"
 
 
@@ -374,6 +375,11 @@ def _plain_decode_static(model, prompts, max_new_tokens, temperature, eos_token_
     setup_start = time.perf_counter()
     target = _plain_static_target(model, len(prompts), slots_needed(ids.shape[1], max_new_tokens, 0, len(prompts)),
                                   use_graphs)
+    greedy = temperature == 0.0
+    if greedy and getattr(target, "greedy_step", None) is None:
+        from draftline.decode_static import GreedyPlainStep
+
+        target.greedy_step = GreedyPlainStep(target, use_graphs)
     target.reset()
     _sync(device)
     start = time.perf_counter()
@@ -383,16 +389,26 @@ def _plain_decode_static(model, prompts, max_new_tokens, temperature, eos_token_
     for row, t in enumerate(nxt.tolist()):
         rows.emit(row, [t])
     lengths = valid.sum(1)
-    slot = torch.full((1,), ids.shape[1], dtype=torch.long, device=device)
-    while rows.any_active:
-        logits, _ = target(nxt[:, None], lengths[:, None], slot)
-        lengths, slot = lengths + 1, slot + 1
-        nxt = _pick(logits[:, -1], temperature, generator)
-        for row, t in enumerate(nxt.tolist()):
-            rows.emit(row, [t])
+    if greedy:
+        # Greedy: per step one call (forward, argmax, advance; a graph on CUDA) and one sync reading its token.
+        step = target.greedy_step
+        step.start(nxt, lengths, ids.shape[1])
+        while rows.any_active:
+            for row, t in enumerate(step().tolist()):
+                rows.emit(row, [t])
+        captured = step.graphs
+    else:
+        slot = torch.full((1,), ids.shape[1], dtype=torch.long, device=device)
+        while rows.any_active:
+            logits, _ = target(nxt[:, None], lengths[:, None], slot)
+            lengths, slot = lengths + 1, slot + 1
+            nxt = _pick(logits[:, -1], temperature, generator)
+            for row, t in enumerate(nxt.tolist()):
+                rows.emit(row, [t])
+        captured = target.graphs
     _sync(device)
     return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start, target_forwards=target.forwards,
-                      mode=_static_mode(target), setup_seconds=start - setup_start)
+                      mode=_static_mode(captured), setup_seconds=start - setup_start)
 
 
 # ---------------------------------------------------------------- speculative decoding
@@ -443,6 +459,7 @@ class SpeculativeDecoder:
         self.aux_layer_ids = list(cfg.aux_layer_ids)
         self.fast = fast
         self.static = None  # (StaticTarget, StaticDrafter) of the fast path, built at first use
+        self.static_greedy = None  # GreedySpecIteration over self.static, built at the first greedy use
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, profile: bool = False,
@@ -552,12 +569,23 @@ class SpeculativeDecoder:
         use_graphs = torch.device(device).type == "cuda"
         have = self.static
         if have is None or have[0].batch != batch or have[0].num_slots < slots:
-            self.static = None  # free the old buffers and graphs first
+            self.static = self.static_greedy = None  # free the old buffers and graphs first
             slots = round_slots(slots, 128 if batch == 1 else 16)
             self.static = (StaticTarget(self.model, self.aux_layer_ids, batch, slots, lengths=(self.k + 1,),
                                         use_graphs=use_graphs),
                            StaticDrafter(self.drafter, batch, slots, self.k + 1, use_graphs=use_graphs))
         return self.static
+
+    def _greedy_iteration(self, target, drafter):
+        """The greedy iteration's calls over these runners (built, and on CUDA captured, once per pair)."""
+        from draftline.decode_static import GreedySpecIteration
+
+        have = self.static_greedy
+        if have is None or have.target is not target or have.drafter is not drafter:
+            self.static_greedy = None
+            self.static_greedy = GreedySpecIteration(target, drafter, self.k,
+                                                     use_graphs=target.device.type == "cuda")
+        return self.static_greedy
 
     def _generate_static(self, prompts, max_new_tokens: int, generator, timer: "_Timer") -> Generation:
         """The eager loop of generate() over static caches: same choices, same acceptance, fixed-shape forwards."""
@@ -569,6 +597,7 @@ class SpeculativeDecoder:
         _sync(device)
         setup_start = time.perf_counter()
         target, drafter = self._static_runners(batch, slots_needed(ids.shape[1], max_new_tokens, k, batch))
+        greedy = self._greedy_iteration(target, drafter) if temp == 0.0 else None
         target.reset()
         drafter.reset()
         _sync(device)
@@ -592,6 +621,9 @@ class SpeculativeDecoder:
         with timer.drafter():
             d_logits, d_hidden = drafter.prefill(next_ids, aux, positions, valid)
         last_logits, last_hidden = d_logits[:, -1], d_hidden[:, -1:]
+        if greedy is not None:
+            return self._greedy_loop(greedy, ids.shape[1], lengths, pending, last_logits, last_hidden, rows, stats,
+                                     timer, start, setup_start)
         base = torch.full((1,), ids.shape[1], dtype=torch.long, device=device)  # first free slot, both caches
 
         while rows.any_active:
@@ -649,8 +681,34 @@ class SpeculativeDecoder:
         _sync(device)
         return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start, target_forwards=target.forwards,
                           stats=stats, target_seconds=timer.target_s, drafter_seconds=timer.drafter_s,
-                          drafter_forwards=drafter.forwards, mode=_static_mode(target, drafter),
+                          drafter_forwards=drafter.forwards, mode=_static_mode(target.graphs, drafter.graphs),
                           setup_seconds=start - setup_start)
+
+    def _greedy_loop(self, greedy, base: int, lengths, pending, last_logits, last_hidden, rows: "_Rows",
+                     stats: AcceptanceStats, timer: "_Timer", start: float, setup_start: float) -> Generation:
+        """Temperature 0: the iteration is decode_static.GreedySpecIteration's three calls (graphs on CUDA).
+
+        Eager work per iteration: three call replays and one read of the report [B, k+2] (the one host sync),
+        then Python's per-row bookkeeping; drafting, verification and every pointer update run inside the calls.
+        profile=True times the whole iteration as target time (the forwards are no longer separate calls).
+        """
+        k, batch = self.k, len(rows.tokens)
+        greedy.start(base, lengths, pending, last_logits, last_hidden)
+        while rows.any_active:
+            active = rows.active[:]
+            with timer.target():
+                report = greedy().tolist()
+            for row in range(batch):
+                if active[row]:
+                    acc = report[row][0]
+                    stats.record(acc)
+                    rows.emit(row, report[row][1:1 + acc] + [report[row][k + 1]])
+        device = greedy.base.device
+        _sync(device)
+        return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start,
+                          target_forwards=greedy.target.forwards, stats=stats, target_seconds=timer.target_s,
+                          drafter_seconds=timer.drafter_s, drafter_forwards=greedy.drafter.forwards,
+                          mode=_static_mode(*greedy.captured), setup_seconds=start - setup_start)
 
     def _verify(self, logits, drafts, q_probs, generator):
         """(accepted [B], next token [B]) from target logits [B, k+1, V] and drafts [B, k]."""

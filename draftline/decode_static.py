@@ -23,6 +23,12 @@ StaticTarget.capture_error / StaticDrafter.capture_error), "cuda-graphs-partial"
 failed), and "eager" (draftline.decode's reference path). Capture fails on models whose forward syncs the host or
 has data-dependent shapes (transformers' DeepSeek-V3 MoE routing, for one); decoding then stays right, only slower.
 
+Greedy decoding (temperature 0) also moves the bookkeeping between the forwards into the calls (GreedyPlainStep,
+GreedySpecIteration below): a plain step is one call, a speculative iteration three (the whole draft chain, the
+verify with greedy acceptance, the drafter's read with the pointer advance), so the host only replays graphs and
+reads one small report. Sampling (temperature > 0, either draft_sampling) keeps the eager bookkeeping around the
+pure forwards, since its draws come from a torch.Generator that a graph would have to replay in lockstep.
+
 Host syncs: one per speculative iteration (the accepted counts and tokens, for EOS and max_new_tokens) and one per
 plain step; prefill runs eagerly (its length varies). Capture and buffer allocation happen at the first call for a
 batch size and capacity and are reported apart (Generation.setup_seconds), outside the timed decoding.
@@ -344,3 +350,178 @@ def time_call(call: StaticCall, repeats: int = 200, warmup: int = 10) -> float:
             call.replay()
         sync()
     return (time.perf_counter() - start) / repeats
+
+
+# ---------------------------------------------------------------- greedy loops: bookkeeping inside the calls
+#
+# At temperature 0 every choice is an argmax, so whole decoding steps (forwards plus the bookkeeping between them)
+# are deterministic device work with fixed shapes: they are captured as graphs that read and advance device state
+# in place, and the host only replays them and reads one small report per step. Sampling stays in
+# draftline.decode's eager loop over the pure forwards above: a graph replays a generator's draws only through
+# the graph-safe generator registration (register_generator_state), whose offsets the eager reference would have
+# to follow exactly; not worth it for a path that is not timed against the bound.
+#
+# These calls advance their state on every run, warm-up and replay alike, so they must never be replayed for
+# timing (time_call uses the pure forwards, which rewrite the same slots each time). Their capture warm-ups run on
+# zeroed state and advance the pointer by at most 2 * (k+1) slots; start() sets the real state afterwards.
+# In static-eager mode (CPU, failed capture) the very same functions run eagerly, so the CPU tests cover the
+# graph bodies.
+
+
+class GreedyPlainStep:
+    """One plain greedy step as one call: the target's T=1 forward, argmax, position and slot advance.
+
+    Per step the host replays this call and reads `token` (the step's one sync, for EOS and max_new_tokens).
+    """
+
+    def __init__(self, target: StaticTarget, use_graphs: bool):
+        zeros = lambda *s: torch.zeros(*s, dtype=torch.long, device=target.device)  # noqa: E731
+        self.target = target
+        self.token = zeros(target.batch)  # each row's last emitted token: this step's input, then its output
+        self.lengths = zeros(target.batch)  # logical (RoPE) position of `token`
+        self.slot = zeros(1)  # physical slot `token` is written to (shared by all rows)
+        self.call = StaticCall(self._step, {})
+        self.capture_error = _capture_all({1: self.call}) if use_graphs else None
+
+    @property
+    def graphs(self) -> bool:
+        return self.call.graph is not None
+
+    def start(self, token: torch.Tensor, lengths: torch.Tensor, slot: int) -> None:
+        self.token.copy_(token)
+        self.lengths.copy_(lengths)
+        self.slot.fill_(slot)
+
+    def _step(self):
+        logits, _ = self.target.run(self.token[:, None], self.lengths[:, None], self.slot)
+        self.token.copy_(logits[:, -1].argmax(-1))
+        self.lengths.add_(1)
+        self.slot.add_(1)
+        return (self.token,)
+
+    def __call__(self) -> torch.Tensor:
+        """Queue one step; returns `token` (read it before the next call overwrites it)."""
+        self.target.forwards += 1
+        self.call()
+        return self.token
+
+
+class GreedySpecIteration:
+    """One greedy speculative iteration as three calls over device state, in draftline.decode's eager order:
+
+      chain:  k greedy drafts (argmax over the draft vocabulary, mapped to target ids) with the k-1 drafter T=1
+              steps between them, written into the verify input [pending, d_1..d_k];
+      verify: the target's T=k+1 forward, then greedy verification (argmax, accepted = length of the matching
+              prefix via cumprod, bonus token), rejected slots masked, the drafter's read inputs and the report;
+      read:   the drafter's T=k+1 read of the verified slots, its state at the last accepted position kept for the
+              next chain, the slot pointer and positions advanced.
+
+    chain and read belong to the drafter, verify to the target; each side falls back to static-eager on its own if
+    its capture fails (capture_errors). Per iteration the host replays three calls and reads `report` [B, k+2]
+    (accepted, drafts, bonus) once: that is the iteration's one sync and all its eager work besides Python's
+    bookkeeping of the emitted tokens.
+    """
+
+    def __init__(self, target: StaticTarget, drafter: StaticDrafter, k: int, use_graphs: bool):
+        cfg = drafter.net.config
+        device, batch = target.device, target.batch
+        zeros = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
+        self.target, self.drafter, self.k = target, drafter, k
+        self.offsets = torch.arange(k + 1, device=device)
+        self.draft_to_target_ids = drafter.net.draft_token_ids.to(device)  # target id of each draft-vocabulary entry
+        # Carried from one iteration to the next.
+        self.base = zeros(1)  # first free slot, both caches
+        self.lengths = zeros(batch)  # logical position of each row's pending token
+        self.pending = zeros(batch)  # last emitted token (the bonus), not yet in the caches
+        self.last_logits = zeros(batch, cfg.draft_vocab_size, dtype=torch.float32)  # drafter's guess for draft 1
+        self.last_hidden = zeros(batch, 1, cfg.hidden_size, dtype=drafter.dtype)
+        # Handed from one call to the next within an iteration.
+        self.verify_ids = zeros(batch, k + 1)
+        self.read_ids = zeros(batch, k + 1)
+        self.read_aux = zeros(batch, k + 1, 3 * cfg.target_hidden_size, dtype=drafter.dtype)
+        self.read_valid = zeros(batch, k + 1, dtype=torch.bool)
+        self.accepted = zeros(batch)
+        self.report = zeros(batch, k + 2)
+        self.chain = StaticCall(self._draft_chain, {})
+        self.verify = StaticCall(self._verify, {})
+        self.read = StaticCall(self._read_verified, {})
+        self.drafter_capture_error = self.target_capture_error = None
+        if use_graphs:
+            self.drafter_capture_error = _capture_all({0: self.chain, 1: self.read})
+            self.target_capture_error = _capture_all({0: self.verify})
+
+    @property
+    def captured(self) -> tuple[bool, bool]:
+        """(target side, drafter side) replay as graphs."""
+        return self.verify.graph is not None, self.chain.graph is not None and self.read.graph is not None
+
+    @property
+    def capture_errors(self) -> list[str]:
+        return [e for e in (self.target_capture_error, self.drafter_capture_error) if e]
+
+    def start(self, base: int, lengths, pending, last_logits, last_hidden) -> None:
+        """State after prefill: the pointer, each row's pending token and position, the drafter's last output."""
+        self.base.fill_(base)
+        self.lengths.copy_(lengths)
+        self.pending.copy_(pending)
+        self.last_logits.copy_(last_logits)
+        self.last_hidden.copy_(last_hidden)
+
+    def _draft_chain(self):
+        # Draft step j and verified token j share position lengths + j and slot base + j (the read overwrites it).
+        positions = self.lengths[:, None] + self.offsets
+        slots = self.base + self.offsets
+        logits, hidden = self.last_logits, self.last_hidden
+        self.verify_ids[:, 0].copy_(self.pending)
+        for j in range(self.k):
+            draft = self.draft_to_target_ids[logits.argmax(-1)]
+            self.verify_ids[:, j + 1].copy_(draft)
+            if j + 1 < self.k:
+                logits, hidden = self.drafter.run(draft[:, None], hidden, positions[:, j:j + 1], slots[j:j + 1])
+                logits = logits[:, -1]
+        return (self.verify_ids,)
+
+    def _verify(self):
+        k = self.k
+        positions = self.lengths[:, None] + self.offsets
+        logits, aux = self.target.run(self.verify_ids, positions, self.base)
+        drafts = self.verify_ids[:, 1:]
+        best = logits.argmax(-1)  # [B, k+1]
+        accepted = (best[:, :k] == drafts).long().cumprod(1).sum(1)
+        bonus = best.gather(1, accepted[:, None])  # [B, 1]
+        # Rejected slots become masked holes; slots past the longest accepted run are overwritten next time.
+        kept = self.offsets[None, :] <= accepted[:, None]
+        self.target.key_valid.index_copy_(1, self.base + self.offsets, kept)
+        # The drafter reads each verified slot paired with the token after it; after the last accepted: the bonus.
+        self.read_ids[:, :k].copy_(drafts)
+        self.read_ids[:, k:].copy_(bonus)
+        self.read_ids.scatter_(1, accepted[:, None], bonus)
+        self.read_aux.copy_(aux)
+        self.read_valid.copy_(kept)
+        self.accepted.copy_(accepted)
+        self.pending.copy_(bonus[:, 0])
+        self.report[:, :1].copy_(accepted[:, None])
+        self.report[:, 1:k + 1].copy_(drafts)
+        self.report[:, k + 1:].copy_(bonus)
+        return (self.report,)
+
+    def _read_verified(self):
+        positions = self.lengths[:, None] + self.offsets
+        logits, hidden = self.drafter.run(self.read_ids, self.drafter.net.fc(self.read_aux), positions, self.base,
+                                          self.read_valid)
+        at = self.accepted[:, None, None]
+        self.last_logits.copy_(logits.gather(1, at.expand(-1, 1, logits.shape[-1]))[:, 0])
+        self.last_hidden.copy_(hidden.gather(1, at.expand(-1, 1, hidden.shape[-1])))
+        # The pointer moves past the longest accepted run of any row; each row's position by its own run.
+        self.base.add_(self.accepted.max() + 1)
+        self.lengths.add_(self.accepted + 1)
+        return (self.last_logits,)
+
+    def __call__(self) -> torch.Tensor:
+        """Queue one iteration; returns `report` [B, k+2] (read it before the next call overwrites it)."""
+        self.drafter.forwards += self.k  # k-1 draft steps and the read, as the eager path counts them
+        self.target.forwards += 1
+        self.chain()
+        self.verify()
+        self.read()
+        return self.report

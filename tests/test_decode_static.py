@@ -79,6 +79,26 @@ def test_static_path_stops_at_eos_like_plain_decoding():
     assert spec == plain and any(len(t) < 25 for t in spec)
 
 
+def test_greedy_iteration_calls_match_eager_with_a_draft_vocabulary():
+    """Temperature 0 runs decode_static's greedy calls (the bodies CUDA captures): drafts mapped through a draft
+    vocabulary, ragged rows, the same tokens, acceptance and forward counts as the eager path, and the calls reused."""
+    model = tiny_target("llama", vocab=8, seed=3)
+    drafter = random_drafter(model, draft_vocab=4, std=0.5)
+    prompts = random_prompts(6, 8, seed=4)
+    decoder = SpeculativeDecoder(model, drafter, k=3, fast=True)
+    fast = decoder.generate(prompts, 30)
+    eager = SpeculativeDecoder(model, drafter, k=3, fast=False).generate(prompts, 30)
+    assert decoder.static_greedy is not None and fast.mode == "static-eager"
+    assert fast.tokens == eager.tokens == [plain_decode(model, [p], 30, fast=False).tokens[0] for p in prompts]
+    _same_stats(fast.stats, eager.stats)
+    # The static path queues the last iteration's drafter read before it learns the rows are done; the eager one stops.
+    assert (fast.target_forwards, fast.drafter_forwards) == (eager.target_forwards, eager.drafter_forwards + 1)
+    loop = decoder.static_greedy
+    assert decoder.generate(prompts, 30).tokens == fast.tokens and decoder.static_greedy is loop
+    plain = plain_decode(model, prompts, 30, fast=True)
+    assert plain.tokens == fast.tokens and model._draftline_plain_static.greedy_step is not None
+
+
 @pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
 def test_static_sampling_draws_what_the_eager_path_draws(draft_sampling):
     """Same generator, same order of draws, same probabilities: the same samples and acceptance, row by row."""
