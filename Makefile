@@ -17,4 +17,4 @@ demo: venv
 TEST_WORKERS ?= 2
 test: venv
 	@scripts/setup-system.sh
-	$(VENV)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(VENV)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)

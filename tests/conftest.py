@@ -1,13 +1,11 @@
 """Shared pytest setup: fixture plugins from tests/fixtures/, and what running the suite on two xdist workers needs.
 
-`make test` runs the suite on two pytest-xdist workers (--dist loadgroup): its tests mostly wait on one busy core
+`make test` runs the suite on two pytest-xdist workers: its tests mostly wait on one busy core
 each (a vLLM server, a Prefect flow, a single-threaded training run), so a 2-core machine runs two at a time.
 """
 import os
 import tempfile
 from pathlib import Path
-
-import pytest
 
 # Each worker gets its own Prefect home: flows run without a server use Prefect's ephemeral API over a SQLite file
 # there, and two workers writing one file fail with "database is locked". Set before any test module imports Prefect.
@@ -24,9 +22,21 @@ pytest_plugins = sorted(
 SHARED_GROUPS = {"test_engines_vllm": "trained-demo", "test_regression_nightly": "trained-demo"}
 
 
-def pytest_collection_modifyitems(items):
-    """Under --dist loadgroup, keep each module on one worker (module fixtures, ordered tests) unless it names a group."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            module = item.module.__name__.rsplit(".", 1)[-1]
-            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_ModuleScheduling(), "draftline-module-scheduling")
+
+
+class _ModuleScheduling:
+    """Under xdist, each module's tests go to one worker (module fixtures, tests that run in order), the modules in
+    SHARED_GROUPS together. A scheduler of our own: xdist 3.8's xdist_group marks do nothing under pytest 9.2."""
+
+    def pytest_xdist_make_scheduler(self, config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByModule(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                module = nodeid.split("::", 1)[0]
+                return SHARED_GROUPS.get(Path(module).stem, module)
+
+        return ByModule(config, log)
