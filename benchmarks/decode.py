@@ -21,6 +21,10 @@ the latency case speculation is for) run on held-out prompts. Reported:
   bound = tau / (1 + k * c): the speedup if verifying k+1 tokens cost one plain step and nothing else cost time;
   fraction_of_bound = measured speedup / bound (the issue's goal: >= 0.8).
 Greedy outputs of both runs are compared token for token (float noise in bf16 may rarely flip a near tie on GPU).
+Greedy decoding on the fast path runs --sync-every steps (plain) or iterations (speculative) back to back per host
+sync (default 8; 1 = a sync per step, the earlier behaviour), reported as "sync_every"; steps that ran after the
+output was complete are discarded and reported as "plain_discarded_forwards" / "spec_discarded_forwards" (their time
+is in the measured seconds; "plain_step_wall_ms" divides by the counted steps, those a per-step sync would run).
 The implementation that ran is reported as "mode" ("cuda-graphs", "static-eager" or "eager"; --fast picks, auto =
 the fast path on a GPU); a GPU run also reports the eager path's figures on a few prompts ("eager", secondary).
 
@@ -80,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--eager-prompts", type=int, default=None,
                    help="also measure the eager path on this many eval prompts when the fast path ran "
                         "(default 4 on a GPU, 0 on CPU)")
+    p.add_argument("--sync-every", type=int, default=8,
+                   help="greedy fast path: decoding steps run back to back per host sync (1 = sync after every step)")
     p.add_argument("--time-repeats", type=int, default=200, help="replays per forward when timing c on the fast path")
     args = p.parse_args(argv)
     gpu = not args.cpu
@@ -250,22 +256,28 @@ def _greedy_capture_error(plain_target):
     return step.capture_error if step is not None else None
 
 
-def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, time_repeats=200):
-    """Plain and speculative greedy decoding at batch 1 on `prompts`, c, tau and the bound; fast as in SpeculativeDecoder."""
+def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, time_repeats=200, sync_every=None):
+    """Plain and speculative greedy decoding at batch 1 on `prompts`, c, tau and the bound; fast and sync_every as
+    in SpeculativeDecoder."""
+    from draftline.decode import resolve_sync_every
     from draftline.decode_static import time_call
 
-    decoder = SpeculativeDecoder(model, drafter, k, eos_token_ids=eos, fast=fast)
+    sync_every = resolve_sync_every(sync_every, device)
+    decoder = SpeculativeDecoder(model, drafter, k, eos_token_ids=eos, fast=fast, sync_every=sync_every)
     # Warm-up: allocator, kernels, and on the fast path the buffers and graphs (sized for the longest prompt, so
     # the timed runs reuse them).
     longest = max(prompts, key=len)
     decoder.generate([longest], new_tokens)
-    plain_decode(model, [longest], new_tokens, eos_token_ids=eos, fast=fast)
+    plain_decode(model, [longest], new_tokens, eos_token_ids=eos, fast=fast, sync_every=sync_every)
     plain_s = spec_s = 0.0
+    plain_discarded = spec_discarded = 0
     plain_fw = plain_tokens = spec_tokens = 0
     stats, match, modes, setup_s = None, True, set(), 0.0
     for p in prompts:  # batch 1, alternating, so drift in machine speed hits both alike
-        plain = plain_decode(model, [p], new_tokens, eos_token_ids=eos, fast=fast)
+        plain = plain_decode(model, [p], new_tokens, eos_token_ids=eos, fast=fast, sync_every=sync_every)
         spec = decoder.generate([p], new_tokens)
+        plain_discarded += plain.discarded_target_forwards
+        spec_discarded += spec.discarded_target_forwards
         modes.update({f"spec:{spec.mode}", f"plain:{plain.mode}"})
         setup_s += plain.setup_seconds + spec.setup_seconds
         plain_s, plain_fw, plain_tokens = plain_s + plain.seconds, plain_fw + plain.target_forwards, plain_tokens + plain.num_tokens
@@ -309,7 +321,8 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, t
         "drafter_call_ms": 1e3 * drafter_call_s, "target_step_ms": 1e3 * target_step_s,
         "verify_step_ms": 1e3 * verify_s, **timing, "setup_seconds": setup_s,
         "bound": bound, "fraction_of_bound": speedup / bound, "greedy_outputs_match": match,
-        "tokens": plain_tokens,
+        "tokens": plain_tokens, "sync_every": sync_every,
+        "plain_discarded_forwards": plain_discarded, "spec_discarded_forwards": spec_discarded,
     }
 
 
@@ -363,7 +376,7 @@ def main(argv=None) -> dict:
     try:
         for k in args.k:
             r = measure(model, drafter, eval_prompts, k, args.eval_tokens, eos, device, fast=fast,
-                        time_repeats=args.time_repeats)
+                        time_repeats=args.time_repeats, sync_every=args.sync_every)
             r["offline_estimate"] = expected_acceptance(training["val_accuracy"], k) if training["val_accuracy"] else None
             if args.eager_prompts and not any(m.endswith(":eager") for m in r["mode"]):
                 eager = measure(model, drafter, eval_prompts[:args.eager_prompts], k, args.eval_tokens, eos, device,
@@ -385,7 +398,8 @@ def main(argv=None) -> dict:
         "target": target_name, "target_params": params, "dtype": "bfloat16" if gpu else "float32",
         "drafter_params": sum(p.numel() for p in drafter.parameters()), "batch_size": 1,
         "train_prompts": len(train_prompts), "trace_tokens": args.trace_tokens, "traces_seconds": traces_s,
-        "eval_prompts": len(eval_prompts), "eval_tokens": args.eval_tokens, "training": training,
+        "eval_prompts": len(eval_prompts), "eval_tokens": args.eval_tokens, "sync_every": args.sync_every,
+        "training": training,
         "saved": saved, "runs": runs,
         "fraction_of_bound": min(r["fraction_of_bound"] for r in runs) if runs else None,
         "error": error, "seconds": time.perf_counter() - t_all,

@@ -24,7 +24,9 @@ CUDA, eager elsewhere); Generation.mode says which ran:
   * "cuda-graphs" / "static-eager": draftline.decode_static's preallocated caches with fixed-shape forwards,
     replayed as CUDA graphs on CUDA ("static-eager": the same code without capture, on CPU or when capture fails),
     with one host sync per speculative iteration; at temperature 0 the drafting, verification and pointer updates
-    run inside the graphs too (three replays per iteration, one per plain step). Same tokens and acceptance as the
+    run inside the graphs too (three replays per iteration, one per plain step), and `sync_every` iterations or
+    plain steps run back to back per host sync (8 on CUDA by default), their reports gathered in a device ring and
+    read at once; steps that ran after every row finished are discarded. Same tokens and acceptance as the
     eager path in float32 (tested); in bf16 the longer masked key range may round differently and flip a near tie.
     Plain decoding uses the same machinery, so speedups compare like with like.
 """
@@ -132,6 +134,11 @@ class Generation:
     drafter_forwards: int = 0
     mode: str = "eager"  # "eager" | "static-eager" | "cuda-graphs" | "cuda-graphs-partial" (draftline.decode_static)
     setup_seconds: float = 0.0  # fast path: buffer allocation and graph capture, not part of `seconds`
+    # Greedy fast path with sync_every > 1: target forwards that ran after every row had finished (inside the last
+    # sync window, before the host looked) and whose output was discarded. They cost time (counted in `seconds`)
+    # but are not in target_forwards / drafter_forwards, which count what sync_every=1 would run, so those stay
+    # comparable across sync_every.
+    discarded_target_forwards: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -306,6 +313,27 @@ def _static_mode(*captured: bool) -> str:
     return "cuda-graphs" if all(captured) else "cuda-graphs-partial" if any(captured) else "static-eager"
 
 
+def resolve_sync_every(sync_every: int | None, device) -> int:
+    """Greedy fast-path steps run back to back per host sync; None = 8 on CUDA (hides launch and sync latency), 1
+    elsewhere (on CPU there is no idle device to keep busy)."""
+    if sync_every is None:
+        return 8 if torch.device(device).type == "cuda" else 1
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ConfigError(f"sync_every={sync_every!r} must be a whole number of steps, at least 1")
+    return sync_every
+
+
+def _window(rows: "_Rows", sync_every: int, free_slots: int, slots_per_step: int) -> int:
+    """Steps to run before the next host sync: at most sync_every, no more than the slowest active row can still
+    need (every step emits at least one token per active row), and never more than the caches hold."""
+    still_needed = max(rows.max_new_tokens - len(rows.tokens[r]) for r in range(len(rows.tokens)) if rows.active[r])
+    fits = free_slots // slots_per_step
+    if fits < 1:  # slots_needed budgets for every window; this guards the index_copy that would kill a CUDA context
+        raise RuntimeError(f"static caches full ({free_slots} free slots, {slots_per_step} per step) with rows still "
+                           "active: slots_needed is short")
+    return min(sync_every, still_needed, fits)
+
+
 def _check_common(max_new_tokens: int, temperature: float) -> None:
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be at least 1")
@@ -318,18 +346,20 @@ def _check_common(max_new_tokens: int, temperature: float) -> None:
 @torch.no_grad()
 def plain_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0,
-                 fast: bool | None = None) -> Generation:
+                 fast: bool | None = None, sync_every: int | None = None) -> Generation:
     """Decode the target alone, one token per forward, with the same batching and masking as the speculative path.
 
     fast: the static-cache path (CUDA graphs on CUDA) instead of the eager one; None = on for CUDA. Its buffers and
     graphs are kept on the model object and reused while batch size and capacity fit.
+    sync_every: greedy fast path only, steps run back to back per host sync (resolve_sync_every; 1 = a sync per step).
     """
     _check_common(max_new_tokens, temperature)
     device = next(model.parameters()).device
+    sync_every = resolve_sync_every(sync_every, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     if _use_fast_path(fast, device):
         return _plain_decode_static(model, prompts, max_new_tokens, temperature, eos_token_ids, pad_token_id,
-                                    generator, use_graphs=torch.device(device).type == "cuda")
+                                    generator, use_graphs=torch.device(device).type == "cuda", sync_every=sync_every)
     _sync(device)
     start = time.perf_counter()
     target = _Target(model, None)
@@ -366,20 +396,23 @@ def _plain_static_target(model, batch: int, slots: int, use_graphs: bool):
 
 
 def _plain_decode_static(model, prompts, max_new_tokens, temperature, eos_token_ids, pad_token_id, generator,
-                         use_graphs: bool) -> Generation:
+                         use_graphs: bool, sync_every: int = 1) -> Generation:
     from draftline.decode_static import slots_needed
 
     device = next(model.parameters()).device
     ids, valid, positions = _left_pad(prompts, pad_token_id, device)
     _sync(device)
     setup_start = time.perf_counter()
-    target = _plain_static_target(model, len(prompts), slots_needed(ids.shape[1], max_new_tokens, 0, len(prompts)),
-                                  use_graphs)
     greedy = temperature == 0.0
+    target = _plain_static_target(
+        model, len(prompts), slots_needed(ids.shape[1], max_new_tokens, 0, len(prompts), sync_every if greedy else 1),
+        use_graphs)
     if greedy and getattr(target, "greedy_step", None) is None:
         from draftline.decode_static import GreedyPlainStep
 
         target.greedy_step = GreedyPlainStep(target, use_graphs)
+    if greedy:
+        ring = target.greedy_step.report_ring(sync_every)  # allocated here, outside the timed decoding
     target.reset()
     _sync(device)
     start = time.perf_counter()
@@ -389,13 +422,25 @@ def _plain_decode_static(model, prompts, max_new_tokens, temperature, eos_token_
     for row, t in enumerate(nxt.tolist()):
         rows.emit(row, [t])
     lengths = valid.sum(1)
+    discarded = 0
     if greedy:
-        # Greedy: per step one call (forward, argmax, advance; a graph on CUDA) and one sync reading its token.
+        # Greedy: per step one call (forward, argmax, advance; a graph on CUDA) whose token is copied into the ring
+        # on the device; one sync per window of up to sync_every steps reads them all, then the steps' bookkeeping
+        # runs in order. Steps after every row finished are discarded (their slots were budgeted by slots_needed).
         step = target.greedy_step
-        step.start(nxt, lengths, ids.shape[1])
+        slot = ids.shape[1]  # host copy of step.slot, exact: it advances by one per step
+        step.start(nxt, lengths, slot)
         while rows.any_active:
-            for row, t in enumerate(step().tolist()):
-                rows.emit(row, [t])
+            n = _window(rows, sync_every, target.num_slots - slot, 1)
+            for j in range(n):
+                ring[j].copy_(step())
+            for tokens in ring[:n].tolist():
+                slot += 1
+                if not rows.any_active:
+                    discarded += 1
+                    continue
+                for row, t in enumerate(tokens):
+                    rows.emit(row, [t])
         captured = step.graphs
     else:
         slot = torch.full((1,), ids.shape[1], dtype=torch.long, device=device)
@@ -407,8 +452,9 @@ def _plain_decode_static(model, prompts, max_new_tokens, temperature, eos_token_
                 rows.emit(row, [t])
         captured = target.graphs
     _sync(device)
-    return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start, target_forwards=target.forwards,
-                      mode=_static_mode(captured), setup_seconds=start - setup_start)
+    return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start,
+                      target_forwards=target.forwards - discarded, mode=_static_mode(captured),
+                      setup_seconds=start - setup_start, discarded_target_forwards=discarded)
 
 
 # ---------------------------------------------------------------- speculative decoding
@@ -429,11 +475,15 @@ class SpeculativeDecoder:
     None = on for CUDA. The buffers and graphs are built at the first generate and reused while the batch size
     matches and the capacity suffices (rebuilding, e.g. for a longer prompt, costs a capture again). Both paths
     support ragged batches; one host sync per iteration in the fast path, several in the eager one.
+
+    sync_every: at temperature 0 on the fast path, iterations run back to back per host sync (resolve_sync_every:
+    None = 8 on CUDA, 1 elsewhere). Output, acceptance and forward counts are those of sync_every=1; iterations run
+    past the end of every row are discarded and reported as Generation.discarded_target_forwards.
     """
 
     def __init__(self, target_model, drafter, k: int, *, temperature: float = 0.0,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0,
-                 draft_sampling: str = "greedy", fast: bool | None = None):
+                 draft_sampling: str = "greedy", fast: bool | None = None, sync_every: int | None = None):
         if k < 1:
             raise ConfigError(f"k={k} draft tokens per step must be at least 1")
         if draft_sampling not in DRAFT_SAMPLING:
@@ -458,6 +508,7 @@ class SpeculativeDecoder:
         self.draft_sampling = draft_sampling
         self.aux_layer_ids = list(cfg.aux_layer_ids)
         self.fast = fast
+        self.sync_every = resolve_sync_every(sync_every, next(target_model.parameters()).device)
         self.static = None  # (StaticTarget, StaticDrafter) of the fast path, built at first use
         self.static_greedy = None  # GreedySpecIteration over self.static, built at the first greedy use
 
@@ -596,8 +647,11 @@ class SpeculativeDecoder:
         ids, valid, positions = _left_pad(prompts, self.pad_token_id, device)
         _sync(device)
         setup_start = time.perf_counter()
-        target, drafter = self._static_runners(batch, slots_needed(ids.shape[1], max_new_tokens, k, batch))
+        sync_every = self.sync_every if temp == 0.0 else 1
+        target, drafter = self._static_runners(batch, slots_needed(ids.shape[1], max_new_tokens, k, batch, sync_every))
         greedy = self._greedy_iteration(target, drafter) if temp == 0.0 else None
+        if greedy is not None:
+            greedy.report_ring(sync_every)  # allocated here, outside the timed decoding
         target.reset()
         drafter.reset()
         _sync(device)
@@ -688,27 +742,44 @@ class SpeculativeDecoder:
                      stats: AcceptanceStats, timer: "_Timer", start: float, setup_start: float) -> Generation:
         """Temperature 0: the iteration is decode_static.GreedySpecIteration's three calls (graphs on CUDA).
 
-        Eager work per iteration: three call replays and one read of the report [B, k+2] (the one host sync),
-        then Python's per-row bookkeeping; drafting, verification and every pointer update run inside the calls.
-        profile=True times the whole iteration as target time (the forwards are no longer separate calls).
+        Eager work per window of up to sync_every iterations: three call replays and one device copy of the report
+        [B, k+2] into the ring per iteration, one read of the ring (the window's one host sync), then Python's
+        per-row bookkeeping of each iteration in order; drafting, verification and every pointer update run inside
+        the calls. Iterations after every row finished are discarded as if never run (not in the stats or the
+        forward counts). profile=True times whole windows as target time (the forwards are no longer separate calls).
         """
         k, batch = self.k, len(rows.tokens)
+        sync_every = self.sync_every
+        ring = greedy.report_ring(sync_every)
+        capacity = greedy.target.num_slots  # the drafter's buffers have the same number of slots
         greedy.start(base, lengths, pending, last_logits, last_hidden)
+        discarded = 0
         while rows.any_active:
-            active = rows.active[:]
+            n = _window(rows, sync_every, capacity - base, k + 1)
             with timer.target():
-                report = greedy().tolist()
-            for row in range(batch):
-                if active[row]:
-                    acc = report[row][0]
-                    stats.record(acc)
-                    rows.emit(row, report[row][1:1 + acc] + [report[row][k + 1]])
+                for j in range(n):
+                    ring[j].copy_(greedy())
+                reports = ring[:n].tolist()
+            for report in reports:
+                # Host copy of greedy.base, exact: the pointer moves past the longest accepted run of any row.
+                base += max(r[0] for r in report) + 1
+                if not rows.any_active:
+                    discarded += 1
+                    continue
+                active = rows.active[:]
+                for row in range(batch):
+                    if active[row]:
+                        acc = report[row][0]
+                        stats.record(acc)
+                        rows.emit(row, report[row][1:1 + acc] + [report[row][k + 1]])
         device = greedy.base.device
         _sync(device)
         return Generation(tokens=rows.tokens, seconds=time.perf_counter() - start,
-                          target_forwards=greedy.target.forwards, stats=stats, target_seconds=timer.target_s,
-                          drafter_seconds=timer.drafter_s, drafter_forwards=greedy.drafter.forwards,
-                          mode=_static_mode(*greedy.captured), setup_seconds=start - setup_start)
+                          target_forwards=greedy.target.forwards - discarded, stats=stats,
+                          target_seconds=timer.target_s, drafter_seconds=timer.drafter_s,
+                          drafter_forwards=greedy.drafter.forwards - k * discarded,
+                          mode=_static_mode(*greedy.captured), setup_seconds=start - setup_start,
+                          discarded_target_forwards=discarded)
 
     def _verify(self, logits, drafts, q_probs, generator):
         """(accepted [B], next token [B]) from target logits [B, k+1, V] and drafts [B, k]."""
@@ -863,22 +934,25 @@ def load_drafter(drafter_dir: str | Path, target_model, dtype: torch.dtype, devi
 def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128,
                          device: str = "auto", dtype: str = "float32", *, temperature: float = 0.0,
                          max_prompts: int | None = None, use_chat_template: bool = True, batch_size: int = 1,
-                         seed: int = 0, draft_sampling: str = "greedy", target=None, fast: bool | None = None) -> dict:
+                         seed: int = 0, draft_sampling: str = "greedy", target=None, fast: bool | None = None,
+                         sync_every: int | None = None) -> dict:
     """Acceptance of `drafter_dir` on `prompts` (a prompts .jsonl path or contract-B dicts), as JSON-ready figures.
 
     Prompts are encoded as the engines see them (chat template with generation prompt for messages). Plain
     decoding of the same prompts runs in the same process for the speedup. See run_reference for the result object.
     fast: decode with the static-cache path (CUDA graphs on CUDA), None = on for CUDA; the summary's "mode" says which ran.
+    sync_every: greedy fast-path steps per host sync, as in SpeculativeDecoder (None = 8 on CUDA, 1 elsewhere).
     """
     return run_reference(target_dir, drafter_dir, prompts, k, max_new_tokens, device, dtype, temperature=temperature,
                          max_prompts=max_prompts, use_chat_template=use_chat_template, batch_size=batch_size,
-                         seed=seed, draft_sampling=draft_sampling, target=target, fast=fast).summary()
+                         seed=seed, draft_sampling=draft_sampling, target=target, fast=fast,
+                         sync_every=sync_every).summary()
 
 
 def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128, device: str = "auto",
                   dtype: str = "float32", *, temperature: float = 0.0, max_prompts: int | None = None,
                   use_chat_template: bool = True, batch_size: int = 1, seed: int = 0, draft_sampling: str = "greedy",
-                  target=None, fast: bool | None = None) -> ReferenceResult:
+                  target=None, fast: bool | None = None, sync_every: int | None = None) -> ReferenceResult:
     """Like reference_acceptance, returning the ReferenceResult; `target` = an already loaded (model, tokenizer)."""
     from draftline.target import load_target
     from draftline.traces import encode_prompt, read_prompts
@@ -898,12 +972,13 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: 
     eos = eos_token_ids(target_dir, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     decoder = SpeculativeDecoder(model, drafter, k, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
-                                 seed=seed, draft_sampling=draft_sampling, fast=fast)
+                                 seed=seed, draft_sampling=draft_sampling, fast=fast, sync_every=sync_every)
 
     # Warm-up outside the timed region: first calls pay for allocator growth and kernel selection (and the fast
     # path's capture, which a batch that needs more capacity pays again, outside `seconds` too).
     decoder.generate(encoded[:1], min(4, max_new_tokens))
-    plain_decode(model, encoded[:1], min(4, max_new_tokens), eos_token_ids=eos, pad_token_id=pad, fast=fast)
+    plain_decode(model, encoded[:1], min(4, max_new_tokens), eos_token_ids=eos, pad_token_id=pad, fast=fast,
+                 sync_every=sync_every)
 
     stats = AcceptanceStats(k=k)
     spec_tokens = plain_tokens = spec_fw = plain_fw = 0
@@ -913,7 +988,7 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: 
     for start in range(0, len(encoded), batch_size):
         batch = encoded[start:start + batch_size]
         plain = plain_decode(model, batch, max_new_tokens, temperature=temperature, eos_token_ids=eos,
-                             pad_token_id=pad, seed=seed + start, fast=fast)
+                             pad_token_id=pad, seed=seed + start, fast=fast, sync_every=sync_every)
         spec = decoder.generate(batch, max_new_tokens, seed=seed + start)
         _merge(stats, spec.stats)
         spec_tokens, spec_s, spec_fw = spec_tokens + spec.num_tokens, spec_s + spec.seconds, spec_fw + spec.target_forwards

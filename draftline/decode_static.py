@@ -29,8 +29,10 @@ verify with greedy acceptance, the drafter's read with the pointer advance), so 
 reads one small report. Sampling (temperature > 0, either draft_sampling) keeps the eager bookkeeping around the
 pure forwards, since its draws come from a torch.Generator that a graph would have to replay in lockstep.
 
-Host syncs: one per speculative iteration (the accepted counts and tokens, for EOS and max_new_tokens) and one per
-plain step; prefill runs eagerly (its length varies). Capture and buffer allocation happen at the first call for a
+Host syncs: one per `sync_every` greedy speculative iterations or plain steps (draftline.decode runs that many back
+to back, each call's report copied into a device ring buffer, then reads the ring once for EOS and max_new_tokens,
+so the GPU never idles waiting for the host between steps); one per iteration or step when sampling. Prefill runs
+eagerly (its length varies). Capture and buffer allocation happen at the first call for a
 batch size and capacity and are reported apart (Generation.setup_seconds), outside the timed decoding.
 """
 from __future__ import annotations
@@ -48,16 +50,20 @@ except ImportError:  # pragma: no cover - very old transformers
     _CacheBase = object
 
 
-def slots_needed(prompt_slots: int, max_new_tokens: int, k: int, batch: int) -> int:
-    """Cache slots a run can touch: the prompt, then per iteration up to k+1 slots.
+def slots_needed(prompt_slots: int, max_new_tokens: int, k: int, batch: int, sync_every: int = 1) -> int:
+    """Cache slots a run can touch: the prompt, then per iteration up to k+1 slots (k=0: plain decoding).
 
     With one row the pointer advances by exactly the tokens emitted, so prompt + max_new_tokens + k + 1 suffice. With
     several rows it advances by the longest accepted run of any row (finished rows included), at most k+1 per
     iteration, for at most max_new_tokens - 1 iterations.
+    sync_every > 1: up to sync_every - 1 iterations may run past a finished row before the host looks (their output
+    is discarded); each writes at most k+1 slots more. draftline.decode also clamps every window to the capacity
+    left, so a write past the buffers (fatal to a CUDA context) cannot happen even if this bound were short.
     """
+    past_the_end = (sync_every - 1) * (k + 1)
     if batch == 1:
-        return prompt_slots + max_new_tokens + k + 1
-    return prompt_slots + (max_new_tokens - 1) * (k + 1) + k + 1
+        return prompt_slots + max_new_tokens + k + 1 + past_the_end
+    return prompt_slots + (max_new_tokens - 1) * (k + 1) + k + 1 + past_the_end
 
 
 def round_slots(slots: int, multiple: int = 128) -> int:
@@ -371,7 +377,8 @@ def time_call(call: StaticCall, repeats: int = 200, warmup: int = 10) -> float:
 class GreedyPlainStep:
     """One plain greedy step as one call: the target's T=1 forward, argmax, position and slot advance.
 
-    Per step the host replays this call and reads `token` (the step's one sync, for EOS and max_new_tokens).
+    The host replays this call sync_every times, copying each step's `token` into report_ring(sync_every), then
+    reads the ring once (the window's one sync, for EOS and max_new_tokens).
     """
 
     def __init__(self, target: StaticTarget, use_graphs: bool):
@@ -380,8 +387,15 @@ class GreedyPlainStep:
         self.token = zeros(target.batch)  # each row's last emitted token: this step's input, then its output
         self.lengths = zeros(target.batch)  # logical (RoPE) position of `token`
         self.slot = zeros(1)  # physical slot `token` is written to (shared by all rows)
+        self.ring: torch.Tensor | None = None
         self.call = StaticCall(self._step, {})
         self.capture_error = _capture_all({1: self.call}) if use_graphs else None
+
+    def report_ring(self, sync_every: int) -> torch.Tensor:
+        """[sync_every, B] device buffer: slot j holds step j's tokens of the current sync window."""
+        if self.ring is None or self.ring.shape[0] != sync_every:
+            self.ring = torch.zeros(sync_every, *self.token.shape, dtype=self.token.dtype, device=self.token.device)
+        return self.ring
 
     @property
     def graphs(self) -> bool:
@@ -417,9 +431,9 @@ class GreedySpecIteration:
               next chain, the slot pointer and positions advanced.
 
     chain and read belong to the drafter, verify to the target; each side falls back to static-eager on its own if
-    its capture fails (capture_errors). Per iteration the host replays three calls and reads `report` [B, k+2]
-    (accepted, drafts, bonus) once: that is the iteration's one sync and all its eager work besides Python's
-    bookkeeping of the emitted tokens.
+    its capture fails (capture_errors). Per iteration the host replays three calls and copies `report` [B, k+2]
+    (accepted, drafts, bonus) into report_ring(sync_every) on the device; after sync_every iterations it reads the
+    ring once: that is the window's one sync and all its eager work besides Python's bookkeeping of the tokens.
     """
 
     def __init__(self, target: StaticTarget, drafter: StaticDrafter, k: int, use_graphs: bool):
@@ -442,6 +456,7 @@ class GreedySpecIteration:
         self.read_valid = zeros(batch, k + 1, dtype=torch.bool)
         self.accepted = zeros(batch)
         self.report = zeros(batch, k + 2)
+        self.ring: torch.Tensor | None = None
         self.chain = StaticCall(self._draft_chain, {})
         self.verify = StaticCall(self._verify, {})
         self.read = StaticCall(self._read_verified, {})
@@ -449,6 +464,12 @@ class GreedySpecIteration:
         if use_graphs:
             self.drafter_capture_error = _capture_all({0: self.chain, 1: self.read})
             self.target_capture_error = _capture_all({0: self.verify})
+
+    def report_ring(self, sync_every: int) -> torch.Tensor:
+        """[sync_every, B, k+2] device buffer: slot j holds iteration j's report of the current sync window."""
+        if self.ring is None or self.ring.shape[0] != sync_every:
+            self.ring = torch.zeros(sync_every, *self.report.shape, dtype=self.report.dtype, device=self.report.device)
+        return self.ring
 
     @property
     def captured(self) -> tuple[bool, bool]:

@@ -186,3 +186,89 @@ def test_the_benchmark_measures_the_fast_path_with_its_own_calls():
     assert r["mode"] == ["plain:static-eager", "spec:static-eager"] and r["greedy_outputs_match"] is True
     assert r["c"] > 0 and r["drafter_call_ms"] > 0 and r["target_step_ms"] > 0 and r["verify_step_ms"] > 0
     assert r["bound"] == pytest.approx(r["tau"] / (1 + 3 * r["c"]))
+
+
+# ---------------------------------------------------------------- sync windows: several greedy steps per host sync
+
+def _run_with_sync_windows(model, drafter, prompts, max_new_tokens, eos, k=3):
+    """{sync_every: (plain Generation, speculative Generation)} on the greedy fast path."""
+    out = {}
+    for sync_every in (1, 3, 8):
+        plain = plain_decode(model, prompts, max_new_tokens, eos_token_ids=eos, fast=True, sync_every=sync_every)
+        spec = SpeculativeDecoder(model, drafter, k=k, eos_token_ids=eos, fast=True,
+                                  sync_every=sync_every).generate(prompts, max_new_tokens)
+        assert plain.mode == spec.mode == "static-eager"
+        out[sync_every] = plain, spec
+    return out
+
+
+def _same_as_one_sync_per_step(runs, want_tokens, eager_spec) -> None:
+    """Every sync_every: the tokens of unbatched eager plain greedy, the eager path's acceptance, and the forward
+    counts of sync_every=1 (steps run past the end are discarded, not counted)."""
+    plain1, spec1 = runs[1]
+    assert plain1.discarded_target_forwards == spec1.discarded_target_forwards == 0
+    for sync_every, (plain, spec) in runs.items():
+        assert plain.tokens == spec.tokens == want_tokens, f"sync_every={sync_every}"
+        _same_stats(spec.stats, eager_spec.stats)
+        assert plain.target_forwards == plain1.target_forwards, f"sync_every={sync_every}"
+        assert (spec.target_forwards, spec.drafter_forwards) == (spec1.target_forwards, spec1.drafter_forwards)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_sync_windows_reproduce_plain_greedy_on_the_demo_targets(target_dirs, kind):
+    """Ragged chat batch, an EOS that stops one row mid-run and max_new_tokens=13 (not a multiple of 3 or 8)."""
+    from draftline.traces import encode_prompt, read_prompts
+    from tests.fixtures.tiny_targets import ASSETS
+
+    model, tok = load_target(target_dirs[kind], "float32", "cpu")
+    prompts = [encode_prompt(tok, p, True) for p in read_prompts(ASSETS / "prompts" / "eval_prompts.jsonl")[:3]]
+    drafter = random_drafter(model)
+    eos = [plain_decode(model, prompts[:1], 13, fast=False).tokens[0][4]]
+    plain = [plain_decode(model, [p], 13, eos_token_ids=eos, fast=False).tokens[0] for p in prompts]
+    assert len(plain[0]) < 13
+    eager = SpeculativeDecoder(model, drafter, k=3, eos_token_ids=eos, fast=False).generate(prompts, 13)
+    _same_as_one_sync_per_step(_run_with_sync_windows(model, drafter, prompts, 13, eos), plain, eager)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_sync_windows_discard_steps_after_eos_and_max_new_tokens(k):
+    """Rows accepting 0..k drafts, EOS and max_new_tokens falling inside a window (and a window longer than the
+    whole run: max_new_tokens 2 < sync_every); batch 1 and a ragged batch."""
+    model = tiny_target("llama", vocab=6, seed=5)
+    drafter = random_drafter(model, std=0.5)
+    prompts = random_prompts(6, 6, seed=6)
+    eos = [plain_decode(model, prompts[:1], 25, fast=False).tokens[0][5]]
+    discarded = 0
+    for max_new_tokens, eos_ids in ((2, []), (11, []), (25, eos)):
+        plain = [plain_decode(model, [p], max_new_tokens, eos_token_ids=eos_ids, fast=False).tokens[0]
+                 for p in prompts]
+        for batch in (prompts[:1], prompts):
+            eager = SpeculativeDecoder(model, drafter, k=k, eos_token_ids=eos_ids, fast=False).generate(
+                batch, max_new_tokens)
+            runs = _run_with_sync_windows(model, drafter, batch, max_new_tokens, eos_ids, k=k)
+            _same_as_one_sync_per_step(runs, plain[:len(batch)], eager)
+            discarded += sum(p.discarded_target_forwards + s.discarded_target_forwards for p, s in runs.values())
+        if eos_ids:
+            assert any(len(t) < max_new_tokens for t in plain)
+    assert discarded > 0  # some windows did run past the end
+
+
+def test_a_sync_window_never_runs_past_the_caches():
+    """Windows are cut to the steps the slowest active row can still need and to the slots left; no room is an
+    error before any write (an out-of-range write would kill a CUDA context)."""
+    from draftline.decode import _Rows, _window, resolve_sync_every
+    from draftline.errors import ConfigError
+
+    rows = _Rows(2, max_new_tokens=10, eos_ids=[])
+    rows.emit(0, [1] * 7)
+    rows.emit(1, [1] * 4)
+    assert _window(rows, 8, free_slots=100, slots_per_step=4) == 6  # row 1 needs at most 6 more steps
+    rows.emit(1, [1] * 6)
+    assert rows.active == [True, False] and _window(rows, 8, 100, 4) == 3
+    assert _window(rows, 8, free_slots=9, slots_per_step=4) == 2
+    with pytest.raises(RuntimeError, match="caches full"):
+        _window(rows, 8, free_slots=3, slots_per_step=4)
+    assert slots_needed(10, 20, 3, 1, sync_every=8) == slots_needed(10, 20, 3, 1) + 7 * 4
+    assert resolve_sync_every(None, "cpu") == 1 and resolve_sync_every(None, "cuda") == 8
+    with pytest.raises(ConfigError):
+        resolve_sync_every(0, "cpu")
