@@ -1,6 +1,9 @@
-"""SGLang adapter against SGLang's DOCUMENTED response shapes. No SGLang ran for any test in this file: SGLang
-cannot run on these CPU machines, so every shape below is transcribed from SGLang's docs and tests (native API
-page: /generate, /get_server_info; its EAGLE tests: accept length = completion_tokens / spec_verify_ct)."""
+"""SGLang adapter against SGLang's response shapes. No SGLang ran for any test in this file: SGLang cannot run on
+these CPU machines, so every shape below is written from the field names in sglang 0.5.14's source (its wheel,
+read 2026-11-30): meta_info in srt/managers/tokenizer_manager.py (_handle_batch_output, and
+_calculate_spec_decoding_metrics for the spec_* fields, set only once a request has finished), /server_info in
+srt/entrypoints/http_server.py (/get_server_info is its deprecated alias), avg_spec_accept_length in
+srt/managers/scheduler.py (get_internal_state). Older SGLang lacked spec_num_correct_drafts and the histogram."""
 from __future__ import annotations
 
 import asyncio
@@ -14,39 +17,91 @@ from draftline.config import EngineConfig
 from draftline.engines.client import Prompt
 from draftline.engines.preflight import EngineUnavailable, check_installed
 from draftline.engines.sglang import (
-    GenerateRequester, acceptance_from_meta, command, parse_generate_event, server_avg_accept_length,
+    GenerateRequester, acceptance_from_meta, command, parse_generate_event, server_avg_accept_length, server_info,
 )
 from draftline.errors import EngineError
 
-# Documented shape, not captured from a running SGLang: a finished /generate answer of a server started with
-# --speculative-algorithm (spec_verify_ct is only present then).
+# Shape from sglang 0.5.14's source, not captured from a running SGLang: a finished /generate answer of a server
+# started with --speculative-algorithm EAGLE3 --speculative-num-draft-tokens 4 (3 drafts a step). 12 verification
+# steps: 2 accepted 0 drafts, 3 accepted 1, 3 accepted 2, 4 accepted 3 → 21 correct drafts of 36 proposed.
 GENERATE_SPEC = {
     "text": " Paris. It is the capital of France.",
     "output_ids": [12366, 13, 1102, 374, 279, 6864, 315, 9822, 13],
-    "meta_info": {"id": "a1b2", "finish_reason": {"type": "length", "length": 32}, "prompt_tokens": 7,
-                  "completion_tokens": 32, "cached_tokens": 0, "e2e_latency": 0.41, "spec_verify_ct": 12},
+    "meta_info": {"id": "a1b2", "finish_reason": {"type": "length", "length": 34}, "prompt_tokens": 7,
+                  "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
+                  "completion_tokens": 34, "cached_tokens": 0, "e2e_latency": 0.41,
+                  "spec_accept_rate": 21 / 36, "spec_accept_length": 34 / 12, "spec_num_correct_drafts": 21,
+                  "spec_num_proposed_drafts": 36, "spec_verify_ct": 12, "spec_accepted_drafts": 21,
+                  "spec_proposed_drafts": 36, "spec_correct_drafts_histogram": [2, 3, 3, 4],
+                  "spec_accept_histogram": [2, 3, 3, 4]},
 }
-# Documented shape, not captured from a running SGLang: the same request on a server without speculation.
+# The same request on a server without speculation (no spec_* fields at all).
 GENERATE_PLAIN = {
     "text": " Paris.", "output_ids": [12366, 13],
     "meta_info": {"id": "c3d4", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 7,
+                  "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
                   "completion_tokens": 2, "cached_tokens": 0, "e2e_latency": 0.05},
 }
-# Documented shape, not captured from a running SGLang: /get_server_info (server args flattened at top level).
+# Older SGLang (before spec_num_correct_drafts and the histogram): spec_verify_ct only.
+OLD_SPEC_META = {"id": "e5f6", "finish_reason": {"type": "length", "length": 32}, "prompt_tokens": 7,
+                 "completion_tokens": 32, "cached_tokens": 0, "e2e_latency": 0.41, "spec_verify_ct": 12}
+# /server_info: the server args flattened at top level, scheduler info, internal_states (one per DP rank), version.
 SERVER_INFO = {"model_path": "/models/target", "speculative_algorithm": "EAGLE3",
                "internal_states": [{"avg_spec_accept_length": 2.61, "last_gen_throughput": 708.9}],
                "version": "0.5.14"}
 
 
-def test_sglang_contract_not_run_against_sglang_acceptance_is_completion_tokens_over_verify_steps():
+def test_sglang_contract_not_run_against_sglang_acceptance_is_one_plus_correct_drafts_over_verify_steps():
     second = json.loads(json.dumps(GENERATE_SPEC))
-    second["meta_info"].update(completion_tokens=10, spec_verify_ct=8)
-    acc = acceptance_from_meta([GENERATE_SPEC["meta_info"], second["meta_info"]], SERVER_INFO)
-    assert acc.mean_acceptance_length == pytest.approx((32 + 10) / (12 + 8))
-    assert acc.num_drafts == 20
-    assert acc.per_position is None  # SGLang reports no per-position counters
-    assert acc.engine_reported == {"get_server_info.avg_spec_accept_length": 2.61}
-    assert "SGLang" in acc.source
+    second["meta_info"].update(completion_tokens=10, spec_verify_ct=8, spec_num_correct_drafts=1,
+                               spec_num_proposed_drafts=24, spec_correct_drafts_histogram=[7, 1])
+    acc = acceptance_from_meta([GENERATE_SPEC["meta_info"], second["meta_info"]], SERVER_INFO, k=3)
+    assert acc.mean_acceptance_length == pytest.approx(1 + (21 + 1) / (12 + 8))  # vLLM's definition
+    assert acc.num_drafts == 20 and acc.num_accepted_tokens == 22 and acc.num_draft_tokens == 60
+    # histogram summed over requests: [9, 4, 3, 4] over 20 steps; draft i accepted in steps accepting >= i
+    assert acc.per_position == pytest.approx([11 / 20, 7 / 20, 4 / 20])
+    assert acc.engine_reported == {"meta_info.completion_tokens/spec_verify_ct": pytest.approx(44 / 20),
+                                   "server_info.avg_spec_accept_length": 2.61}
+    assert "spec_num_correct_drafts" in acc.source
+
+
+def test_sglang_contract_not_run_against_sglang_histogram_agrees_with_correct_drafts():
+    meta = GENERATE_SPEC["meta_info"]
+    hist = meta["spec_correct_drafts_histogram"]
+    assert sum(hist) == meta["spec_verify_ct"]
+    assert sum(i * n for i, n in enumerate(hist)) == meta["spec_num_correct_drafts"]
+    acc = acceptance_from_meta([meta])  # without k, the histogram's width decides
+    assert len(acc.per_position) == 3
+    assert 1 + sum(acc.per_position) == pytest.approx(acc.mean_acceptance_length)
+
+
+def test_sglang_contract_not_run_against_sglang_older_fields_fall_back_to_completion_tokens():
+    acc = acceptance_from_meta([OLD_SPEC_META], SERVER_INFO)
+    assert acc.mean_acceptance_length == pytest.approx(32 / 12)
+    assert acc.per_position is None and acc.num_draft_tokens is None
+    assert "completion_tokens / spec_verify_ct" in acc.source
+    aliased = {k: v for k, v in GENERATE_SPEC["meta_info"].items()
+               if k not in ("spec_num_correct_drafts", "spec_correct_drafts_histogram")}
+    current = acceptance_from_meta([GENERATE_SPEC["meta_info"]])
+    assert acceptance_from_meta([aliased]).per_position == current.per_position
+    assert acceptance_from_meta([aliased]).mean_acceptance_length == current.mean_acceptance_length
+
+
+def test_sglang_contract_not_run_against_sglang_server_info_path_then_deprecated_alias(monkeypatch):
+    asked, known = [], {"/server_info", "/get_server_info"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        if request.url.path not in known:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json=SERVER_INFO)
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(httpx, "get", lambda url, **kw: client.get(url, timeout=kw.get("timeout")))
+    assert server_info("http://sglang") == SERVER_INFO and asked == ["/server_info"]
+    known.discard("/server_info")  # an SGLang older than /server_info
+    asked.clear()
+    assert server_info("http://sglang") == SERVER_INFO and asked == ["/server_info", "/get_server_info"]
 
 
 def test_sglang_contract_not_run_against_sglang_no_speculation_means_no_acceptance():
@@ -89,19 +144,21 @@ def test_sglang_contract_not_run_against_sglang_command_line_uses_eagle3_chain_d
 
 
 def _documented_stream(final_meta: dict, pieces: list[str]) -> bytes:
-    """SGLang's /generate stream as documented: `data: {json}` events with cumulative text, then `data: [DONE]`."""
+    """SGLang's /generate stream: `data: {json}` events with cumulative text (incremental_streaming_output is off by
+    default), then `data: [DONE]`."""
     events, text = [], ""
     for i, piece in enumerate(pieces, 1):
         text += piece
         meta = {**final_meta, "completion_tokens": i, "finish_reason": None}
-        meta.pop("spec_verify_ct", None)  # only present once the request has finished
+        for key in [k for k in meta if k.startswith("spec_")]:
+            meta.pop(key)  # the spec_* fields come only once the request has finished
         events.append({"text": text, "meta_info": meta})
     events[-1]["meta_info"] = final_meta
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
 def test_sglang_contract_not_run_against_sglang_streaming_client_reads_tokens_and_verify_count():
-    final = {**GENERATE_SPEC["meta_info"], "completion_tokens": 3, "spec_verify_ct": 2}
+    final = {**OLD_SPEC_META, "completion_tokens": 3, "spec_verify_ct": 2}
     seen = {}
 
     def handler(request: httpx.Request) -> httpx.Response:

@@ -1,12 +1,17 @@
 """The SGLang adapter: its server command line, a /generate streaming client, and acceptance from meta_info.
 
 SGLang runs on GPU workers only (it cannot run on the CPU machines this project is developed on), so its
-parsing is tested against SGLang's documented response shapes, never against a running SGLang.
+parsing is tested against the response shapes read from SGLang 0.5.14's source, never against a running SGLang.
 
-Acceptance: per finished request SGLang reports `completion_tokens` and `spec_verify_ct` (target verification
-steps) in meta_info; mean acceptance length = Σ completion_tokens / Σ spec_verify_ct, the way SGLang's own tests
-and benchmarks compute it. `/get_server_info` → internal_states[0].avg_spec_accept_length is kept as a
-cross-check. SGLang exposes no per-position counters, so per-position acceptance is not reported for it.
+Acceptance: per finished request of a speculating server, SGLang 0.5.14 puts in meta_info `spec_verify_ct`
+(target verification steps), `spec_num_correct_drafts` (accepted draft tokens, bonus token not counted),
+`spec_num_proposed_drafts` and `spec_correct_drafts_histogram` (entry i = verification steps that accepted exactly
+i draft tokens). Mean acceptance length = 1 + Σ spec_num_correct_drafts / Σ spec_verify_ct (vLLM's definition);
+with chain drafting (top-k 1) the i-th draft token was accepted in every step that accepted at least i, so the
+histogram gives per-position acceptance. Older SGLang without those fields: Σ completion_tokens / Σ spec_verify_ct,
+the figure SGLang itself reports as `spec_accept_length`, which also counts the prefill token. `/server_info`
+(`/get_server_info` before 0.5.14 deprecated it) → internal_states[0].avg_spec_accept_length is kept as a
+cross-check; it accumulates over the server's life, health checks and warm-up included.
 """
 from __future__ import annotations
 
@@ -68,21 +73,51 @@ def parse_generate_event(event: dict) -> tuple[str, dict]:
     return event.get("text", ""), event["meta_info"]
 
 
-def acceptance_from_meta(metas: list[dict], server_info: dict | None = None) -> Acceptance | None:
-    """Σ completion_tokens / Σ spec_verify_ct over requests that speculated; None when none did."""
+def _correct_drafts(meta: dict) -> int | None:
+    value = meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts"))  # the second: older alias
+    return None if value is None else int(value)
+
+
+def _histogram(meta: dict) -> list[int] | None:
+    value = meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))  # the second: older alias
+    return [int(x) for x in value] if value else None
+
+
+def acceptance_from_meta(metas: list[dict], server_info: dict | None = None, k: int | None = None
+                         ) -> Acceptance | None:
+    """Acceptance over the requests that speculated (meta_info with spec_verify_ct > 0); None when none did.
+
+    k (draft tokens per step) sizes per_position; without it the longest histogram decides."""
     spec = [m for m in metas if (m.get("spec_verify_ct") or 0) > 0]
     if not spec:
         return None
     tokens = sum(int(m.get("completion_tokens") or 0) for m in spec)
     verify = sum(int(m["spec_verify_ct"]) for m in spec)
-    reported: dict[str, Any] = {}
+    reported: dict[str, Any] = {"meta_info.completion_tokens/spec_verify_ct": tokens / verify}
     avg = server_avg_accept_length(server_info) if server_info else None
     if avg is not None:
-        reported["get_server_info.avg_spec_accept_length"] = avg
+        reported["server_info.avg_spec_accept_length"] = avg
+    correct = [_correct_drafts(m) for m in spec]
+    if all(c is not None for c in correct):
+        accepted = sum(correct)
+        source = "SGLang /generate meta_info (1 + spec_num_correct_drafts / spec_verify_ct)"
+    else:  # SGLang before spec_num_correct_drafts: its own accept length, prefill token included
+        accepted = tokens - verify
+        source = "SGLang /generate meta_info (completion_tokens / spec_verify_ct)"
+    proposed = [m.get("spec_num_proposed_drafts") for m in spec]
+    per_position = None
+    hists = [_histogram(m) for m in spec]
+    if all(h is not None for h in hists):
+        width = max(len(h) for h in hists)
+        total = [sum(h[i] for h in hists if i < len(h)) for i in range(width)]
+        steps = sum(total)
+        positions = k if k is not None else width - 1
+        if steps > 0:
+            per_position = [sum(total[i + 1:]) / steps for i in range(positions)]
     return Acceptance(
-        source="SGLang /generate meta_info (completion_tokens / spec_verify_ct)",
-        mean_acceptance_length=tokens / verify, per_position=None, num_drafts=verify,
-        num_accepted_tokens=tokens - verify, engine_reported=reported,
+        source=source, mean_acceptance_length=1.0 + accepted / verify, per_position=per_position,
+        num_drafts=verify, num_draft_tokens=sum(int(p) for p in proposed) if None not in proposed else None,
+        num_accepted_tokens=accepted, engine_reported=reported,
     )
 
 
@@ -156,8 +191,19 @@ class SglangAdapter(EngineAdapter):
 
     def acceptance_after(self, base_url: str, before: Any, results: list[RequestResult], k: int
                          ) -> Acceptance | None:
+        return acceptance_from_meta([r.meta for r in results], server_info(base_url), k)
+
+
+def server_info(base_url: str, timeout_s: float = 30) -> dict | None:
+    """/server_info (SGLang 0.5.14; /get_server_info there only logs a deprecation and forwards), else the old path."""
+    for path in ("/server_info", "/get_server_info"):
         try:
-            info = httpx.get(base_url + "/get_server_info", timeout=30).json()
+            r = httpx.get(base_url + path, timeout=timeout_s)
+            if r.status_code == 404:
+                continue
+            r.raise_for_status()
+            info = r.json()
         except (httpx.HTTPError, ValueError):
-            info = None
-        return acceptance_from_meta([r.meta for r in results], info)
+            return None
+        return info if isinstance(info, dict) else None
+    return None
