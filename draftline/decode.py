@@ -474,7 +474,8 @@ class SpeculativeDecoder:
     fast: run draftline.decode_static's static caches (CUDA graphs on CUDA) instead of the eager reference;
     None = on for CUDA. The buffers and graphs are built at the first generate and reused while the batch size
     matches and the capacity suffices (rebuilding, e.g. for a longer prompt, costs a capture again). Both paths
-    support ragged batches; one host sync per sync_every iterations in the greedy fast path, one per iteration when sampling, several in the eager one.
+    support ragged batches. Host syncs: one per sync_every iterations in the greedy fast path, one per iteration
+    when sampling, several per iteration in the eager path.
 
     sync_every: at temperature 0 on the fast path, iterations run back to back per host sync (resolve_sync_every:
     None = 8 on CUDA, 1 elsewhere). Output, acceptance and forward counts are those of sync_every=1; iterations run
