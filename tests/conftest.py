@@ -20,6 +20,10 @@ pytest_plugins = sorted(
 # Modules that share one session fixture's processes and must run on one worker: test_engines_vllm checks that no
 # process of the trained demo target survives, which a nightly run on the other worker would otherwise break.
 SHARED_GROUPS = {"test_engines_vllm": "trained-demo", "test_regression_nightly": "trained-demo"}
+# Handed out first, longest first (minutes each on 2 cores), so that no long module starts last on one worker while
+# the other sits idle; xdist's own order puts the modules with the most tests first, which are the quick ones.
+LONGEST_FIRST = ["trained-demo", "test_drafter_e2e", "test_pipeline_e2e", "test_infra_local", "test_demo_targets",
+                 "test_drafter_export", "test_traces", "test_decode_static", "test_decode"]
 
 
 def pytest_configure(config):
@@ -29,7 +33,7 @@ def pytest_configure(config):
 
 class _ModuleScheduling:
     """Under xdist, each module's tests go to one worker (module fixtures, tests that run in order), the modules in
-    SHARED_GROUPS together. A scheduler of our own: xdist 3.8's xdist_group marks do nothing under pytest 9.2."""
+    SHARED_GROUPS together, LONGEST_FIRST first. A scheduler of our own: xdist 3.8's xdist_group marks do nothing under pytest 9.2."""
 
     def pytest_xdist_make_scheduler(self, config, log):
         from xdist.scheduler import LoadScopeScheduling
@@ -38,5 +42,11 @@ class _ModuleScheduling:
             def _split_scope(self, nodeid: str) -> str:
                 module = nodeid.split("::", 1)[0]
                 return SHARED_GROUPS.get(Path(module).stem, module)
+
+            def _assign_work_unit(self, node) -> None:
+                for name in reversed(LONGEST_FIRST):
+                    for scope in [s for s in self.workqueue if Path(s).stem == name]:
+                        self.workqueue.move_to_end(scope, last=False)
+                super()._assign_work_unit(node)
 
         return ByModule(config, log)
