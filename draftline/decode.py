@@ -530,9 +530,7 @@ class SpeculativeDecoder:
         target, drafter = _Target(self.model, self.aux_layer_ids), _Drafter(self.drafter)
         stats = AcceptanceStats(k=k)
         rows = _Rows(batch, max_new_tokens, self.eos_token_ids)
-        draft_ids = self.drafter.draft_token_ids  # target id of each draft-vocabulary entry
         hidden_dtype = self.drafter.fc.weight.dtype
-        vocab = self.drafter.config.vocab_size
         arange_b = torch.arange(batch, device=device)
 
         # Prefill: the target reads the prompt and picks the first token; the drafter reads the same slots,
@@ -558,18 +556,7 @@ class SpeculativeDecoder:
             drafts, q_probs = [], []
             step_logits, step_hidden = last_logits, last_hidden
             for j in range(k):
-                if temp == 0.0:
-                    idx = step_logits.argmax(-1)
-                elif self.draft_sampling == "greedy":
-                    # q is then a point mass: accept with probability p(d), else resample p without d.
-                    idx = step_logits.argmax(-1)
-                    q_probs.append(F.one_hot(draft_ids[idx], vocab).float())
-                else:
-                    probs = torch.softmax(step_logits / temp, dim=-1)
-                    idx = _sample(probs, generator)
-                    q = torch.zeros(batch, vocab, device=device)
-                    q_probs.append(q.index_copy_(1, draft_ids, probs))
-                drafts.append(draft_ids[idx])
+                drafts.append(self._draft_token(step_logits, generator, q_probs))
                 if j + 1 < k:
                     with timer.drafter():
                         step_logits, step_hidden = drafter.forward(
@@ -660,8 +647,6 @@ class SpeculativeDecoder:
 
         stats = AcceptanceStats(k=k)
         rows = _Rows(batch, max_new_tokens, self.eos_token_ids)
-        draft_ids = self.drafter.draft_token_ids
-        vocab = self.drafter.config.vocab_size
         arange_b = torch.arange(batch, device=device)
         offsets = torch.arange(k + 1, device=device)
 
@@ -689,17 +674,7 @@ class SpeculativeDecoder:
             drafts, q_probs = [], []
             step_logits, step_hidden = last_logits, last_hidden
             for j in range(k):
-                if temp == 0.0:
-                    idx = step_logits.argmax(-1)
-                elif self.draft_sampling == "greedy":
-                    idx = step_logits.argmax(-1)
-                    q_probs.append(F.one_hot(draft_ids[idx], vocab).float())
-                else:
-                    probs = torch.softmax(step_logits / temp, dim=-1)
-                    idx = _sample(probs, generator)
-                    q = torch.zeros(batch, vocab, device=device)
-                    q_probs.append(q.index_copy_(1, draft_ids, probs))
-                drafts.append(draft_ids[idx])
+                drafts.append(self._draft_token(step_logits, generator, q_probs))
                 if j + 1 < k:
                     with timer.drafter():
                         step_logits, step_hidden = drafter.draft(drafts[-1][:, None], step_hidden,
@@ -781,6 +756,23 @@ class SpeculativeDecoder:
                           drafter_forwards=greedy.drafter.forwards - k * discarded,
                           mode=_static_mode(*greedy.captured), setup_seconds=start - setup_start,
                           discarded_target_forwards=discarded)
+
+    def _draft_token(self, step_logits, generator, q_probs: list) -> torch.Tensor:
+        """The next draft token (target ids [B]) from the drafter's logits; when sampling, appends its q to q_probs."""
+        draft_ids = self.drafter.draft_token_ids
+        if self.temperature == 0.0:
+            return draft_ids[step_logits.argmax(-1)]
+        vocab = self.drafter.config.vocab_size
+        if self.draft_sampling == "greedy":
+            # q is then a point mass: accept with probability p(d), else resample p without d.
+            idx = step_logits.argmax(-1)
+            q_probs.append(F.one_hot(draft_ids[idx], vocab).float())
+        else:
+            probs = torch.softmax(step_logits / self.temperature, dim=-1)
+            idx = _sample(probs, generator)
+            q = torch.zeros(step_logits.shape[0], vocab, device=step_logits.device)
+            q_probs.append(q.index_copy_(1, draft_ids, probs))
+        return draft_ids[idx]
 
     def _verify(self, logits, drafts, q_probs, generator):
         """(accepted [B], next token [B]) from target logits [B, k+1, V] and drafts [B, k]."""

@@ -12,15 +12,7 @@ import torch
 from draftline.decode import SpeculativeDecoder, plain_decode, run_reference
 from draftline.decode_static import StaticDrafter, StaticTarget, slots_needed, time_call
 from draftline.target import load_target
-from tests.test_decode import _exact_joint, random_drafter, random_prompts, tiny_target
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.test_decode import _exact_joint, one_thread, random_drafter, random_prompts, tiny_target  # noqa: F401
 
 
 def _same_stats(a, b) -> None:
