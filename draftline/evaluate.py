@@ -270,13 +270,15 @@ def _served_name(target_dir: Path) -> str:
 
 
 def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None,
-            prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, log_prefix: str | None
+            prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, prefix: str | None
             ) -> list[tuple[RunMetrics, Acceptance | None, list]]:
-    """Start one server (baseline or EAGLE-3), run every configured concurrency against it, stop it."""
+    """Start one server (baseline or EAGLE-3), run every configured concurrency against it, keep the engine's
+    raw answers (`prefix`/responses/<server>.json), stop it."""
     served = _served_name(target_dir)
     spec = adapter.server_spec(cfg, target_dir, drafter_dir, served)
     requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature)
     out = []
+    log_prefix = f"{prefix}/logs" if prefix else None
     with launch(spec, cfg, log_dir, store=store, log_key_prefix=log_prefix) as server:
         run_load(server.base_url, prompts[:1], 1, requester)  # warm-up, not measured
         for c in cfg.concurrency:
@@ -284,6 +286,8 @@ def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter
             metrics, results = run_load(server.base_url, requests_for(prompts, c), c, requester)
             acceptance = adapter.acceptance_after(server.base_url, before, results, cfg.num_speculative_tokens)
             out.append((metrics, acceptance, results))
+        if prefix:
+            _put_json(store, f"{prefix}/responses/{spec.name}.json", adapter.snapshot(server.base_url, served))
     return out
 
 
@@ -330,8 +334,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         result.hardware = facts["gpu"]
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"draftline-{cfg.engine}-logs-"))
     try:
-        base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, f"{prefix}/logs")
-        spec = measure(adapter, cfg, target_dir, drafter_dir, prompts, eval_cfg, logs, store, f"{prefix}/logs")
+        base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, prefix)
+        spec = measure(adapter, cfg, target_dir, drafter_dir, prompts, eval_cfg, logs, store, prefix)
     except EngineError as exc:
         failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0],
                                            "finished_at": _now()})

@@ -206,6 +206,21 @@ def test_baseline_and_eagle3_serve_the_same_prompts_at_each_concurrency(vllm_eva
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_demo):
+    """What the engine itself said (its speculation counters, a completion, a stream) is evidence for the figures."""
+    result, store = vllm_eval
+    prefix = f"{trained_demo.run}/eval/vllm/responses"
+    eagle = json.loads(store.get_bytes(f"{prefix}/vllm-eagle3.json"))
+    base = json.loads(store.get_bytes(f"{prefix}/vllm-baseline.json"))
+    assert eagle["engine_version"] == result.engine_version
+    assert eagle["POST /v1/completions"]["choices"][0]["text"]
+    assert eagle["POST /v1/completions stream"][-1] == "[DONE]"
+    assert any(line.startswith("vllm:spec_decode_num_accepted_tokens") for line in eagle["GET /metrics (spec_decode lines)"])
+    assert base["POST /v1/completions"]["choices"][0]["text"] and base["GET /version"]["version"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_acceptance_from_metrics_is_consistent_and_matches_the_reference_decoder(vllm_eval, reference):
     result, _ = vllm_eval
     acc = result.acceptance

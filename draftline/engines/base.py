@@ -1,6 +1,7 @@
 """What every engine adapter provides (server spec, load client, acceptance readout) and the acceptance result type."""
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -55,5 +56,51 @@ class EngineAdapter(ABC):
                          ) -> Acceptance | None:
         """Acceptance of the run between `before` and now; None when the server did no speculation."""
 
+    def snapshot(self, base_url: str, served_name: str) -> dict[str, Any]:
+        """The engine's own raw answers (a few KB), taken after the load runs and kept beside the result: the
+        evidence behind its acceptance figures, and real response shapes to test the adapter against."""
+        return {}
 
-__all__ = ["Acceptance", "EngineAdapter", "Prompt", "RequestResult", "Requester", "ServerSpec"]
+
+def http_answer(method: str, url: str, **kwargs) -> Any:
+    """One raw answer for a snapshot: parsed JSON, else text; an error becomes {"error": ...} (a snapshot is
+    evidence, never a reason to fail an evaluation)."""
+    import httpx
+
+    try:
+        r = httpx.request(method, url, timeout=kwargs.pop("timeout", 60), **kwargs)
+    except httpx.HTTPError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        body = r.json()
+    except ValueError:
+        body = r.text
+    return body if r.status_code == 200 else {"error": f"HTTP {r.status_code}", "body": body}
+
+
+def metrics_lines(base_url: str, needle: str) -> list[str] | dict:
+    """The Prometheus lines of /metrics that contain `needle` (its speculation counters), for a snapshot."""
+    text = http_answer("GET", base_url + "/metrics")
+    return [line for line in text.splitlines() if needle in line] if isinstance(text, str) else text
+
+
+def stream_events(url: str, body: dict, timeout: float = 60) -> list | dict:
+    """Every `data:` event of one streamed request, decoded, for a snapshot; [DONE] kept as the string."""
+    import httpx
+
+    events: list = []
+    try:
+        with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}", "body": r.read().decode("utf-8", "replace")[:2000]}
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    data = line[5:].strip()
+                    events.append(data if data == "[DONE]" else json.loads(data))
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "events": events}
+    return events
+
+
+__all__ = ["Acceptance", "EngineAdapter", "Prompt", "RequestResult", "Requester", "ServerSpec", "http_answer",
+           "metrics_lines", "stream_events"]

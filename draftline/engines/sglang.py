@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from draftline.config import EngineConfig
-from draftline.engines.base import Acceptance, EngineAdapter
+from draftline.engines.base import Acceptance, EngineAdapter, http_answer, metrics_lines, stream_events
 from draftline.engines.client import Prompt, RequestResult, Requester, _sse_events
 from draftline.engines.launch import ServerSpec, checkpoint_size
 from draftline.errors import EngineError
@@ -192,6 +192,18 @@ class SglangAdapter(EngineAdapter):
     def acceptance_after(self, base_url: str, before: Any, results: list[RequestResult], k: int
                          ) -> Acceptance | None:
         return acceptance_from_meta([r.meta for r in results], server_info(base_url), k)
+
+    def snapshot(self, base_url: str, served_name: str) -> dict[str, Any]:
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        return {
+            "engine_version": installed_version(),
+            "GET /server_info": http_answer("GET", base_url + "/server_info"),
+            "GET /get_server_info": http_answer("GET", base_url + "/get_server_info"),
+            "GET /v1/models": http_answer("GET", base_url + "/v1/models"),
+            "POST /generate": http_answer("POST", base_url + "/generate", json=body),
+            "POST /generate stream": stream_events(base_url + "/generate", {**body, "stream": True}),
+            "GET /metrics (spec lines)": metrics_lines(base_url, "spec"),
+        }
 
 
 def server_info(base_url: str, timeout_s: float = 30) -> dict | None:

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from draftline.config import EngineConfig
-from draftline.engines.base import Acceptance, EngineAdapter
+from draftline.engines.base import Acceptance, EngineAdapter, http_answer, metrics_lines, stream_events
 from draftline.engines.client import OpenAIRequester, RequestResult, Requester
 from draftline.engines.launch import ServerSpec, checkpoint_size
 from draftline.errors import EngineError
@@ -142,6 +142,18 @@ class VllmAdapter(EngineAdapter):
     def acceptance_after(self, base_url: str, before: Any, results: list[RequestResult], k: int
                          ) -> Acceptance | None:
         return acceptance_from_counters(before, read_counters(base_url), k, "vLLM /metrics counter deltas")
+
+    def snapshot(self, base_url: str, served_name: str) -> dict[str, Any]:
+        body = {"model": served_name, "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+        return {
+            "engine_version": installed_version(),
+            "GET /version": http_answer("GET", base_url + "/version"),
+            "GET /v1/models": http_answer("GET", base_url + "/v1/models"),
+            "POST /v1/completions": http_answer("POST", base_url + "/v1/completions", json=body),
+            "POST /v1/completions stream": stream_events(
+                base_url + "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}),
+            "GET /metrics (spec_decode lines)": metrics_lines(base_url, "spec_decode"),
+        }
 
 
 def read_counters(base_url: str) -> dict[str, Any]:
