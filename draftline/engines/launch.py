@@ -39,12 +39,26 @@ class ServerSpec:
     health_path: str = "/health"
     env: dict[str, str] = field(default_factory=dict)
     checkpoint_bytes: int = 0  # size of what the server loads; stretches the readiness deadline
+    max_port: int = 65535  # an engine that derives more ports from its own (SGLang: port + 10000) needs room above
 
 
-def free_port() -> int:
+def free_port(max_port: int = 65535) -> int:
+    """A local port nothing listens on, at most max_port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    if port <= max_port:
+        return port
+    # The kernel's ephemeral range (often 32768-60999) can lie above max_port: try ports below it instead.
+    for _ in range(500):
+        port = random.randint(min(20000, max_port), max_port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise EngineError(f"no free local port at or below {max_port}", transient=True)
 
 
 def checkpoint_size(*paths: str | os.PathLike | None) -> int:
@@ -170,7 +184,7 @@ def _upload_log(store, key: str | None, path: Path) -> None:
 
 
 def _start_once(spec: ServerSpec, cfg: EngineConfig, log_path: Path, store, log_key: str | None) -> EngineServer:
-    port = free_port()
+    port = free_port(spec.max_port)
     argv = spec.command(port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **cfg.env, **spec.env, "PYTHONUNBUFFERED": "1"}

@@ -182,6 +182,9 @@ class SglangAdapter(EngineAdapter):
             command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port),
             first_request=_first_generate, health_path="/health",
             checkpoint_bytes=checkpoint_size(target_dir, drafter_dir),
+            # SGLang 0.5.14 refuses to start when port + 10000 (its gRPC port) passes 65535, even with gRPC off;
+            # seen on an H200 when the kernel handed out port 60501.
+            max_port=65535 - 10000,
         )
 
     def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float) -> Requester:
