@@ -228,3 +228,54 @@ def test_flex_attention_block_mask_spans_several_blocks_with_packed_sequences_an
     doc[0, :100], doc[0, 100:290], doc[1, :260] = 0, 1, 0
     torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc), ttt_attention_eager(q, ks, vs, doc),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_rows_mostly_padding_cost_no_attention_between_padding_blocks():
+    """Training pads batches to one length (compiled flex attention recompiles per shape): padding must stay cheap."""
+    from draftline.drafter.ttt import ttt_block_mask, ttt_mask_mod
+
+    torch.manual_seed(0)
+    r, t = 2, 512  # four blocks of 128; row 1 holds 100 real tokens, then three blocks of padding only
+    q = torch.randn(r, 4, t, 16)
+    ks = [torch.randn(r, 2, t, 16) for _ in range(3)]
+    vs = [torch.randn(r, 2, t, 16) for _ in range(3)]
+    doc = torch.full((r, t), -1, dtype=torch.long)
+    doc[0, :300], doc[0, 300:450], doc[1, :100] = 0, 1, 0
+    torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc), ttt_attention_eager(q, ks, vs, doc),
+                               atol=1e-4, rtol=1e-4)
+    mask = ttt_block_mask(doc, 1, ttt_mask_mod(doc))
+    step0 = mask.kv_num_blocks[1, 0] + mask.full_kv_num_blocks[1, 0]
+    assert step0.tolist() == [1, 1, 1, 1]  # each block of row 1 meets only its own diagonal block
+
+
+def test_padding_a_batch_to_a_fixed_length_changes_no_loss_count_or_hit():
+    torch.manual_seed(0)
+    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=20))
+    used = torch.sort(torch.randperm(50)[:20]).values
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[used] = True
+    model.set_vocab(used - torch.arange(20), t2d)
+    ttt = TTTModel(model, torch.randn(50, 32), 3, 5, "eager", torch.float32).eval()
+    batch = packed_batch()
+    extra = 40
+    padded = {k: torch.cat([v, v.new_zeros((v.shape[0], extra) + v.shape[2:])], dim=1) for k, v in batch.items()}
+    padded["doc_ids"][:, -extra:] = -1
+    with torch.no_grad():
+        short, long = ttt(**batch), ttt(**padded)
+    for a, b in zip(short, long):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_collate_pads_every_batch_to_the_fixed_length_with_padding_doc_ids():
+    from draftline.drafter.data import Sequence, collate, pack_rows
+
+    def seq(n):
+        return Sequence(torch.arange(n), torch.ones(n, dtype=torch.bool), torch.randn(n, 6), torch.randn(n, 2))
+
+    shapes = set()
+    for lengths in ([5, 7, 3], [20], [1, 1]):
+        batch = collate(pack_rows([seq(n) for n in lengths], 24), 6, 2, length=24)
+        shapes.add(tuple(batch["aux"].shape))
+        real = sum(lengths)
+        assert int((batch["doc_ids"] >= 0).sum()) == int(batch["loss_mask"].sum()) == real
+    assert shapes == {(1, 24, 6)}

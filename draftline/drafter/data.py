@@ -190,10 +190,14 @@ def pack_rows(seqs: list[Sequence], max_seq_len: int) -> list[list[Sequence]]:
     return rows
 
 
-def collate(rows: list[list[Sequence]], aux_width: int, hidden_size: int) -> dict[str, torch.Tensor]:
-    """Rows of packed sequences -> padded tensors; doc ids (-1 = padding) keep attention inside each sequence."""
+def collate(rows: list[list[Sequence]], aux_width: int, hidden_size: int, length: int | None = None
+            ) -> dict[str, torch.Tensor]:
+    """Rows of packed sequences -> padded tensors; doc ids (-1 = padding) keep attention inside each sequence.
+
+    length: pad every row to this many tokens (at least the longest row), so that batches keep one shape; compiled
+    flex attention recompiles for every new shape and gives up after a few."""
     r = max(1, len(rows))
-    t = max([sum(len(s) for s in row) for row in rows] + [2])
+    t = max([sum(len(s) for s in row) for row in rows] + [2, length or 0])
     dtype = rows[0][0].aux.dtype if rows and rows[0] else torch.bfloat16
     out = {
         "input_ids": torch.zeros(r, t, dtype=torch.long),

@@ -252,6 +252,9 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "eager")
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ttt = TTTModel(model, head.to(device), cfg.ttt_steps, cfg.logits_chunk_tokens, attention, compute_dtype)
+    # Compiled flex attention recompiles for every new sequence length (and gives up after a few): one length for
+    # all batches. Padding attends to itself only, so it costs no attention between padding blocks.
+    fixed_length = cfg.max_seq_len if attention == "flex" else None
     net = ttt
     if d.world > 1:
         net = nn.parallel.DistributedDataParallel(
@@ -297,7 +300,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
             with torch.no_grad(), autocast:
                 while (vb := vstream.next_batch()) is not None:
                     rows = rank_rows(pack_rows(vb, cfg.max_seq_len), d.rank, d.world)
-                    loss_sum, count, hit, total = ttt(**to_device(collate(rows, aux_width, hidden)))
+                    loss_sum, count, hit, total = ttt(**to_device(collate(rows, aux_width, hidden, fixed_length)))
                     sums += torch.stack([loss_sum.float(), count, hit, total])
         finally:
             vstream.close()
@@ -330,7 +333,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         while step < cfg.max_steps:
             batch = stream.next_batch()
             rows = pack_rows(batch, cfg.max_seq_len)
-            local = to_device(collate(rank_rows(rows, d.rank, d.world), aux_width, hidden))
+            local = to_device(collate(rank_rows(rows, d.rank, d.world), aux_width, hidden, fixed_length))
             with autocast:
                 loss_sum, count, hit, total = net(**local)
             stats = all_sum(torch.stack([count, hit.detach(), total]), d)

@@ -11,13 +11,16 @@ from draftline.drafter.model import Eagle3Drafter, recomputed, repeat_kv
 def ttt_attention_eager(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor) -> torch.Tensor:
     """Step j's queries over step-0 keys (causal, same sequence) and the diagonal key of each later step.
 
-    q [R, nh, T, hd]; ks/vs: one [R, nkv, T, hd] per step so far; doc_ids [R, T]. Exact, O(T^2) memory.
+    q [R, nh, T, hd]; ks/vs: one [R, nkv, T, hd] per step so far; doc_ids [R, T], -1 for padding, which attends
+    to itself only (so a batch padded to a fixed length costs no attention between padding). Exact, O(T^2) memory.
     """
     groups = q.shape[1] // ks[0].shape[1]
     t = q.shape[2]
     scale = q.shape[-1] ** -0.5
     k0, v0 = repeat_kv(ks[0], groups), repeat_kv(vs[0], groups)
-    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril() & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
+    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril() & same_doc
+    allowed |= torch.eye(t, dtype=torch.bool, device=q.device)  # padding (doc id -1) attends to itself only
     scores = [torch.matmul(q, k0.transpose(-1, -2)).mul(scale).masked_fill(~allowed[:, None], float("-inf"))]
     for k in ks[1:]:
         scores.append((q * repeat_kv(k, groups)).sum(-1, keepdim=True).mul(scale))
@@ -37,23 +40,27 @@ def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128
     create_block_mask would evaluate mask_mod densely over [R, T, steps*T] under vmap at every step, which costs
     milliseconds of host time per call while the GPU waits. Here: a query block meets a step-0 key block when it is
     not in the future and their doc-id ranges overlap (a superset of the blocks with an allowed pair, which is all
-    correctness needs: mask_mod still decides each element); a block is full (mask_mod skipped) only when it lies
-    strictly below the diagonal, inside the sequence, and both blocks hold one and the same doc id. Each later step
-    adds the one or two key blocks holding its diagonal.
+    correctness needs: mask_mod still decides each element) or is its diagonal block; a block is full (mask_mod
+    skipped) only when it lies strictly below the diagonal and both blocks hold one and the same doc id and no
+    padding. Each later step adds the one or two key blocks holding its diagonal.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     r, t = doc_ids.shape
     n_q, n_kv = -(-t // block), -(-steps * t // block)
-    # Pad with each row's last doc id so the ranges of the last, short block are those of its real positions.
-    padded = torch.cat([doc_ids, doc_ids[:, -1:].expand(r, n_q * block - t)], dim=1).view(r, n_q, block)
-    lo, hi = padded.amin(-1), padded.amax(-1)  # [R, n_q]
+    # Doc-id ranges over each block's real positions (padding, -1, and the tail past T left out): a block of
+    # padding only has an empty range (lo > hi) and meets no other block; its diagonal block is always kept.
+    padded = torch.cat([doc_ids, doc_ids.new_full((r, n_q * block - t), -1)], dim=1).view(r, n_q, block)
+    real = padded >= 0
+    lo = torch.where(real, padded, torch.iinfo(padded.dtype).max).amin(-1)  # [R, n_q]
+    hi = padded.amax(-1)
     qb = torch.arange(n_q, device=doc_ids.device)
     past = qb[None, :] <= qb[:, None]  # [query block, key block]
-    overlap = (lo[:, :, None] <= hi[:, None, :]) & (hi[:, :, None] >= lo[:, None, :]) & past
-    single = lo == hi
-    full = (single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
-            & (qb[None, :] < qb[:, None]) & (qb < t // block)[:, None])
+    diagonal = qb[None, :] == qb[:, None]
+    overlap = ((lo[:, :, None] <= hi[:, None, :]) & (hi[:, :, None] >= lo[:, None, :]) & past) | diagonal
+    pure = real.all(-1) & (lo == hi)  # one doc, no padding
+    full = (pure[:, :, None] & pure[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+            & (qb[None, :] < qb[:, None]))
     partial = torch.zeros(r, n_q, n_kv, dtype=torch.bool, device=doc_ids.device)
     partial[:, :, :n_q] = overlap & ~full
     if steps > 1:  # step i's diagonal for query block q: the key blocks of its first and last query, shifted by i*T
@@ -80,8 +87,8 @@ def ttt_mask_mod(doc_ids: torch.Tensor):
 
     def mask_mod(b, h, qi, kv):
         block, s = kv // t, kv % t
-        causal = (block == 0) & (s <= qi) & (doc_ids[b, s] == doc_ids[b, qi])
-        return causal | ((block > 0) & (s == qi))
+        causal = (block == 0) & (s <= qi) & (doc_ids[b, s] == doc_ids[b, qi]) & (doc_ids[b, qi] >= 0)
+        return causal | (s == qi)  # the diagonal of every step (step 0's: padding attends to itself only)
 
     return mask_mod
 
