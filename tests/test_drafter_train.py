@@ -165,3 +165,12 @@ def test_training_streams_shards_from_s3_and_checkpoints_there(tiny_hidden_run, 
     assert s3.exists("tiny/train/metrics.json")
     drafter = Eagle3Drafter.from_pretrained(s3.get_dir("tiny/train/drafter"))
     assert drafter.config.aux_layer_ids == [2, 4, 5]
+
+
+def test_training_a_run_without_extracted_shards_names_the_missing_stage(tmp_path):
+    from draftline.drafter.data import hidden_shard_keys
+    from draftline.errors import ConfigError
+    from draftline.store import open_store
+
+    with pytest.raises(ConfigError, match=r"other-run/hidden/ holds no hidden-state shards; run the extraction stage"):
+        hidden_shard_keys(open_store(str(tmp_path)), "other-run")

@@ -279,3 +279,37 @@ def test_collate_pads_every_batch_to_the_fixed_length_with_padding_doc_ids():
         real = sum(lengths)
         assert int((batch["doc_ids"] >= 0).sum()) == int(batch["loss_mask"].sum()) == real
     assert shapes == {(1, 24, 6)}
+
+
+@pytest.mark.parametrize("t", [300, 256])  # keys of a step starting mid-block, and on a block boundary
+def test_flex_attention_with_blank_keys_of_later_steps_equals_the_eager_attention(t):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, t, 16)
+    ks = [torch.randn(2, 2, t, 16) for _ in range(2)]
+    vs = [torch.randn(2, 2, t, 16) for _ in range(2)]
+    doc = torch.full((2, t), -1, dtype=torch.long)
+    doc[0, :100], doc[0, 100:t - 10], doc[1, :t // 2] = 0, 1, 0
+    torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc, total_steps=5), ttt_attention_eager(q, ks, vs, doc),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_every_step_of_an_unroll_calls_flex_attention_with_one_shape(monkeypatch):
+    """Compiled flex attention recompiles for each new shape, and stops compiling after 8 (seen on an H200 with k = 3:
+    key lengths 512, 1024, 1536, times batch sizes, times validation)."""
+    import draftline.drafter.ttt as ttt_module
+    from torch.nn.attention.flex_attention import flex_attention
+
+    shapes = []
+
+    def recording_flex(q, k, v, **kw):
+        shapes.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return flex_attention(q, k, v, **kw)
+
+    monkeypatch.setattr(ttt_module, "_FLEX", recording_flex)
+    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=20))
+    ttt = TTTModel(model, torch.randn(50, 32), 4, 5, "flex", torch.float32).eval()
+    batch = packed_batch()
+    with torch.no_grad():
+        list(ttt.unroll(batch["input_ids"], batch["doc_ids"], batch["position_ids"], batch["aux"]))
+    assert len(shapes) == 4 and len(set(shapes)) == 1
+    assert shapes[0][1][2] == 4 * batch["input_ids"].shape[1]  # keys of all four steps, the later ones blank

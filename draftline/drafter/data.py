@@ -22,7 +22,7 @@ def hidden_shard_keys(store, run: str) -> list[str]:
     keys = [k for k in store.list(f"{run}/hidden/") if _SHARD.search(k)]
     if not keys:
         raise ConfigError(
-            f"{store.uri(f'{run}/hidden/')} holds no hidden-state shards; run the extraction stage for run {run!r} first"
+            f"{store.uri(f'{run}/hidden')}/ holds no hidden-state shards; run the extraction stage for run {run!r} first"
         )
     return keys
 

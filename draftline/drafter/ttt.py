@@ -8,11 +8,13 @@ from draftline.drafter.model import Eagle3Drafter, recomputed, repeat_kv
 
 
 # ---- training-time-test attention ----------------------------------------------------------------------------
-def ttt_attention_eager(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor) -> torch.Tensor:
+def ttt_attention_eager(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor,
+                        total_steps: int | None = None) -> torch.Tensor:
     """Step j's queries over step-0 keys (causal, same sequence) and the diagonal key of each later step.
 
     q [R, nh, T, hd]; ks/vs: one [R, nkv, T, hd] per step so far; doc_ids [R, T], -1 for padding, which attends
     to itself only (so a batch padded to a fixed length costs no attention between padding). Exact, O(T^2) memory.
+    total_steps (the unroll's length) matters only to the flex version's shapes.
     """
     groups = q.shape[1] // ks[0].shape[1]
     t = q.shape[2]
@@ -34,7 +36,7 @@ def ttt_attention_eager(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
 _FLEX = None
 
 
-def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128):
+def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128, key_steps: int | None = None):
     """The flex BlockMask of the TTT mask over `steps` key blocks of length T, built from block-level doc ranges.
 
     create_block_mask would evaluate mask_mod densely over [R, T, steps*T] under vmap at every step, which costs
@@ -42,12 +44,13 @@ def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128
     not in the future and their doc-id ranges overlap (a superset of the blocks with an allowed pair, which is all
     correctness needs: mask_mod still decides each element) or is its diagonal block; a block is full (mask_mod
     skipped) only when it lies strictly below the diagonal and both blocks hold one and the same doc id and no
-    padding. Each later step adds the one or two key blocks holding its diagonal.
+    padding. Each later step adds the one or two key blocks holding its diagonal. key_steps (>= steps): the keys
+    span that many steps, the ones past `steps` left out entirely.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     r, t = doc_ids.shape
-    n_q, n_kv = -(-t // block), -(-steps * t // block)
+    n_q, n_kv = -(-t // block), -(-max(steps, key_steps or steps) * t // block)
     # Doc-id ranges over each block's real positions (padding, -1, and the tail past T left out): a block of
     # padding only has an empty range (lo > hi) and meets no other block; its diagonal block is always kept.
     padded = torch.cat([doc_ids, doc_ids.new_full((r, n_q * block - t), -1)], dim=1).view(r, n_q, block)
@@ -78,17 +81,23 @@ def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128
     num, idx = ordered(partial)
     full_num, full_idx = ordered(full_kv)
     return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(t, steps * t))
+                                    seq_lengths=(t, max(steps, key_steps or steps) * t))
 
 
-def ttt_mask_mod(doc_ids: torch.Tensor):
-    """Element mask of the TTT attention: key kv in block kv // T is step-0's causal same-doc key or a diagonal."""
+def ttt_mask_mod(doc_ids: torch.Tensor, steps: torch.Tensor | None = None):
+    """Element mask of the TTT attention: key kv in block kv // T is step-0's causal same-doc key or a diagonal.
+
+    steps (a 0-d device tensor, so that its value is data and not a constant compiled into the kernel): keys in
+    blocks from `steps` on belong to steps not run yet and are masked."""
     t = doc_ids.shape[1]
 
     def mask_mod(b, h, qi, kv):
         block, s = kv // t, kv % t
         causal = (block == 0) & (s <= qi) & (doc_ids[b, s] == doc_ids[b, qi]) & (doc_ids[b, qi] >= 0)
-        return causal | (s == qi)  # the diagonal of every step (step 0's: padding attends to itself only)
+        diagonal = s == qi  # every step's diagonal (step 0's: padding attends to itself only)
+        if steps is not None:
+            diagonal = diagonal & (block < steps)
+        return causal | diagonal
 
     return mask_mod
 
@@ -96,14 +105,25 @@ def ttt_mask_mod(doc_ids: torch.Tensor):
 _FLEX = None
 
 
-def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor) -> torch.Tensor:
-    """The same attention as ttt_attention_eager through compiled flex attention: only unmasked blocks are computed."""
+def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor,
+                       total_steps: int | None = None) -> torch.Tensor:
+    """The same attention as ttt_attention_eager through compiled flex attention: only unmasked blocks are computed.
+
+    With total_steps, the keys of steps not run yet are zeros that the block mask leaves out, so every step of the
+    unroll has one shape. Compiled flex attention recompiles for every new key length and gives up after
+    torch._dynamo's recompile limit (8): with k = 7, training and validation alone would need 14 variants."""
     global _FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
     if _FLEX is None:
         _FLEX = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
-    block_mask = ttt_block_mask(doc_ids, len(ks), ttt_mask_mod(doc_ids))
+    run = len(ks)
+    total = max(run, total_steps or run)
+    if total > run:
+        blank = torch.zeros_like(ks[0])
+        ks, vs = ks + [blank] * (total - run), vs + [blank] * (total - run)
+    steps = torch.tensor(run, device=doc_ids.device)
+    block_mask = ttt_block_mask(doc_ids, run, ttt_mask_mod(doc_ids, steps), key_steps=total)
     groups = q.shape[1] // ks[0].shape[1]
     return _FLEX(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), block_mask=block_mask, enable_gqa=groups > 1)
 
@@ -192,7 +212,7 @@ class TTTModel(nn.Module):
             q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, position_ids + j)
             ks.append(k)
             vs.append(v)
-            hidden = m.midlayer.finish(hidden, self.attention(q, ks, vs, doc_ids))
+            hidden = m.midlayer.finish(hidden, self.attention(q, ks, vs, doc_ids, self.steps))
             yield hidden
 
     def loss_rows(self, loss_mask, doc_ids, in_vocab):
