@@ -140,12 +140,13 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
     opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     ttt = TTTModel(model, lm_head, sizes["steps"], sizes["chunk"], "flex" if device.type == "cuda" else "eager",
-                   torch.bfloat16 if device.type == "cuda" else torch.float32)
+                   torch.bfloat16 if device.type == "cuda" else torch.float32,
+                   one_key_shape=name != "draftline-per-step-keys")
     weights = torch.tensor([0.8 ** j for j in range(sizes["steps"])], device=device)
 
     def step() -> float:
         with autocast:
-            if name == "draftline":
+            if name.startswith("draftline"):
                 loss_sum, count, _, _ = ttt(**b)
                 loss = (weights * loss_sum / count.clamp(min=1)).sum()
             else:
@@ -233,7 +234,10 @@ def main() -> int:
     peak = measured_peak_tflops(device)
     ctx = mp.get_context("spawn")
     results = {}
-    for impl in ("draftline", "straightforward"):
+    # On a GPU also draftline with each TTT step's own key length, as before all steps shared one (flex kernels
+    # compiled per shape): what the one shape costs or saves per step, measured in the same run.
+    impls = ("draftline", "straightforward") + (("draftline-per-step-keys",) if device.type == "cuda" else ())
+    for impl in impls:
         queue = ctx.Queue()
         proc = ctx.Process(target=run_impl, args=(impl, sizes, device.type, iters, warmup, args.threads, queue))
         proc.start()
@@ -261,13 +265,13 @@ def main() -> int:
         "memory_note": "GPU: torch.cuda.max_memory_allocated; CPU: peak RSS of the process (includes torch itself)",
     }
     print(f"EAGLE-3 training step on {summary['device']} ({hw}), sizes {sizes}, measured matmul peak {peak:.3f} TFLOP/s")
-    print(f"{'implementation':<16} {'tokens/s':>10} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8}")
+    print(f"{'implementation':<24} {'tokens/s':>10} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8}")
     for r in results.values():
         if r["ok"]:
-            print(f"{r['impl']:<16} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.3f} {r['tflops']:>8.3f} {r['mfu']:>6.3f} "
+            print(f"{r['impl']:<24} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.3f} {r['tflops']:>8.3f} {r['mfu']:>6.3f} "
                   f"{r['peak_memory_bytes'] / 1e9:>8.2f}")
         else:
-            print(f"{r['impl']:<16} failed: {r['error']}")
+            print(f"{r['impl']:<24} failed: {r['error']}")
     if summary["peak_memory_ratio_vs_straightforward"] is not None:
         print(f"peak memory ratio vs straightforward: {summary['peak_memory_ratio_vs_straightforward']:.3f}; "
               f"speedup {summary['speedup_vs_straightforward']:.2f}x")

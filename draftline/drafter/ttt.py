@@ -125,7 +125,10 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     steps = torch.tensor(run, device=doc_ids.device)
     block_mask = ttt_block_mask(doc_ids, run, ttt_mask_mod(doc_ids, steps), key_steps=total)
     groups = q.shape[1] // ks[0].shape[1]
-    return _FLEX(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), block_mask=block_mask, enable_gqa=groups > 1)
+    # Batches still differ in rows (packing) and in grad mode (validation): a few more variants than dynamo's
+    # default limit of 8 allows; past the limit it silently falls back to unfused flex attention, far slower.
+    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+        return _FLEX(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), block_mask=block_mask, enable_gqa=groups > 1)
 
 
 # ---- loss -------------------------------------------------------------------------------------------------------
@@ -188,12 +191,14 @@ class TTTModel(nn.Module):
     """The drafter unrolled for k steps of training-time test; forward returns per-step sums (loss, counts, hits)."""
 
     def __init__(self, drafter: Eagle3Drafter, lm_head: torch.Tensor, steps: int, chunk: int, attention: str,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, one_key_shape: bool = True):
         super().__init__()
         self.drafter = drafter
         self.target_lm_head = lm_head  # a plain attribute: frozen, never broadcast or saved with the drafter
         self.steps, self.chunk, self.compute_dtype = steps, chunk, compute_dtype
         self.attention = ttt_attention_flex if attention == "flex" else ttt_attention_eager
+        # False: each step's keys only (k key lengths, k compiled flex kernels); benchmarks/train.py compares both.
+        self.one_key_shape = one_key_shape
 
     def unroll(self, input_ids, doc_ids, position_ids, aux):
         """Yield the drafter's residual stream [R, T, H] after each of the k steps.
@@ -212,7 +217,8 @@ class TTTModel(nn.Module):
             q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, position_ids + j)
             ks.append(k)
             vs.append(v)
-            hidden = m.midlayer.finish(hidden, self.attention(q, ks, vs, doc_ids, self.steps))
+            hidden = m.midlayer.finish(hidden, self.attention(q, ks, vs, doc_ids,
+                                                              self.steps if self.one_key_shape else None))
             yield hidden
 
     def loss_rows(self, loss_mask, doc_ids, in_vocab):
