@@ -9,6 +9,7 @@ decode step, both timed here on the same GPU with draftline's reference decoder 
 caches replayed as CUDA graphs, batch 1).
 The reference decoder's acceptance on the same prompts gives parity = vLLM tau / reference tau.
 Needs vllm (GPU build) and draftline's dependencies, no Prefect.
+On a machine without a package index: `--reference-only` first, then benchmarks/eval_offline.sh per engine.
 """
 from __future__ import annotations
 
