@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # eval_offline.sh ENGINE PARTS SAVED OUT [SERVER_ARG ...]
 # One engine's EAGLE-3 evaluation (benchmarks/eval_gpu.py) on a GPU machine that reaches no package index.
-# Unpacks the engine's offline site (the parts infra/offline/pack-site.sh wrote) into /tmp/ENGINE-site once,
-# checks that the engine imports over the machine's own torch, runs eval_gpu.py on SAVED (benchmarks/decode.py
-# --save), and leaves in OUT: eval-ENGINE.json, imports-ENGINE.txt and evidence-ENGINE.tar.gz (the EvalResult,
-# the engine's raw answers, the server logs). SERVER_ARGs replace eval_gpu.py's default server arguments.
+# Unpacks the engine's offline site (the parts infra/offline/pack-site.sh wrote) into /tmp/ENGINE-site once
+# (ENGINE_SITE names another folder), checks that the engine imports over the machine's own torch, runs
+# eval_gpu.py on SAVED (benchmarks/decode.py --save), and leaves in OUT: eval-ENGINE.json, imports-ENGINE.txt
+# and evidence-ENGINE.tar.gz (the EvalResult, the engine's raw answers, the server logs). SERVER_ARGs replace eval_gpu.py's default server arguments.
 # Run `python3 benchmarks/eval_gpu.py SAVED --reference-only` first, without the site on PYTHONPATH: SGLang's site
 # shadows the machine's transformers with its pinned 5.8.1, and the reference decoder should not run on that.
 # With EVAL_FALLBACK_ARGS set, a failed evaluation is run once more with those arguments added (e.g. SGLang with
@@ -13,8 +13,12 @@ set -uo pipefail
 engine=$1 parts=$2 saved=$3 out=$4
 shift 4
 root=$(cd "$(dirname "$0")/.." && pwd)
-site=/tmp/$engine-site
+site=${ENGINE_SITE:-/tmp/$engine-site}  # an unpacked site is reused: unpacking takes a while
 deadline=$(( SECONDS + ${EVAL_DEADLINE_S:-560} ))
+case $engine in
+  vllm|sglang) ;;
+  *) echo "eval_offline: ENGINE is vllm or sglang, not '$engine'" >&2; exit 2 ;;
+esac
 mkdir -p "$out"
 if [ ! -d "$site" ]; then
   bash "$root/infra/offline/unpack-site.sh" "$parts" "$site" || exit 1
@@ -25,7 +29,6 @@ case $engine in
 print('sglang', sglang.__version__, 'sgl_kernel', sgl_kernel.__version__, 'flashinfer', flashinfer.__version__,
       'transformers', transformers.__version__)" ;;
   vllm) probe="import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)" ;;
-  *) echo "eval_offline: ENGINE is vllm or sglang, not $engine" >&2; exit 2 ;;
 esac
 timeout 240 python3 -c "$probe" > "$out/imports-$engine.txt" 2>&1
 probe_status=$?
