@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-point", type=int, default=None,
+                   help="at least this many requests at each concurrency (prompts repeat; default: each prompt once)")
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                    help="which engine serves the saved target and drafter (its own export under drafter/)")
     p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=None,
@@ -113,6 +115,7 @@ def main(argv=None) -> dict:
         return {"reference": reference, "timing": timing}
 
     engine = EngineConfig(engine=args.engine, num_speculative_tokens=args.k, concurrency=args.concurrency,
+                          requests_per_point=args.requests_per_point,
                           max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args, require_gpu=args.device == "cuda",
                           retries=1, ready_timeout_s=420,
                           env={} if args.device == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1"})

@@ -161,6 +161,9 @@ class EngineConfig(Strict):
     engine: Literal["vllm", "sglang"]
     num_speculative_tokens: int = Field(3, ge=1, le=16)
     concurrency: list[int] = [1]
+    # Requests per concurrency point, at least (the prompts repeat round-robin): a point of a few waves is noisy.
+    # Default: every prompt once, and at least two requests per slot.
+    requests_per_point: int | None = Field(None, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int = Field(2048, ge=16)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

@@ -283,7 +283,8 @@ def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter
         run_load(server.base_url, prompts[:1], 1, requester)  # warm-up, not measured
         for c in cfg.concurrency:
             before = adapter.acceptance_before(server.base_url)
-            metrics, results = run_load(server.base_url, requests_for(prompts, c), c, requester)
+            metrics, results = run_load(server.base_url, requests_for(prompts, c, cfg.requests_per_point), c,
+                                        requester)
             acceptance = adapter.acceptance_after(server.base_url, before, results, cfg.num_speculative_tokens)
             out.append((metrics, acceptance, results))
         if prefix:

@@ -177,6 +177,7 @@ def test_high_concurrency_runs_get_at_least_two_requests_per_slot_and_tpot_exclu
     prompts = load_prompts_inline(["a", "b", "c"])
     assert [p.id for p in requests_for(prompts, 4)] == ["a", "b", "c", "a", "b", "c", "a", "b"]
     assert len(requests_for(prompts, 1)) == 3
+    assert [p.id for p in requests_for(prompts, 1, at_least=5)] == ["a", "b", "c", "a", "b"]  # requests_per_point
     results = [RequestResult(prompt_id="a", output_tokens=11, latency_s=1.2, ttft_s=0.2, text="x"),
                RequestResult(prompt_id="b", output_tokens=1, latency_s=0.3, ttft_s=0.3, text="y")]
     m = summarize(results, concurrency=2, duration_s=1.5)

@@ -186,10 +186,10 @@ async def _run(base_url: str, prompts: list[Prompt], concurrency: int, requester
         return list(results), time.perf_counter() - start
 
 
-def requests_for(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
-    """Every prompt once, repeated round-robin when there are fewer prompts than twice the concurrency,
-    so that a high-concurrency run is not measured on a half-empty batch."""
-    n = max(len(prompts), 2 * concurrency)
+def requests_for(prompts: list[Prompt], concurrency: int, at_least: int | None = None) -> list[Prompt]:
+    """Every prompt once, repeated round-robin when there are fewer prompts than twice the concurrency (so that a
+    high-concurrency run is not measured on a half-empty batch) or than `at_least`."""
+    n = max(len(prompts), 2 * concurrency, at_least or 0)
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
