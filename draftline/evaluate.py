@@ -451,13 +451,21 @@ def plot_acceptance(results: list[EvalResult], path: Path) -> None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("share of drafts accepted at this position")
     ax.set_ylim(0, 1)
-    r0 = results[0]
-    ax.set_title(f"Acceptance by position: target {r0.target}, drafter {r0.drafter}\n"
-                 f"prompts {r0.prompt_set}, {r0.hardware}", fontsize=9)
+    ax.set_title("Acceptance by position: " + _plot_context(results, ",\n"), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_context(results: list[EvalResult], before_prompts: str = ", ") -> str:
+    """What the plotted results belong to; a field that differs between engines (e.g. each engine's own drafter
+    export) lists every value."""
+    def values(field: str) -> str:
+        return " / ".join(dict.fromkeys(str(getattr(r, field)) for r in results))
+
+    return (f"target {values('target')}, drafter {values('drafter')}{before_prompts}prompts {values('prompt_set')}, "
+            f"{values('hardware')}")
 
 
 def plot_throughput(results: list[EvalResult], path: Path) -> None:
@@ -487,8 +495,7 @@ def plot_throughput(results: list[EvalResult], path: Path) -> None:
         ax.legend(fontsize=7)
     ax1.set_ylabel("output tokens / s")
     ax2.set_ylabel("speedup (EAGLE-3 / baseline)")
-    r0 = results[0]
-    fig.suptitle(f"target {r0.target}, drafter {r0.drafter}, prompts {r0.prompt_set}, {r0.hardware}", fontsize=9)
+    fig.suptitle(_plot_context(results), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

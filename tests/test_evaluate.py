@@ -148,6 +148,16 @@ def test_report_names_every_number_and_says_plainly_when_sglang_was_skipped(tmp_
     assert "acceptance_by_position.png" in store.get_bytes(keys["report.md"]).decode()
 
 
+def test_plots_of_several_engines_name_each_engines_own_drafter(tmp_path):
+    from draftline.evaluate import _plot_context
+
+    vllm = _result(_drafter(tmp_path, "vllm"))
+    sglang = vllm.model_copy(update={"engine": "sglang", "drafter": "sglang-export"})
+    context = _plot_context([vllm, sglang])
+    assert f"drafter {vllm.drafter} / sglang-export" in context
+    assert context.count(vllm.target) == 1 and context.count(vllm.hardware) == 1
+
+
 @pytest.mark.parametrize("line, message", [
     ("not json", "not valid JSON"),
     ('{"messages": [{"role": "user", "content": "x"}]}', 'needs a string "id"'),
