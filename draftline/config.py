@@ -80,6 +80,7 @@ class TracesConfig(Strict):
     drop_duplicates: bool = True
     traces_per_shard: int = Field(256, ge=1)
     batch_size: int = Field(16, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the transformers backend generates (auto: a GPU if seen)
 
     @model_validator(mode="after")
     def _endpoint_needs_vllm(self):

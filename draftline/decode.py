@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from draftline.errors import ConfigError
-from draftline.target import capture_hidden_states
+from draftline.target import capture_hidden_states, resolve_device
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -891,12 +891,6 @@ class ReferenceResult:
         }
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r} but this machine has no CUDA GPU; use device 'cpu' or 'auto'")
-    return device
 
 
 def eos_token_ids(target_dir: str | Path, tokenizer) -> list[int]:

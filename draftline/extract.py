@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # the benchmark runs this module on GPU machines that have to
 from draftline.errors import ConfigError, ShardWriteError, is_transient
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 from draftline.target import (
-    VLLM, capture_hidden_states, decoder_model, load_target, num_layers, read_target_config, target_fingerprint,
-    validate_aux_layer_ids,
+    VLLM, capture_hidden_states, decoder_model, load_target, num_layers, read_target_config, resolve_device,
+    target_fingerprint, validate_aux_layer_ids,
 )
 
 STAGE = "hidden"
@@ -103,14 +103,6 @@ def length_buckets(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- the extractor
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("extract.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
-    return torch.device(device)
-
 
 class HostBufferPool:
     """Reusable host buffers for batch results, at most `limit` handed out at once (acquire blocks: backpressure).
@@ -203,7 +195,7 @@ class HiddenStateExtractor:
         # Validate ids against the config before loading any weights.
         depth = num_layers(read_target_config(self.target_dir)) if self.target_dir else num_layers(model)
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, depth)
-        self.device = resolve_device(device)
+        self.device = torch.device(resolve_device(device, "extract.device"))
         self.model = model if model is not None else load_target(self.target_dir, dtype, self.device)[0]
         self.decoder = decoder_model(self.model)
         self.hidden_size = int(self.model.config.get_text_config().hidden_size)

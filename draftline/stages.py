@@ -16,7 +16,8 @@ EVAL_STAGE = "eval"
 def traces(config: PipelineConfig, store: Store) -> dict:
     from draftline import traces as trace_lib
 
-    return trace_lib.generate_traces(config.traces, config.target.path, store, config.run, dtype=config.target.dtype)
+    return trace_lib.generate_traces(config.traces, config.target.path, store, config.run, dtype=config.target.dtype,
+                                     device=config.traces.device)
 
 
 def extract(config: PipelineConfig, store: Store) -> dict:

@@ -251,7 +251,8 @@ def _generate_vllm_endpoint(cfg: TracesConfig, prompt_ids: list[list[int]], seed
 def _shard_spec(cfg: TracesConfig, target_dir: str, prompts: list[dict], dtype: str) -> str:
     from draftline.target import target_fingerprint
 
-    knobs = cfg.model_dump(exclude={"prompts", "max_prompts", "traces_per_shard", "batch_size", "endpoint"})
+    # How and where the work runs, not what it produces: changing them keeps finished shards.
+    knobs = cfg.model_dump(exclude={"prompts", "max_prompts", "traces_per_shard", "batch_size", "endpoint", "device"})
     return spec_hash({"cfg": knobs, "target": target_fingerprint(target_dir), "dtype": dtype, "prompts": prompts})
 
 
@@ -374,7 +375,13 @@ def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str) -> 
 
 def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, dtype: str = "bfloat16",
                     device: str = "cpu") -> dict:
-    """The whole stage: every unfinished shard (one vLLM start for all of them), then stats and manifest."""
+    """The whole stage: every unfinished shard (one vLLM start for all of them), then stats and manifest.
+
+    device: where the transformers backend generates ('auto': a GPU when one is visible); vLLM picks its own."""
+    if cfg.backend == "transformers":
+        from draftline.target import resolve_device
+
+        device = resolve_device(device, "traces.device")
     prompts = load_prompts(cfg)
     target_dir = str(target_dir)
     n = num_trace_shards(cfg, prompts)

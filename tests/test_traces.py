@@ -160,3 +160,12 @@ def test_vllm_endpoint_traces_on_demo_deepseek(tmp_path, target_dirs, tiny_promp
         stats = generate_traces(cfg, target_dirs["deepseek"], store, "e")
     assert stats["count"] == 11 and stats["computed_shards"] == [0, 1]
     _check_traces(store, "e", tiny_prompts, target_dirs["deepseek"], min_agreement=0.9)
+
+
+def test_a_gpu_asked_for_on_a_machine_without_one_is_one_sentence_naming_the_field(tmp_path, target_dirs,
+                                                                                   tiny_prompts):
+    cfg = TracesConfig(prompts=str(tiny_prompts), backend="transformers", max_prompts=2, device="cuda")
+    store = open_store(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"traces.device='cuda' but no CUDA device is visible; use 'auto' or 'cpu'"):
+        generate_traces(cfg, target_dirs["llama"], store, "t", device=cfg.device)
+    assert store.list("t/") == []

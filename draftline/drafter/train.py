@@ -27,6 +27,7 @@ from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
 from draftline.drafter.ttt import TTTModel, acceptance_length  # noqa: F401  (acceptance_length is re-exported)
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.errors import ConfigError
+from draftline.target import resolve_device
 
 log = logging.getLogger("draftline.drafter.train")
 
@@ -149,10 +150,9 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
-def resolve_device(kind: str) -> torch.device:
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device='cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+def train_device(kind: str) -> torch.device:
+    """This process's device: under torchrun, the GPU of its local rank."""
+    if resolve_device(kind, "train.device") == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -223,7 +223,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     drafter_cfg = drafter_cfg or DrafterConfig()
     cfg = cfg or TrainConfig()
     prefix = out_prefix or f"{run}/{STAGE}"
-    device = resolve_device(cfg.device)
+    device = train_device(cfg.device)
     d = init_distributed(device.type)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
