@@ -371,6 +371,32 @@ def _status(r: EvalResult) -> str:
     return reason if reason.startswith(r.status) else f"{r.status}: {reason}"
 
 
+def slowdown_findings(r: EvalResult) -> list[str]:
+    """Why EAGLE-3 made an engine slower at some concurrency when the drafter itself is not at fault (parity fine):
+    what the engine's own timings say, per slower point. Empty when nothing got slower or acceptance is suspect."""
+    if r.status != "ok" or not r.parity or r.parity.integration_suspected:
+        return []
+    slow = [p for p in r.points if p.speedup < 1.0]
+    if not slow:
+        return []
+    out = [f"Acceptance matches the reference decoder (parity {r.parity.value:.2f}), so the drafter earns its tokens: "
+           "the time goes to the engine's own cost of speculation."]
+    for p in slow:
+        tau = p.acceptance.mean_acceptance_length if p.acceptance else None
+        parts = [f"concurrency {p.concurrency}: {p.speedup:.2f}x"]
+        b_ttft, s_ttft = p.baseline.ttft_mean_s, p.speculative.ttft_mean_s
+        if b_ttft and s_ttft and s_ttft > 1.5 * b_ttft:
+            parts.append(f"time to first token {s_ttft / b_ttft:.1f}x the baseline's ({b_ttft * 1e3:.1f} -> "
+                         f"{s_ttft * 1e3:.1f} ms): each request's prefill with the drafter costs more, which short "
+                         "answers cannot amortise")
+        b_tpot, s_tpot = p.baseline.tpot_mean_s, p.speculative.tpot_mean_s
+        if b_tpot and s_tpot and tau and s_tpot > b_tpot / tau:
+            parts.append(f"a speculative iteration ({s_tpot * tau * 1e3:.2f} ms for {tau:.2f} tokens) costs "
+                         f"{s_tpot * tau / b_tpot:.1f} baseline steps ({b_tpot * 1e3:.2f} ms)")
+        out.append("; ".join(parts) + ".")
+    return out
+
+
 def report_markdown(results: list[EvalResult]) -> str:
     lines = ["# Drafter evaluation", ""]
     when = max((r.finished_at or "" for r in results), default="")
@@ -419,6 +445,10 @@ def report_markdown(results: list[EvalResult]) -> str:
     for r in suspected:
         lines += ["", f"### Integration suspected: {r.label()}", "", "Likely causes, most specific first:", ""]
         lines += [f"1. {c}" for c in r.parity.likely_causes]
+    for r in results:
+        findings = slowdown_findings(r)
+        if findings:
+            lines += ["", f"### Slower with speculation: {r.label()}", ""] + [f"- {f}" for f in findings]
     lines += ["", "## Plots", "", "![acceptance by position](acceptance_by_position.png)", "",
               "![throughput and speedup](throughput_speedup.png)", "",
               "Raw figures: results.json (one EvalResult per engine).", ""]

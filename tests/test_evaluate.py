@@ -224,3 +224,20 @@ def test_an_engine_missing_here_gives_a_plain_skipped_result_and_the_evaluation_
     assert result.reason.startswith("skipped: needs a GPU worker with sglang")
     stored = EvalResult.model_validate_json(store.get_bytes("nightly/eval/sglang/result.json"))
     assert stored.status == "skipped" and stored.target == "target" and stored.prompt_set == "p.jsonl"
+
+
+def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
+    """On the H200 run (benchmarks/results/eval-h200-report), SGLang accepted what the reference accepts and was still
+    slower at every concurrency; vLLM was faster everywhere. The report must point at the engine, not the drafter."""
+    from draftline.evaluate import slowdown_findings
+
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report" / "results.json"
+    vllm, sglang = (EvalResult.model_validate(x) for x in json.loads(saved.read_text()))
+    assert slowdown_findings(vllm) == []
+    findings = slowdown_findings(sglang)
+    assert "parity 0.96" in findings[0] and "engine's own cost of speculation" in findings[0]
+    assert [f.split(":")[0] for f in findings[1:]] == ["concurrency 1", "concurrency 8", "concurrency 32"]
+    assert "time to first token 3.7x" in findings[2]  # 27.2 -> 101.7 ms at concurrency 8
+    assert "costs 2.3 baseline steps" in findings[1]
+    md = report_markdown([vllm, sglang])
+    assert "### Slower with speculation: sglang 0.5.14" in md and "Slower with speculation: vllm" not in md
