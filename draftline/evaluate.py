@@ -391,8 +391,8 @@ def slowdown_findings(r: EvalResult) -> list[str]:
                          "answers cannot amortise")
         b_tpot, s_tpot = p.baseline.tpot_mean_s, p.speculative.tpot_mean_s
         if b_tpot and s_tpot and tau and s_tpot > b_tpot / tau:
-            parts.append(f"a speculative iteration ({s_tpot * tau * 1e3:.2f} ms for {tau:.2f} tokens) costs "
-                         f"{s_tpot * tau / b_tpot:.1f} baseline steps ({b_tpot * 1e3:.2f} ms)")
+            parts.append(f"a verification step (TPOT x acceptance length = {s_tpot * tau * 1e3:.2f} ms for "
+                         f"{tau:.2f} tokens) takes {s_tpot * tau / b_tpot:.1f} baseline steps ({b_tpot * 1e3:.2f} ms)")
         out.append("; ".join(parts) + ".")
     return out
 

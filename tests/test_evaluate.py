@@ -238,6 +238,6 @@ def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
     assert "parity 0.96" in findings[0] and "engine's own cost of speculation" in findings[0]
     assert [f.split(":")[0] for f in findings[1:]] == ["concurrency 1", "concurrency 8", "concurrency 32"]
     assert "time to first token 3.7x" in findings[2]  # 27.2 -> 101.7 ms at concurrency 8
-    assert "costs 2.3 baseline steps" in findings[1]
+    assert "takes 2.3 baseline steps" in findings[1]
     md = report_markdown([vllm, sglang])
     assert "### Slower with speculation: sglang 0.5.14" in md and "Slower with speculation: vllm" not in md
