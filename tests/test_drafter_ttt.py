@@ -53,9 +53,7 @@ def test_packed_sequences_do_not_see_each_other():
 def test_flex_attention_matches_the_eager_ttt_attention():
     torch.manual_seed(0)
     r, t = 2, 20
-    q = torch.randn(r, 4, t, 16)
-    ks = [torch.randn(r, 2, t, 16) for _ in range(3)]
-    vs = [torch.randn(r, 2, t, 16) for _ in range(3)]
+    q, ks, vs = random_qkv(r, t, 3)
     doc = torch.tensor([[0] * 12 + [1] * 8, [0] * 20])
     torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc), ttt_attention_eager(q, ks, vs, doc),
                                atol=1e-4, rtol=1e-4)
@@ -169,6 +167,24 @@ def plain_ttt_step(model, head, steps, input_ids, loss_mask, doc_ids, position_i
     return out
 
 
+def random_qkv(r: int, t: int, steps: int):
+    """Queries (4 heads) and per-step keys and values (2 KV heads) of head size 16, from the global RNG."""
+    q = torch.randn(r, 4, t, 16)
+    ks = [torch.randn(r, 2, t, 16) for _ in range(steps)]
+    vs = [torch.randn(r, 2, t, 16) for _ in range(steps)]
+    return q, ks, vs
+
+
+def drafter_with_draft_vocab():
+    """A drafter over a random 20-token draft vocabulary of the 50-token target (uses the global RNG)."""
+    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=20))
+    used = torch.sort(torch.randperm(50)[:20]).values
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[used] = True
+    model.set_vocab(used - torch.arange(20), t2d)
+    return model
+
+
 def packed_batch(r=2, t=24, vocab=50, hidden=32, seed=3):
     g = torch.Generator().manual_seed(seed)
     doc = torch.full((r, t), -1, dtype=torch.long)
@@ -193,11 +209,7 @@ def test_ttt_step_gives_the_plain_loss_accuracy_and_gradients(attention):
     Flex attention has no backward on CPU: its case checks the forward only (the GPU path's gradients are flex's).
     """
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=20))
-    used = torch.sort(torch.randperm(50)[:20]).values
-    t2d = torch.zeros(50, dtype=torch.bool)
-    t2d[used] = True
-    model.set_vocab(used - torch.arange(20), t2d)
+    model = drafter_with_draft_vocab()
     head, steps, batch = torch.randn(50, 32), 3, packed_batch()
     weights = torch.tensor([0.8 ** j for j in range(steps)])
 
@@ -221,9 +233,7 @@ def test_ttt_step_gives_the_plain_loss_accuracy_and_gradients(attention):
 def test_flex_attention_block_mask_spans_several_blocks_with_packed_sequences_and_padding():
     torch.manual_seed(0)
     r, t = 2, 300  # three query blocks of 128, the last one short; each step's keys start mid-block
-    q = torch.randn(r, 4, t, 16)
-    ks = [torch.randn(r, 2, t, 16) for _ in range(3)]
-    vs = [torch.randn(r, 2, t, 16) for _ in range(3)]
+    q, ks, vs = random_qkv(r, t, 3)
     doc = torch.full((r, t), -1, dtype=torch.long)
     doc[0, :100], doc[0, 100:290], doc[1, :260] = 0, 1, 0
     torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc), ttt_attention_eager(q, ks, vs, doc),
@@ -236,9 +246,7 @@ def test_rows_mostly_padding_cost_no_attention_between_padding_blocks():
 
     torch.manual_seed(0)
     r, t = 2, 512  # four blocks of 128; row 1 holds 100 real tokens, then three blocks of padding only
-    q = torch.randn(r, 4, t, 16)
-    ks = [torch.randn(r, 2, t, 16) for _ in range(3)]
-    vs = [torch.randn(r, 2, t, 16) for _ in range(3)]
+    q, ks, vs = random_qkv(r, t, 3)
     doc = torch.full((r, t), -1, dtype=torch.long)
     doc[0, :300], doc[0, 300:450], doc[1, :100] = 0, 1, 0
     torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc), ttt_attention_eager(q, ks, vs, doc),
@@ -250,11 +258,7 @@ def test_rows_mostly_padding_cost_no_attention_between_padding_blocks():
 
 def test_padding_a_batch_to_a_fixed_length_changes_no_loss_count_or_hit():
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=20))
-    used = torch.sort(torch.randperm(50)[:20]).values
-    t2d = torch.zeros(50, dtype=torch.bool)
-    t2d[used] = True
-    model.set_vocab(used - torch.arange(20), t2d)
+    model = drafter_with_draft_vocab()
     ttt = TTTModel(model, torch.randn(50, 32), 3, 5, "eager", torch.float32).eval()
     batch = packed_batch()
     extra = 40
@@ -284,9 +288,7 @@ def test_collate_pads_every_batch_to_the_fixed_length_with_padding_doc_ids():
 @pytest.mark.parametrize("t", [300, 256])  # keys of a step starting mid-block, and on a block boundary
 def test_flex_attention_with_blank_keys_of_later_steps_equals_the_eager_attention(t):
     torch.manual_seed(0)
-    q = torch.randn(2, 4, t, 16)
-    ks = [torch.randn(2, 2, t, 16) for _ in range(2)]
-    vs = [torch.randn(2, 2, t, 16) for _ in range(2)]
+    q, ks, vs = random_qkv(2, t, 2)
     doc = torch.full((2, t), -1, dtype=torch.long)
     doc[0, :100], doc[0, 100:t - 10], doc[1, :t // 2] = 0, 1, 0
     torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc, total_steps=5), ttt_attention_eager(q, ks, vs, doc),

@@ -50,7 +50,8 @@ def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128
     from torch.nn.attention.flex_attention import BlockMask
 
     r, t = doc_ids.shape
-    n_q, n_kv = -(-t // block), -(-max(steps, key_steps or steps) * t // block)
+    kv_steps = max(steps, key_steps or steps)
+    n_q, n_kv = -(-t // block), -(-kv_steps * t // block)
     # Doc-id ranges over each block's real positions (padding, -1, and the tail past T left out): a block of
     # padding only has an empty range (lo > hi) and meets no other block; its diagonal block is always kept.
     padded = torch.cat([doc_ids, doc_ids.new_full((r, n_q * block - t), -1)], dim=1).view(r, n_q, block)
@@ -81,7 +82,7 @@ def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128
     num, idx = ordered(partial)
     full_num, full_idx = ordered(full_kv)
     return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(t, max(steps, key_steps or steps) * t))
+                                    seq_lengths=(t, kv_steps * t))
 
 
 def ttt_mask_mod(doc_ids: torch.Tensor, steps: torch.Tensor | None = None):
