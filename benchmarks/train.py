@@ -130,7 +130,8 @@ def matmul_flops_per_token(sizes: dict) -> float:
     return 2 * fc + 3 * k * (per_step + attention) + target
 
 
-def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, threads: int, queue) -> None:
+def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, threads: int, queue,
+             profile: str | None = None) -> None:
     device = torch.device(device_kind)
     if device.type == "cpu":
         torch.set_num_threads(threads)
@@ -165,6 +166,10 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
         for _ in range(warmup):
             step()
         sync()
+        if profile:  # where a step's time goes, kernel by kernel, instead of the timing
+            write_profile(step, sync, iters, Path(profile))
+            queue.put({"impl": name, "ok": True, "profile": profile})
+            return
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -180,6 +185,27 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
                    "peak_memory_bytes": int(peak), "loss": losses[-1]})
     except torch.cuda.OutOfMemoryError as exc:  # the straightforward step may not fit; that is a result too
         queue.put({"impl": name, "ok": False, "error": f"out of memory: {str(exc).splitlines()[0]}"})
+
+
+def write_profile(step, sync, iters: int, path: Path) -> None:
+    """Profile `iters` steps with torch.profiler and write the kernels' table, most device time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    key = "self_cpu_time_total"
+    if torch.cuda.is_available():
+        key = next((k for k in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], k)), key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{iters} steps, {wall / iters * 1e3:.1f} ms a step (wall, under the profiler); sorted by {key}\n"
+                    + events.table(sort_by=key, row_limit=80, max_name_column_width=90) + "\n")
+    print(f"wrote {path}")
 
 
 def measured_peak_tflops(device: torch.device) -> float:
@@ -219,6 +245,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="override a size, e.g. rows=1")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (oversubscribed OpenMP crawls on a shared box)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train-<hw>.json)")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="instead of timing: profile draftline's step and write the kernel table to PATH")
     args = parser.parse_args()
 
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
@@ -237,14 +265,19 @@ def main() -> int:
     # On a GPU also draftline with each TTT step's own key length, as before all steps shared one (flex kernels
     # compiled per shape): what the one shape costs or saves per step, measured in the same run.
     impls = ("draftline", "straightforward") + (("draftline-per-step-keys",) if device.type == "cuda" else ())
+    if args.profile:
+        impls = ("draftline",)
     for impl in impls:
         queue = ctx.Queue()
-        proc = ctx.Process(target=run_impl, args=(impl, sizes, device.type, iters, warmup, args.threads, queue))
+        proc = ctx.Process(target=run_impl, args=(impl, sizes, device.type, iters, warmup, args.threads, queue,
+                                                  args.profile))
         proc.start()
         proc.join()
         results[impl] = queue.get() if not queue.empty() else {"impl": impl, "ok": False,
                                                                "error": f"exit code {proc.exitcode}"}
 
+    if args.profile:
+        return 0 if results["draftline"]["ok"] else 1
     flops = matmul_flops_per_token(sizes)
     for r in results.values():
         if r["ok"]:

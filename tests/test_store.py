@@ -149,6 +149,48 @@ def test_interrupted_upload_leaves_nothing_visible(store, big_file):
         assert sorted(p.name for p in (store.root / "run/stage").iterdir()) == ["old.bin"]
 
 
+def test_large_chunked_write_flushed_early_is_byte_exact(tmp_path, monkeypatch, big_file):
+    """Shards over the early-flush window are flushed while they are written: the bytes and sha256 are unchanged."""
+    import draftline.store as store_module
+
+    flushes = []
+    real = getattr(os, "fdatasync", os.fsync)
+
+    def counted(fd):
+        flushes.append(fd)
+        return real(fd)
+
+    monkeypatch.setattr(store_module, "EARLY_WRITEBACK_BYTES", 16 * 1024 * 1024)
+    monkeypatch.setattr(os, "fdatasync" if hasattr(os, "fdatasync") else "fsync", counted)
+    path, digest = big_file
+    data = memoryview(path.read_bytes())
+    local = LocalStore(str(tmp_path / "runs"))
+    entry = local.put_chunks("run/shard.safetensors", [data[:12345], data[12345:BIG // 3], data[BIG // 3:]])
+    assert (entry.size, entry.sha256) == (BIG, digest)
+    assert sha256_file(local.path("run/shard.safetensors")) == digest
+    assert flushes, "no flush was started before the final fsync"
+
+
+def test_a_failing_early_flush_fails_the_write_and_leaves_nothing(tmp_path, monkeypatch, big_file):
+    """A disk that fails under the background flush (full, gone) fails the publish; the previous object stays."""
+    import errno
+
+    import draftline.store as store_module
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    local = LocalStore(str(tmp_path / "runs"))
+    local.put_bytes("run/shard.safetensors", b"the previous version")
+    monkeypatch.setattr(store_module, "EARLY_WRITEBACK_BYTES", 16 * 1024 * 1024)
+    monkeypatch.setattr(os, "fdatasync" if hasattr(os, "fdatasync") else "fsync", full)
+    path, _ = big_file
+    with pytest.raises(OSError, match="No space left"):
+        local.put_chunks("run/shard.safetensors", [path.read_bytes()])
+    assert local.get_bytes("run/shard.safetensors") == b"the previous version"
+    assert sorted(p.name for p in (local.root / "run").iterdir()) == ["shard.safetensors"]
+
+
 # ------------------------------------------------------------------------------------------- manifests
 
 
