@@ -1,8 +1,11 @@
 """Training-time test: the unrolled training graph computes what decoding computes; the chunked loss is the exact loss."""
+import shutil
+
 import pytest
 import torch
 
 from draftline.config import DrafterConfig
+from draftline.drafter import model as model_module
 from draftline.drafter.model import DrafterCache, Eagle3Drafter
 from draftline.drafter.ttt import (SoftCrossEntropy, TTTModel, acceptance_length, target_distribution,
                                      ttt_attention_eager, ttt_attention_flex)
@@ -208,6 +211,18 @@ def test_ttt_step_gives_the_plain_loss_accuracy_and_gradients(attention):
 
     Flex attention has no backward on CPU: its case checks the forward only (the GPU path's gradients are flex's).
     """
+    check_ttt_step_against_plain(attention)
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on the CPU needs a C++ compiler")
+def test_compiled_elementwise_path_of_gpu_training_gives_the_plain_loss_accuracy_and_gradients(monkeypatch):
+    """On a GPU the norms, SiLU, rotary and the loss are compiled (torch.compile); here compiled for the CPU, the
+    same graphs must still train exactly what the plain definition says."""
+    monkeypatch.setattr(model_module, "COMPILE_DEVICES", ("cuda", "cpu"))
+    check_ttt_step_against_plain("eager")
+
+
+def check_ttt_step_against_plain(attention: str) -> None:
     torch.manual_seed(0)
     model = drafter_with_draft_vocab()
     head, steps, batch = torch.randn(50, 32), 3, packed_batch()

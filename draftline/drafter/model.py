@@ -1,6 +1,7 @@
 """The EAGLE-3 draft head: fc over three target aux states, one Llama layer over [embedding, hidden], lm_head over the draft vocabulary."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,8 +115,54 @@ def matmul_inputs(x: torch.Tensor, consumers: int) -> list[torch.Tensor]:
     return [_SharedCast.apply(x, cast) for _ in range(consumers)]
 
 
+COMPILE_DEVICES = ("cuda",)  # where compiled_on_device compiles; CPU runs (and CI) need no C compiler
+
+
+def compiled_on_device(fn):
+    """fn, run through torch.compile (inductor, dynamic shapes) when its first argument lives on a device in
+    COMPILE_DEVICES, eagerly elsewhere. For elementwise stretches that eager PyTorch runs as one pass over memory per
+    op (norms, SiLU, rotary, the loss over the draft vocabulary): compiled, each is a kernel or two. Dynamic shapes,
+    because token counts differ per batch and per TTT step, and recompiling for each would hit dynamo's limit."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(*args):
+        nonlocal compiled
+        if args[0].device.type not in COMPILE_DEVICES:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(*args)
+
+    return run
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 like Llama so bf16 runs match the engines' kernels closely.
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def norm_pair_cat(embeds: torch.Tensor, hidden: torch.Tensor, w_embeds: torch.Tensor, w_hidden: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """The attention input: [norm(embeds), norm(hidden)] along the last dimension."""
+    return torch.cat([rms_norm(embeds, w_embeds, eps), rms_norm(hidden, w_hidden, eps)], dim=-1)
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+silu_mul_fused = compiled_on_device(silu_mul)
+rms_norm_fused = compiled_on_device(rms_norm)
+norm_pair_cat_fused = compiled_on_device(norm_pair_cat)
+apply_rope_qk_fused = compiled_on_device(apply_rope_qk)
 
 
 class RMSNorm(nn.Module):
@@ -124,12 +171,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like Llama so bf16 runs match the engines' kernels closely.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        return (rms_norm_fused if fused else rms_norm)(x, self.weight, self.eps)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -165,10 +208,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, fused: bool = False):
         to_gate, to_up = matmul_inputs(x, 2)
         # silu(gate) * up is recomputed in backward: [tokens x intermediate] tensors are the layer's largest.
-        return self.down_proj(recomputed(silu_mul, self.gate_proj(to_gate), self.up_proj(to_up)))
+        act = silu_mul_fused if fused else silu_mul
+        return self.down_proj(recomputed(act, self.gate_proj(to_gate), self.up_proj(to_up)))
 
 
 class DecoderLayer(nn.Module):
@@ -183,26 +227,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
-        """q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied at position_ids."""
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, fused: bool = False):
+        """q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied at position_ids.
+
+        fused: the elementwise parts compiled on CUDA (training); off, the eager code the decoders capture."""
         b, t, _ = hidden.shape
         cfg = self.cfg
         # The norms are recomputed in backward from the bf16 inputs instead of keeping their fp32 intermediates.
-        to_q, to_k, to_v = matmul_inputs(recomputed(self.attention_input, embeds, hidden), 3)
+        to_q, to_k, to_v = matmul_inputs(recomputed(self.attention_input, embeds, hidden, fused), 3)
         q = self.self_attn.q_proj(to_q).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = self.self_attn.k_proj(to_k).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = self.self_attn.v_proj(to_v).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, q.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = (apply_rope_qk_fused if fused else apply_rope_qk)(q, k, cos, sin)
+        return q, k, v
 
-    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        return (norm_pair_cat_fused if fused else norm_pair_cat)(
+            embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, self.cfg.rms_norm_eps)
 
-    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """attn [B, nh, T, hd] -> the new residual stream [B, T, H]; the residual is the incoming hidden."""
         b, _, t, _ = attn.shape
         h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        return h + self.mlp(recomputed(self.post_attention_layernorm, h))
+        return h + self.mlp(recomputed(self.post_attention_layernorm, h, fused), fused)
 
 
 class DrafterCache:

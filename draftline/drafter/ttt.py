@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftline.drafter.model import Eagle3Drafter, recomputed, repeat_kv
+from draftline.drafter.model import Eagle3Drafter, compiled_on_device, recomputed, repeat_kv
 
 
 # ---- training-time-test attention ----------------------------------------------------------------------------
@@ -133,6 +133,21 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
 
 
 # ---- loss -------------------------------------------------------------------------------------------------------
+def soft_ce_chunk(z: torch.Tensor, p: torch.Tensor, out_dtype: torch.dtype):
+    """For logits z and target probabilities p [n, V]: sum of the rows' soft cross-entropy, each row's argmax, and
+    the loss's gradient wrt z, softmax(z) - p, in out_dtype. In fp32 (or z's wider dtype) inside."""
+    acc = torch.promote_types(z.dtype, torch.float32)
+    z, p = z.to(acc), p.to(acc)
+    lse = torch.logsumexp(z, dim=-1)
+    total = (lse * p.sum(-1) - (p * z).sum(-1)).sum()
+    return total, z.argmax(-1), (torch.exp(z - lse[:, None]) - p).to(out_dtype)
+
+
+# On CUDA one pass over z and p and one write of the gradient, where eager PyTorch makes about ten passes over fp32
+# [n x V] copies (the largest elementwise cost of a training step in an H200 profile).
+soft_ce_chunk_fused = compiled_on_device(soft_ce_chunk)
+
+
 class SoftCrossEntropy(torch.autograd.Function):
     """sum_rows CE(target_probs, softmax(x @ weight.T)) in row chunks, never holding all logits in fp32.
 
@@ -149,13 +164,11 @@ class SoftCrossEntropy(torch.autograd.Function):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         coeff = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device) if need_grad else None
         for a in range(0, rows, chunk):
-            z = torch.matmul(x[a:a + chunk], weight.t()).to(acc)
-            p = target_probs[a:a + chunk].to(acc)
-            lse = torch.logsumexp(z, dim=-1)
-            total += (lse * p.sum(-1) - (p * z).sum(-1)).sum()
-            preds[a:a + chunk] = z.argmax(-1)
+            part, preds[a:a + chunk], grad = soft_ce_chunk_fused(
+                torch.matmul(x[a:a + chunk], weight.t()), target_probs[a:a + chunk], x.dtype)
+            total += part
             if need_grad:
-                coeff[a:a + chunk] = (torch.softmax(z, dim=-1) - p).to(x.dtype)
+                coeff[a:a + chunk] = grad
         ctx.save_for_backward(x, weight, coeff)
         ctx.mark_non_differentiable(preds)
         return total, preds
@@ -163,9 +176,9 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_preds):
         x, weight, coeff = ctx.saved_tensors
-        g = coeff * grad_total.to(coeff.dtype)
-        grad_x = torch.matmul(g, weight) if ctx.needs_input_grad[0] else None
-        grad_w = torch.matmul(g.t(), x) if ctx.needs_input_grad[1] else None
+        scale = grad_total.to(coeff.dtype)  # applied to the [n x H] sides: coeff [n x V] is the largest tensor here
+        grad_x = torch.matmul(coeff, weight).mul_(scale) if ctx.needs_input_grad[0] else None
+        grad_w = torch.matmul(coeff.t(), x * scale) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
 
 
@@ -215,11 +228,11 @@ class TTTModel(nn.Module):
             shift = 1 + j
             tokens = torch.zeros_like(input_ids)
             tokens[:, : max(0, t - shift)] = input_ids[:, shift:]
-            q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, position_ids + j)
+            q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, position_ids + j, fused=True)
             ks.append(k)
             vs.append(v)
-            hidden = m.midlayer.finish(hidden, self.attention(q, ks, vs, doc_ids,
-                                                              self.steps if self.one_key_shape else None))
+            attn = self.attention(q, ks, vs, doc_ids, self.steps if self.one_key_shape else None)
+            hidden = m.midlayer.finish(hidden, attn, fused=True)
             yield hidden
 
     def loss_rows(self, loss_mask, doc_ids, in_vocab):
@@ -248,7 +261,8 @@ class TTTModel(nn.Module):
 
     def loss_input(self, hidden, rows):
         """The final norm of the rows that enter the loss, in the compute dtype [n, H]."""
-        return self.drafter.norm(hidden).reshape(-1, hidden.shape[-1]).index_select(0, rows).to(self.compute_dtype)
+        normed = self.drafter.norm(hidden, fused=True)
+        return normed.reshape(-1, hidden.shape[-1]).index_select(0, rows).to(self.compute_dtype)
 
     def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux, last):
         m = self.drafter
