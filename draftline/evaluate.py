@@ -280,8 +280,10 @@ def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter
     out = []
     log_prefix = f"{prefix}/logs" if prefix else None
     with launch(spec, cfg, log_dir, store=store, log_key_prefix=log_prefix) as server:
-        run_load(server.base_url, prompts[:1], 1, requester)  # warm-up, not measured
         for c in cfg.concurrency:
+            # One unmeasured wave at this concurrency first: an engine meets a new batch size with one-off work
+            # (kernel selection, graph capture, allocator growth), and a point of a few seconds would count it.
+            run_load(server.base_url, [prompts[i % len(prompts)] for i in range(c)], c, requester)
             before = adapter.acceptance_before(server.base_url)
             metrics, results = run_load(server.base_url, requests_for(prompts, c, cfg.requests_per_point), c,
                                         requester)

@@ -201,6 +201,10 @@ def test_baseline_and_eagle3_serve_the_same_prompts_at_each_concurrency(vllm_eva
     assert any(k.endswith("vllm-baseline-attempt1.log") for k in logs)
     eagle_log = store.get_bytes(next(k for k in logs if "vllm-eagle3" in k)).decode()
     assert '"method": "eagle3"' in eagle_log and "Starting vLLM server" in eagle_log
+    # The eval prompts are chat prompts: every chat request the server saw was a measured one or one wave of
+    # warm-up at each point's concurrency (so one-off work at a new batch size stays out of the figures).
+    waves = sum(p.concurrency + p.speculative.requests for p in result.points)
+    assert eagle_log.count("POST /v1/chat/completions") == waves
     assert _engine_processes(str(trained_demo.target_dir)) == []  # every server of the run is gone
 
 
