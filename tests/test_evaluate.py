@@ -227,11 +227,13 @@ def test_an_engine_missing_here_gives_a_plain_skipped_result_and_the_evaluation_
 
 
 def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
-    """On the H200 run (benchmarks/results/eval-h200-report), SGLang accepted what the reference accepts and was still
-    slower at every concurrency; vLLM was faster everywhere. The report must point at the engine, not the drafter."""
+    """On the session 4 H200 run (benchmarks/results/eval-h200-report-session4), SGLang accepted what the reference
+    accepts and was still slower at every concurrency; vLLM was faster everywhere. The report must point at the
+    engine, not the drafter."""
     from draftline.evaluate import slowdown_findings
 
-    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report" / "results.json"
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report-session4"
+    saved = saved / "results.json"
     vllm, sglang = (EvalResult.model_validate(x) for x in json.loads(saved.read_text()))
     assert slowdown_findings(vllm) == []
     findings = slowdown_findings(sglang)
