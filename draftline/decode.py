@@ -891,8 +891,6 @@ class ReferenceResult:
         }
 
 
-
-
 def eos_token_ids(target_dir: str | Path, tokenizer) -> list[int]:
     """EOS ids from generation_config.json and the tokenizer: the engines stop at any of them."""
     import json

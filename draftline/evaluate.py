@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +19,7 @@ from pydantic import BaseModel
 
 from draftline.config import EngineConfig, EvalConfig
 from draftline.engines.base import Acceptance, EngineAdapter
-from draftline.engines.client import Prompt, RunMetrics, load_prompts, requests_for, run_load
+from draftline.engines.client import Prompt, RunMetrics, load_prompts, requests_for, round_robin, run_load
 from draftline.engines.launch import launch
 from draftline.engines.preflight import EngineUnavailable, aux_layer_ids, drafter_format, preflight
 from draftline.errors import ConfigError, EngineError
@@ -283,7 +282,7 @@ def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter
         for c in cfg.concurrency:
             # One unmeasured wave at this concurrency first: an engine meets a new batch size with one-off work
             # (kernel selection, graph capture, allocator growth), and a point of a few seconds would count it.
-            run_load(server.base_url, [prompts[i % len(prompts)] for i in range(c)], c, requester)
+            run_load(server.base_url, round_robin(prompts, c), c, requester)
             before = adapter.acceptance_before(server.base_url)
             metrics, results = run_load(server.base_url, requests_for(prompts, c, cfg.requests_per_point), c,
                                         requester)

@@ -25,7 +25,6 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 _FULL_HASH_LIMIT = 2 * 1024**3
 
 
-
 def resolve_device(device: str, field: str = "device") -> str:
     """'auto' is 'cuda' when a GPU is visible, else 'cpu'; 'cuda' without one is one sentence naming the field."""
     if device == "auto":
@@ -33,6 +32,7 @@ def resolve_device(device: str, field: str = "device") -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"{field}={device!r} but no CUDA device is visible; use 'auto' or 'cpu'")
     return device
+
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """The ids every engine falls back to: inputs of layers 2, L//2 and L-3 (vLLM convention)."""

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from draftline.config import TracesConfig
 from draftline.errors import ConfigError, EngineError
-from draftline.shards import finished_shard, publish_shard, shard_key, shard_records, spec_hash, write_stage_manifest
+from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 
 STAGE = "traces"
 SUFFIX = ".jsonl"

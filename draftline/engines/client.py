@@ -186,11 +186,15 @@ async def _run(base_url: str, prompts: list[Prompt], concurrency: int, requester
         return list(results), time.perf_counter() - start
 
 
+def round_robin(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """n requests taking the prompts in turn, from the first again when they run out."""
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
 def requests_for(prompts: list[Prompt], concurrency: int, at_least: int | None = None) -> list[Prompt]:
     """Every prompt once, repeated round-robin when there are fewer prompts than twice the concurrency (so that a
     high-concurrency run is not measured on a half-empty batch) or than `at_least`."""
-    n = max(len(prompts), 2 * concurrency, at_least or 0)
-    return [prompts[i % len(prompts)] for i in range(n)]
+    return round_robin(prompts, max(len(prompts), 2 * concurrency, at_least or 0))
 
 
 def run_load(base_url: str, prompts: list[Prompt], concurrency: int, requester: Requester,
