@@ -130,20 +130,24 @@ def test_ddp_with_two_gloo_processes_matches_a_single_process(tiny_hidden_run, t
         prefix = sys.argv[1]
         s = T.train_drafter(open_store({str(tiny_hidden_run.store_root)!r}), "tiny", {str(tiny_hidden_run.target_dir)!r},
                             DrafterConfig(draft_vocab_size=128), cfg, out_prefix=prefix)
-        print("RESULT", json.dumps({{"rank": int(os.environ.get("RANK", 0)), "digest": s["weights_digest"],
-                                    "losses": [e["loss"] for e in s["history"]["train"]]}}))
+        rank = int(os.environ.get("RANK", 0))
+        # A file per rank: the two ranks' stdout lines can interleave in torchrun's output.
+        with open(f"{{sys.argv[2]}}-{{rank}}.json", "w") as f:
+            json.dump({{"rank": rank, "digest": s["weights_digest"],
+                       "losses": [e["loss"] for e in s["history"]["train"]]}}, f)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-                          str(script), "tiny/train-ddp"], capture_output=True, text=True, timeout=600, env=env)
+                          str(script), "tiny/train-ddp", str(tmp_path / "ddp")], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
-    single = subprocess.run([sys.executable, str(script), "tiny/train-single"], capture_output=True, text=True,
-                            timeout=600, env=env)
+    single = subprocess.run([sys.executable, str(script), "tiny/train-single", str(tmp_path / "single")],
+                            capture_output=True, text=True, timeout=600, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
-    parse = lambda out: [json.loads(l.split(" ", 1)[1]) for l in out.splitlines() if l.startswith("RESULT")]
-    ranks, (one,) = parse(ddp.stdout), parse(single.stdout)
+    parse = lambda stem: [json.loads(p.read_text()) for p in sorted(tmp_path.glob(f"{stem}-*.json"))]
+    ranks, (one,) = parse("ddp"), parse("single")
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     assert ranks[0]["digest"] == ranks[1]["digest"]  # both ranks hold identical weights
     print("ddp losses", ranks[0]["losses"], "single", one["losses"])
