@@ -12,6 +12,8 @@ plus 9 bytes of input_ids (int64) and loss_mask (uint8); nothing else (no other 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -80,6 +82,61 @@ def disk_bandwidth(folder: Path, total: int, chunk: int = 64 << 20, early_flush:
     size = path.stat().st_size
     path.unlink()
     return size / elapsed
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    """module.name = value for the block: the store's switches, to measure the path with and without a change."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def pinned_source(nbytes: int, device) -> torch.Tensor:
+    """Host bytes as the writers find them: a pinned buffer on a GPU machine (the extractor's staging memory)."""
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    return buf.pin_memory() if device.type == "cuda" else buf
+
+
+def hash_only(source: torch.Tensor, threads: int) -> float:
+    """Bytes/s of `threads` threads each taking the sha256 of the whole source at once (one core each)."""
+    view = memoryview(source.numpy())
+
+    def one(_):
+        digest = hashlib.sha256()
+        for start in range(0, len(view), 8 << 20):
+            digest.update(view[start:start + (8 << 20)])
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(threads)))
+    return threads * len(view) / (time.perf_counter() - t)
+
+
+def write_only(folder: Path, source: torch.Tensor, threads: int) -> float:
+    """Bytes/s of `threads` threads each writing the source into its own file as the store does, without hashing:
+    unbuffered 8 MiB writes, a background flush every EARLY_WRITEBACK_BYTES, fsync at the end."""
+    view = memoryview(source.numpy())
+
+    def one(i):
+        path = folder / f"write-only-{i}.bin"
+        with open(path, "wb", buffering=0) as f:
+            flush, flushed = BackgroundFlush(f.fileno()), 0
+            for start in range(0, len(view), 8 << 20):
+                f.write(view[start:start + (8 << 20)])
+                if start + (8 << 20) - flushed >= store_module.EARLY_WRITEBACK_BYTES and flush.start():
+                    flushed = start + (8 << 20)
+            flush.wait()
+            os.fsync(f.fileno())
+        path.unlink()
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(threads)))
+    return threads * len(view) / (time.perf_counter() - t)
 
 
 def llama(device, tiny: bool = False):
@@ -241,16 +298,25 @@ def bench(args) -> dict:
         disk_plain = disk_bandwidth(Path(tmp), args.disk_probe_bytes)
         disk_early = disk_bandwidth(Path(tmp), args.disk_probe_bytes, early_flush=True)
         disk = max(disk_plain, disk_early)  # the ceiling is the best this disk did
-        t_write = timed(writer_only(extractor, shards, Path(tmp) / "writer-only", args.writer_threads), device, repeat=2)
-        shutil.rmtree(Path(tmp) / "writer-only")  # the disk holds the shards of one writer run at a time
-        window, store_module.EARLY_WRITEBACK_BYTES = store_module.EARLY_WRITEBACK_BYTES, 0
-        try:  # the same writers with the flush left to the final fsync, as before the early flush
-            t_write_late = timed(writer_only(extractor, shards, Path(tmp) / "writer-only-late", args.writer_threads),
-                                 device, repeat=2)
-        finally:
-            store_module.EARLY_WRITEBACK_BYTES = window
-        shutil.rmtree(Path(tmp) / "writer-only-late")
-        t_full = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store", args.writer_threads,
+
+        def writers(n: int, tag: str, repeat: int = 2, warmup: int = 0) -> float:
+            folder = Path(tmp) / f"writer-only-{tag}"
+            t = timed(writer_only(extractor, shards, folder, n), device, repeat=repeat, warmup=warmup)
+            shutil.rmtree(folder)  # the disk holds the shards of one writer run at a time
+            return total_tokens / t
+
+        # How many shard writers: each count measured on the same shards; the full extraction uses the best.
+        sweep = {n: writers(n, f"w{n}") for n in sorted({args.writer_threads, *args.writer_sweep})}
+        best = max(sweep, key=sweep.get)
+        with patched(store_module, "HASH_ON_THE_SIDE", False):  # as before: each writer hashes, then writes
+            inline_hash = writers(best, "inline-hash", repeat=1)
+        with patched(store_module, "EARLY_WRITEBACK_BYTES", 0):  # the flush left to the final fsync
+            late_flush = writers(best, "late-flush", repeat=1)
+        source = pinned_source(args.tokens_per_shard * bytes_per_token, device)  # one shard's bytes
+        hash_gbs = hash_only(source, best)
+        write_gbs = write_only(Path(tmp), source, best)
+        del source
+        t_full = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store", best,
                                        args.max_batches_in_flight), device, repeat=2)
         full_tps = total_tokens / t_full
         naive_seqs = fwd_seqs[: args.naive_samples]
@@ -266,7 +332,7 @@ def bench(args) -> dict:
         "compiled": args.compile, "layers": L, "hidden": H, "decoder_layer_params": params,
         "aux_layer_ids": extractor.aux_layer_ids, "seq_len": seq_len, "batch_tokens": batch_tokens,
         "tokens_per_shard": per_shard * seq_len, "shards": args.shards,
-        "writer_threads": args.writer_threads, "max_batches_in_flight": args.max_batches_in_flight,
+        "writer_threads": best, "max_batches_in_flight": args.max_batches_in_flight,
         "matmul_peak_tflops": peak / 1e12,
         "forward_tokens_per_s": fwd_tps, "forward_mfu": mfu,
         "device_to_host_pinned_gb_per_s": copy_bw / 1e9,
@@ -275,8 +341,12 @@ def bench(args) -> dict:
         "disk_fsync_write_gb_per_s_early_flush": disk_early / 1e9,
         "bytes_per_token": bytes_per_token, "bytes_per_token_floor": 8 * H,
         "disk_bound_tokens_per_s": disk / bytes_per_token,
-        "writer_only_tokens_per_s": total_tokens / t_write,
-        "writer_only_final_fsync_only_tokens_per_s": total_tokens / t_write_late,
+        "writer_only_tokens_per_s": sweep[best],
+        "writer_only_tokens_per_s_by_threads": {str(n): v for n, v in sweep.items()},
+        "writer_only_hash_inline_tokens_per_s": inline_hash,
+        "writer_only_final_fsync_only_tokens_per_s": late_flush,
+        "hash_only_gb_per_s": hash_gbs / 1e9, "write_only_gb_per_s": write_gbs / 1e9,
+        "hash_and_write_threads": best,
         "binding_ceiling": "forward" if fwd_tps <= disk / bytes_per_token else "disk",
         "binding_ceiling_tokens_per_s": ceiling,
         "full_extraction_tokens_per_s": full_tps, "fraction_of_binding_ceiling": full_tps / ceiling,
@@ -306,6 +376,8 @@ def main() -> None:
     ap.add_argument("--naive-samples", type=int, default=None, help="16 (--cpu: 2)")
     ap.add_argument("--disk-probe-bytes", type=int, default=None, help="4 GiB (--cpu: 64 MiB)")
     ap.add_argument("--writer-threads", type=int, default=3, help="shards written side by side (extract.writer_threads)")
+    ap.add_argument("--writer-sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="more writer counts to measure, e.g. 6,8; the full extraction uses the fastest")
     ap.add_argument("--max-batches-in-flight", type=int, default=None, help="host batch buffers at most (extract.max_batches_in_flight)")
     ap.add_argument("--workdir", default=None, help="folder on the disk to measure (default: the temp dir)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/extract-<hw>.json)")

@@ -41,7 +41,10 @@ CPU_SIZES = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=4096, 
                  rows=2, steps=3, chunk=1024)
 
 
-def build(sizes: dict, device: torch.device) -> tuple[Eagle3Drafter, torch.Tensor]:
+def build(sizes: dict, device: torch.device, last: torch.Tensor) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """The drafter and the target's lm_head. Its draft vocabulary holds every token the target predicts for the
+    batch's last states (then random others), as a vocabulary built from the target's own outputs would; with a
+    random one, 3 in 4 positions would leave the loss and the draft lm_head would run on a quarter of the rows."""
     h = sizes["hidden"]
     cfg = Eagle3Config(hidden_size=h, intermediate_size=sizes["intermediate"], num_attention_heads=sizes["heads"],
                        num_key_value_heads=sizes["kv_heads"], head_dim=h // sizes["heads"], vocab_size=sizes["vocab"],
@@ -49,13 +52,30 @@ def build(sizes: dict, device: torch.device) -> tuple[Eagle3Drafter, torch.Tenso
                        max_position_embeddings=max(4096, sizes["seq"]))
     torch.manual_seed(0)
     model = Eagle3Drafter(cfg)
-    used = torch.sort(torch.randperm(sizes["vocab"])[: sizes["draft_vocab"]]).values
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lm_head = (torch.randn(sizes["vocab"], h) * h ** -0.5).to(device, dtype)
+    flat = last.reshape(-1, h).to(dtype)
+    predicted = torch.cat([(flat[a:a + 1024] @ lm_head.t()).argmax(-1) for a in range(0, flat.shape[0], 1024)])
+    predicted = torch.unique(predicted).cpu()[: sizes["draft_vocab"]]
+    others = torch.ones(sizes["vocab"], dtype=torch.bool)
+    others[predicted] = False
+    fill = others.nonzero()[:, 0]
+    fill = fill[torch.randperm(fill.numel())[: sizes["draft_vocab"] - predicted.numel()]]
+    used = torch.sort(torch.cat([predicted, fill])).values
     t2d = torch.zeros(sizes["vocab"], dtype=torch.bool)
     t2d[used] = True
     model.set_vocab(used - torch.arange(sizes["draft_vocab"]), t2d)
-    lm_head = torch.randn(sizes["vocab"], h) * h ** -0.5
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return model.to(device), lm_head.to(device, dtype)
+    return model.to(device), lm_head
+
+
+def loss_rows_per_step(model: Eagle3Drafter, lm_head: torch.Tensor, b: dict, steps: int) -> list[int]:
+    """Rows that enter TTT step j's loss (the draft lm_head runs on these only): slot t predicts the target's token
+    at t+1+j when that lies inside the sequence and in the draft vocabulary."""
+    r, t = b["input_ids"].shape
+    flat = b["last"].reshape(r * t, -1).to(lm_head.dtype)
+    argmax = torch.cat([(flat[a:a + 1024] @ lm_head.t()).argmax(-1) for a in range(0, flat.shape[0], 1024)])
+    in_vocab = model.t2d[argmax].view(r, t)
+    return [int(in_vocab[:, 1 + j: t - 1].sum()) for j in range(steps)]
 
 
 def batch(sizes: dict, device: torch.device) -> dict:
@@ -118,16 +138,19 @@ def straightforward_loss(model: Eagle3Drafter, lm_head: torch.Tensor, b: dict, s
     return loss
 
 
-def matmul_flops_per_token(sizes: dict) -> float:
-    """Useful matmul FLOPs per token of one training step (forward + backward = 3x for trained matmuls)."""
+def matmul_flops_per_step(sizes: dict, loss_rows: list[int]) -> float:
+    """Useful matmul FLOPs of one training step (forward + backward = 3x for trained matmuls): the draft layer on every
+    token of every unrolled step, the draft lm_head on the rows in each step's loss (loss_rows), which is all draftline
+    computes it on; the straightforward step's lm_head over every other row is not counted as useful."""
     h, i, v, vd, t, k = sizes["hidden"], sizes["intermediate"], sizes["vocab"], sizes["draft_vocab"], sizes["seq"], sizes["steps"]
+    tokens = sizes["rows"] * t
     hd = h // sizes["heads"]
     q, kv = sizes["heads"] * hd, sizes["kv_heads"] * hd
-    per_step = 2 * (2 * h * (q + 2 * kv) + q * h + 3 * h * i + h * vd)
+    layer = 2 * (2 * h * (q + 2 * kv) + q * h + 3 * h * i)
     attention = 2 * 2 * q * (t / 2)  # causal QK^T and PV, half the keys on average
     fc = 2 * 3 * h * h  # its input (the target's states) needs no gradient: forward + weight gradient only
     target = 2 * h * v  # the target's lm_head, forward only
-    return 2 * fc + 3 * k * (per_step + attention) + target
+    return tokens * (2 * fc + 3 * k * (layer + attention) + target) + 3 * 2 * h * vd * sum(loss_rows)
 
 
 def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, threads: int, queue,
@@ -135,8 +158,8 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
     device = torch.device(device_kind)
     if device.type == "cpu":
         torch.set_num_threads(threads)
-    model, lm_head = build(sizes, device)
     b = batch(sizes, device)
+    model, lm_head = build(sizes, device, b["last"])
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -187,8 +210,18 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
         queue.put({"impl": name, "ok": False, "error": f"out of memory: {str(exc).splitlines()[0]}"})
 
 
+KERNEL_KINDS = (("flex attention", ("flex_attention",)), ("matmul", ("nvjet", "gemm", "cutlass", "sm90_xmma")),
+                ("compiled elementwise (inductor)", ("triton_",)), ("optimizer", ("multi_tensor_apply",)),
+                ("copies and casts", ("copy", "Memcpy", "Memset")))
+
+
 def write_profile(step, sync, iters: int, path: Path) -> None:
-    """Profile `iters` steps with torch.profiler and write the kernels' table, most device time first."""
+    """Profile `iters` steps with torch.profiler: the kernels' table (most device time first), a per-step summary
+    of device-busy time against wall time by kind of kernel, and a Chrome trace (PATH.trace.json.gz)."""
+    import gzip
+    import shutil as sh
+
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -202,10 +235,29 @@ def write_profile(step, sync, iters: int, path: Path) -> None:
     key = "self_cpu_time_total"
     if torch.cuda.is_available():
         key = next((k for k in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], k)), key)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans, busy, by_kind = sorted((e.time_range.start, e.time_range.end) for e in kernels), 0.0, {}
+    end = float("-inf")
+    for a, b in spans:  # the union of kernel intervals: time the device was doing anything
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    for e in kernels:
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in e.name for m in marks)), "other elementwise and reductions")
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.time_range.elapsed_us()
+    lines = [f"{iters} steps, {wall / iters * 1e3:.1f} ms a step (wall, under the profiler); device busy "
+             f"{busy / iters / 1e3:.1f} ms a step, idle {(wall * 1e6 - busy) / iters / 1e3:.1f} ms"]
+    lines += [f"  {kind:<34} {us / iters / 1e3:8.1f} ms a step" for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{iters} steps, {wall / iters * 1e3:.1f} ms a step (wall, under the profiler); sorted by {key}\n"
+    path.write_text("\n".join(lines) + f"\nsorted by {key}\n"
                     + events.table(sort_by=key, row_limit=80, max_name_column_width=90) + "\n")
-    print(f"wrote {path}")
+    trace = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        sh.copyfileobj(src, dst)
+    trace.unlink()
+    print("\n".join(lines))
+    print(f"wrote {path} and {trace}.gz")
 
 
 def measured_peak_tflops(device: torch.device) -> float:
@@ -278,17 +330,24 @@ def main() -> int:
 
     if args.profile:
         return 0 if results["draftline"]["ok"] else 1
-    flops = matmul_flops_per_token(sizes)
+    b = batch(sizes, device)  # the same batch and vocabulary as each implementation's process
+    model, lm_head = build(sizes, device, b["last"])
+    loss_rows = loss_rows_per_step(model, lm_head, b, sizes["steps"])
+    del b, model, lm_head
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    flops = matmul_flops_per_step(sizes, loss_rows)
     for r in results.values():
         if r["ok"]:
-            r["tflops"] = r["tokens_per_s"] * flops / 1e12
+            r["tflops"] = flops / r["step_s"] / 1e12
             r["mfu"] = r["tflops"] / peak
     ours, plain = results["draftline"], results["straightforward"]
     hw = hardware_name(device)
     summary = {
         "benchmark": "train", "hardware": hw, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
         "torch": torch.__version__, "sizes": sizes, "iters": iters, "measured_peak_tflops": peak,
-        "matmul_flops_per_token": flops, "results": results,
+        "matmul_flops_per_step": flops, "loss_rows_per_step": loss_rows,
+        "loss_rows_fraction": sum(loss_rows) / (sizes["rows"] * sizes["seq"] * sizes["steps"]), "results": results,
         "train_mfu": ours.get("mfu"),
         "train_tokens_per_s": ours.get("tokens_per_s"),
         "peak_memory_ratio_vs_straightforward": (ours["peak_memory_bytes"] / plain["peak_memory_bytes"]

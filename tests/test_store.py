@@ -171,6 +171,24 @@ def test_large_chunked_write_flushed_early_is_byte_exact(tmp_path, monkeypatch, 
     assert flushes, "no flush was started before the final fsync"
 
 
+def test_chunks_made_on_the_fly_hash_the_same_on_the_side_and_inline(tmp_path, monkeypatch):
+    """Chunks a generator makes one by one (more of them than the side hash queues) give the same bytes and sha256
+    whether the hash runs beside the writes or between them: the side thread must hash what was written, in order."""
+    import draftline.store as store_module
+
+    def chunks():
+        for i in range(200):
+            yield bytes([i % 251]) * (1000 + 37 * i)  # each freshly made, referenced nowhere else
+
+    expected = b"".join(chunks())
+    local = LocalStore(str(tmp_path / "runs"))
+    side = local.put_chunks("run/side.bin", chunks())
+    monkeypatch.setattr(store_module, "HASH_ON_THE_SIDE", False)
+    inline = local.put_chunks("run/inline.bin", chunks())
+    assert side.sha256 == inline.sha256 == hashlib.sha256(expected).hexdigest()
+    assert local.get_bytes("run/side.bin") == expected
+
+
 def test_a_failing_early_flush_fails_the_write_and_leaves_nothing(tmp_path, monkeypatch, big_file):
     """A disk that fails under the background flush (full, gone) fails the publish; the previous object stays."""
     import errno
