@@ -297,6 +297,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="override a size, e.g. rows=1")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (oversubscribed OpenMP crawls on a shared box)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train-<hw>.json)")
+    parser.add_argument("--impls", default=None, metavar="A,B",
+                        help="only these implementations (a quick look; the JSON's ratios need draftline and straightforward)")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="instead of timing: profile draftline's step and write the kernel table to PATH")
     args = parser.parse_args()
@@ -319,6 +321,8 @@ def main() -> int:
     impls = ("draftline", "straightforward") + (("draftline-per-step-keys",) if device.type == "cuda" else ())
     if args.profile:
         impls = ("draftline",)
+    elif args.impls:
+        impls = tuple(args.impls.split(","))
     for impl in impls:
         queue = ctx.Queue()
         proc = ctx.Process(target=run_impl, args=(impl, sizes, device.type, iters, warmup, args.threads, queue,
@@ -341,7 +345,8 @@ def main() -> int:
         if r["ok"]:
             r["tflops"] = flops / r["step_s"] / 1e12
             r["mfu"] = r["tflops"] / peak
-    ours, plain = results["draftline"], results["straightforward"]
+    missing = {"ok": False, "error": "not run (--impls)"}
+    ours, plain = results.get("draftline", missing), results.get("straightforward", missing)
     hw = hardware_name(device)
     summary = {
         "benchmark": "train", "hardware": hw, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),

@@ -330,3 +330,17 @@ def test_every_step_of_an_unroll_calls_flex_attention_with_one_shape(monkeypatch
         list(ttt.unroll(batch["input_ids"], batch["doc_ids"], batch["position_ids"], batch["aux"]))
     assert len(shapes) == 4 and len(set(shapes)) == 1
     assert shapes[0][1][2] == 4 * batch["input_ids"].shape[1]  # keys of all four steps, the later ones blank
+
+
+def test_bf16_training_holds_the_frozen_embeddings_in_bf16_with_the_values_it_reads():
+    """Training in bf16 keeps the target's frozen embedding table in bf16 (half the memory of fp32): the values are
+    those the fp32 table gave after the cast every lookup made, and the trained parameters stay fp32."""
+    m = drafter()
+    before = m.embed_tokens.weight.detach().clone()
+    TTTModel(m, torch.randn(TARGET["vocab_size"], TARGET["hidden_size"]), 2, 16, "eager", torch.bfloat16)
+    assert m.embed_tokens.weight.dtype == torch.bfloat16 and not m.embed_tokens.weight.requires_grad
+    assert torch.equal(m.embed_tokens.weight, before.to(torch.bfloat16))
+    assert {p.dtype for p in m.parameters() if p.requires_grad} == {torch.float32}
+    fp32 = drafter()
+    TTTModel(fp32, torch.randn(TARGET["vocab_size"], TARGET["hidden_size"]), 2, 16, "eager", torch.float32)
+    assert fp32.embed_tokens.weight.dtype == torch.float32

@@ -141,18 +141,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 like Llama so bf16 runs match the engines' kernels closely.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Llama's RMSNorm, normalised in fp32 so bf16 runs match the engines' kernels closely. out_dtype: the dtype
+    of the matmul it feeds, cast here (the same values that matmul's own cast would give) so that, compiled, the
+    kernel writes half the bytes and the gradients coming back need no cast per consumer."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    y = weight * x.to(dtype)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def norm_pair_cat(embeds: torch.Tensor, hidden: torch.Tensor, w_embeds: torch.Tensor, w_hidden: torch.Tensor,
-                  eps: float) -> torch.Tensor:
+                  eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The attention input: [norm(embeds), norm(hidden)] along the last dimension."""
-    return torch.cat([rms_norm(embeds, w_embeds, eps), rms_norm(hidden, w_hidden, eps)], dim=-1)
+    return torch.cat([rms_norm(embeds, w_embeds, eps, out_dtype), rms_norm(hidden, w_hidden, eps, out_dtype)], dim=-1)
 
 
 def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -172,7 +175,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        return (rms_norm_fused if fused else rms_norm)(x, self.weight, self.eps)
+        """fused (training): compiled on CUDA, and the output already in the matmul dtype it feeds."""
+        if fused:
+            return rms_norm_fused(x, self.weight, self.eps, matmul_dtype(x))
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -243,8 +249,10 @@ class DecoderLayer(nn.Module):
         return q, k, v
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        return (norm_pair_cat_fused if fused else norm_pair_cat)(
-            embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, self.cfg.rms_norm_eps)
+        args = (embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, self.cfg.rms_norm_eps)
+        if fused:
+            return norm_pair_cat_fused(*args, matmul_dtype(hidden))
+        return norm_pair_cat(*args)
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """attn [B, nh, T, hd] -> the new residual stream [B, T, H]; the residual is the incoming hidden."""
