@@ -163,9 +163,11 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    ttt = TTTModel(model, lm_head, sizes["steps"], sizes["chunk"], "flex" if device.type == "cuda" else "eager",
-                   torch.bfloat16 if device.type == "cuda" else torch.float32,
-                   one_key_shape=name != "draftline-per-step-keys")
+    ttt = None  # the straightforward step keeps the model as built (fp32 frozen embeddings included)
+    if name.startswith("draftline"):
+        ttt = TTTModel(model, lm_head, sizes["steps"], sizes["chunk"], "flex" if device.type == "cuda" else "eager",
+                       torch.bfloat16 if device.type == "cuda" else torch.float32,
+                       one_key_shape=name != "draftline-per-step-keys")
     weights = torch.tensor([0.8 ** j for j in range(sizes["steps"])], device=device)
 
     def step() -> float:

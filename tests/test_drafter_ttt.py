@@ -257,7 +257,7 @@ def test_flex_attention_block_mask_spans_several_blocks_with_packed_sequences_an
 
 def test_rows_mostly_padding_cost_no_attention_between_padding_blocks():
     """Training pads batches to one length (compiled flex attention recompiles per shape): padding must stay cheap."""
-    from draftline.drafter.ttt import ttt_block_mask, ttt_mask_mod
+    from draftline.drafter.ttt import ttt_block_masks
 
     torch.manual_seed(0)
     r, t = 2, 512  # four blocks of 128; row 1 holds 100 real tokens, then three blocks of padding only
@@ -266,7 +266,7 @@ def test_rows_mostly_padding_cost_no_attention_between_padding_blocks():
     doc[0, :300], doc[0, 300:450], doc[1, :100] = 0, 1, 0
     torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc), ttt_attention_eager(q, ks, vs, doc),
                                atol=1e-4, rtol=1e-4)
-    mask = ttt_block_mask(doc, 1, ttt_mask_mod(doc))
+    mask = ttt_block_masks(doc, 1)[0]
     step0 = mask.kv_num_blocks[1, 0] + mask.full_kv_num_blocks[1, 0]
     assert step0.tolist() == [1, 1, 1, 1]  # each block of row 1 meets only its own diagonal block
 

@@ -158,14 +158,17 @@ def norm_pair_cat(embeds: torch.Tensor, hidden: torch.Tensor, w_embeds: torch.Te
     return torch.cat([rms_norm(embeds, w_embeds, eps, out_dtype), rms_norm(hidden, w_hidden, eps, out_dtype)], dim=-1)
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def rope_qk(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, theta: float):
+    """Rotary on q and k at position_ids, the angles computed in the same pass (compiled: one kernel, where eager
+    PyTorch launches a dozen small ones per TTT step for the angles alone)."""
+    cos, sin = rope_cos_sin(position_ids, q.shape[-1], theta, q.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 silu_mul_fused = compiled_on_device(silu_mul)
 rms_norm_fused = compiled_on_device(rms_norm)
 norm_pair_cat_fused = compiled_on_device(norm_pair_cat)
-apply_rope_qk_fused = compiled_on_device(apply_rope_qk)
+rope_qk_fused = compiled_on_device(rope_qk)
 
 
 class RMSNorm(nn.Module):
@@ -244,8 +247,7 @@ class DecoderLayer(nn.Module):
         q = self.self_attn.q_proj(to_q).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = self.self_attn.k_proj(to_k).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = self.self_attn.v_proj(to_v).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, q.dtype)
-        q, k = (apply_rope_qk_fused if fused else apply_rope_qk)(q, k, cos, sin)
+        q, k = (rope_qk_fused if fused else rope_qk)(q, k, position_ids, cfg.rope_theta)
         return q, k, v
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor, fused: bool = False) -> torch.Tensor:

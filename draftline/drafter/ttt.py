@@ -1,6 +1,8 @@
 """The training-time-test graph: k unrolled draft steps, their causal-plus-diagonal attention, and the chunked soft loss."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -9,12 +11,12 @@ from draftline.drafter.model import Eagle3Drafter, compiled_on_device, recompute
 
 # ---- training-time-test attention ----------------------------------------------------------------------------
 def ttt_attention_eager(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor,
-                        total_steps: int | None = None) -> torch.Tensor:
+                        total_steps: int | None = None, block_mask=None) -> torch.Tensor:
     """Step j's queries over step-0 keys (causal, same sequence) and the diagonal key of each later step.
 
     q [R, nh, T, hd]; ks/vs: one [R, nkv, T, hd] per step so far; doc_ids [R, T], -1 for padding, which attends
     to itself only (so a batch padded to a fixed length costs no attention between padding). Exact, O(T^2) memory.
-    total_steps (the unroll's length) matters only to the flex version's shapes.
+    total_steps (the unroll's length) and block_mask matter only to the flex version.
     """
     groups = q.shape[1] // ks[0].shape[1]
     t = q.shape[2]
@@ -33,59 +35,68 @@ def ttt_attention_eager(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
     return out
 
 
-_FLEX = None
-
-
-def ttt_block_mask(doc_ids: torch.Tensor, steps: int, mask_mod, block: int = 128, key_steps: int | None = None):
-    """The flex BlockMask of the TTT mask over `steps` key blocks of length T, built from block-level doc ranges.
+def ttt_block_masks(doc_ids: torch.Tensor, key_steps: int, runs: Iterable[int] | None = None, block: int = 128) -> list:
+    """The flex BlockMasks of the TTT mask for unrolls of each length in `runs` (default 1..key_steps), over keys of
+    key_steps steps of length T (those of steps past a run's length left out), built from block-level doc ranges.
 
     create_block_mask would evaluate mask_mod densely over [R, T, steps*T] under vmap at every step, which costs
     milliseconds of host time per call while the GPU waits. Here: a query block meets a step-0 key block when it is
     not in the future and their doc-id ranges overlap (a superset of the blocks with an allowed pair, which is all
     correctness needs: mask_mod still decides each element) or is its diagonal block; a block is full (mask_mod
     skipped) only when it lies strictly below the diagonal and both blocks hold one and the same doc id and no
-    padding. Each later step adds the one or two key blocks holding its diagonal. key_steps (>= steps): the keys
-    span that many steps, the ones past `steps` left out entirely.
+    padding. Each later step adds the one or two key blocks holding its diagonal. All runs share that work and are
+    built by one batch of device ops: in training the host issues them while the device computes, instead of
+    issuing a few dozen small kernels per step while the device waits.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
+    runs = list(runs) if runs is not None else list(range(1, key_steps + 1))
+    if not runs or min(runs) < 1 or max(runs) > key_steps:
+        raise ValueError(f"runs {runs} must lie in 1..key_steps={key_steps}")
+    dev = doc_ids.device
     r, t = doc_ids.shape
-    kv_steps = max(steps, key_steps or steps)
-    n_q, n_kv = -(-t // block), -(-kv_steps * t // block)
+    n_q, n_kv = -(-t // block), -(-key_steps * t // block)
     # Doc-id ranges over each block's real positions (padding, -1, and the tail past T left out): a block of
     # padding only has an empty range (lo > hi) and meets no other block; its diagonal block is always kept.
     padded = torch.cat([doc_ids, doc_ids.new_full((r, n_q * block - t), -1)], dim=1).view(r, n_q, block)
     real = padded >= 0
     lo = torch.where(real, padded, torch.iinfo(padded.dtype).max).amin(-1)  # [R, n_q]
     hi = padded.amax(-1)
-    qb = torch.arange(n_q, device=doc_ids.device)
+    qb = torch.arange(n_q, device=dev)
     past = qb[None, :] <= qb[:, None]  # [query block, key block]
     diagonal = qb[None, :] == qb[:, None]
     overlap = ((lo[:, :, None] <= hi[:, None, :]) & (hi[:, :, None] >= lo[:, None, :]) & past) | diagonal
     pure = real.all(-1) & (lo == hi)  # one doc, no padding
     full = (pure[:, :, None] & pure[:, None, :] & (lo[:, :, None] == lo[:, None, :])
             & (qb[None, :] < qb[:, None]))
-    partial = torch.zeros(r, n_q, n_kv, dtype=torch.bool, device=doc_ids.device)
-    partial[:, :, :n_q] = overlap & ~full
-    if steps > 1:  # step i's diagonal for query block q: the key blocks of its first and last query, shifted by i*T
-        offsets = torch.arange(1, steps, device=doc_ids.device)[:, None] * t
+    base = torch.zeros(r, n_q, n_kv, dtype=torch.bool, device=dev)
+    base[:, :, :n_q] = overlap & ~full
+    full_kv = torch.zeros_like(base)
+    full_kv[:, :, :n_q] = full
+    longest = max(runs)
+    later = torch.zeros(longest, n_q, n_kv, dtype=torch.bool, device=dev)  # [i]: step i's diagonal key blocks
+    if longest > 1:  # for query block q: the key blocks of its first and last query, shifted by i*T
+        steps = torch.arange(1, longest, device=dev)[:, None]
         first, last = qb * block, (qb * block + block).clamp(max=t) - 1
         # Indices and value on the device: a host-built index or a Python True is copied over with a wait for the
         # device, and the device then idles while the host launches the next small kernels.
-        present = torch.ones((), dtype=torch.bool, device=doc_ids.device)
+        present = torch.ones((), dtype=torch.bool, device=dev)
         for pos in (first, last):
-            partial[:, qb.expand_as(offsets + pos).reshape(-1), ((offsets + pos) // block).reshape(-1)] = present
-    full_kv = torch.zeros_like(partial)
-    full_kv[:, :, :n_q] = full
+            later[steps.expand(-1, n_q), qb.expand(longest - 1, -1), (steps * t + pos) // block] = present
+    upto = later.cumsum(0, dtype=torch.int32) > 0  # [i]: the diagonal blocks of steps 1..i
+    index = torch.tensor([n - 1 for n in runs], device=dev) if len(runs) > 1 else None
+    partial = base[None] | (upto[index] if index is not None else upto[runs[0] - 1][None])[:, None]
 
     def ordered(dense):  # (count per query block, key-block indices with the present ones first, ascending)
         order = torch.sort((~dense).to(torch.int16), dim=-1, stable=True).indices
-        return dense.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+        return dense.sum(-1, dtype=torch.int32).unsqueeze(-2), order.to(torch.int32).unsqueeze(-3)
 
-    num, idx = ordered(partial)
+    num, idx = ordered(partial)  # [runs, R, 1, n_q], [runs, R, 1, n_q, n_kv]
     full_num, full_idx = ordered(full_kv)
-    return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(t, kv_steps * t))
+    return [BlockMask.from_kv_blocks(num[i], idx[i], full_num, full_idx, BLOCK_SIZE=block,
+                                     mask_mod=ttt_mask_mod(doc_ids, torch.full((), n, device=dev)),
+                                     seq_lengths=(t, key_steps * t))
+            for i, n in enumerate(runs)]
 
 
 def ttt_mask_mod(doc_ids: torch.Tensor, steps: torch.Tensor | None = None):
@@ -110,12 +121,13 @@ _FLEX = None
 
 
 def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor,
-                       total_steps: int | None = None) -> torch.Tensor:
+                       total_steps: int | None = None, block_mask=None) -> torch.Tensor:
     """The same attention as ttt_attention_eager through compiled flex attention: only unmasked blocks are computed.
 
     With total_steps, the keys of steps not run yet are zeros that the block mask leaves out, so every step of the
     unroll has one shape. Compiled flex attention recompiles for every new key length and gives up after
-    torch._dynamo's recompile limit (8): with k = 7, training and validation alone would need 14 variants."""
+    torch._dynamo's recompile limit (8): with k = 7, training and validation alone would need 14 variants.
+    block_mask: this step's, from ttt_block_masks (built here when not given)."""
     global _FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -126,8 +138,8 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     if total > run:
         blank = torch.zeros_like(ks[0])
         ks, vs = ks + [blank] * (total - run), vs + [blank] * (total - run)
-    steps = torch.full((), run, device=doc_ids.device)  # filled on the device: torch.tensor would copy and wait
-    block_mask = ttt_block_mask(doc_ids, run, ttt_mask_mod(doc_ids, steps), key_steps=total)
+    if block_mask is None:
+        block_mask = ttt_block_masks(doc_ids, total, [run])[0]
     groups = q.shape[1] // ks[0].shape[1]
     # Batches still differ in rows (packing) and in grad mode (validation): a few more variants than dynamo's
     # default limit of 8 allows; past the limit it silently falls back to unfused flex attention, far slower.
@@ -233,6 +245,9 @@ class TTTModel(nn.Module):
         """
         m = self.drafter
         t = input_ids.shape[1]
+        # Every step's block mask up front, in one batch of device ops queued behind the work already issued.
+        masks = (ttt_block_masks(doc_ids, self.steps)
+                 if self.attention is ttt_attention_flex and self.one_key_shape else [None] * self.steps)
         hidden = m.fc(aux.to(self.compute_dtype))
         ks, vs = [], []
         for j in range(self.steps):
@@ -242,7 +257,7 @@ class TTTModel(nn.Module):
             q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, position_ids + j, fused=True)
             ks.append(k)
             vs.append(v)
-            attn = self.attention(q, ks, vs, doc_ids, self.steps if self.one_key_shape else None)
+            attn = self.attention(q, ks, vs, doc_ids, self.steps if self.one_key_shape else None, masks[j])
             hidden = m.midlayer.finish(hidden, attn, fused=True)
             yield hidden
 
@@ -254,21 +269,21 @@ class TTTModel(nn.Module):
         Slot t at step j predicts token t+2+j from the target's distribution at t+1+j, inside one sequence.
         """
         r, t = loss_mask.shape
-        lossable = torch.zeros(self.steps, r, t, dtype=torch.bool, device=loss_mask.device)
-        target_in_vocab = torch.zeros_like(lossable)
-        in_vocab = in_vocab.view(r, t)
-        for j in range(self.steps):
-            shift = 1 + j
-            if t > shift + 1:
-                lossable[j, :, : t - shift - 1] = ((doc_ids[:, shift + 1:] == doc_ids[:, : t - shift - 1])
-                                                   & (doc_ids[:, : t - shift - 1] >= 0) & loss_mask[:, shift + 1:])
-            if t > shift:
-                target_in_vocab[j, :, : t - shift] = in_vocab[:, shift:]
-        kept = (lossable & target_in_vocab).view(self.steps, r * t)
+        k = self.steps
+
+        def ahead(x, fill, first):  # [k, R, T]: x[:, s + first + j] at step j, `fill` past the end (views of one cat)
+            windows = torch.cat([x, x.new_full((r, k + 2), fill)], dim=1).unfold(1, t, 1)
+            return windows[:, first:first + k].transpose(0, 1)
+
+        # Step j (shift 1 + j): slot s is lossable when the token it predicts, at s + shift + 1, is in the loss and
+        # in the same sequence; its target, read at s + shift, must lie in the draft vocabulary.
+        lossable = ((ahead(doc_ids, -1, 2) == doc_ids) & (doc_ids >= 0) & ahead(loss_mask, False, 2))
+        target_in_vocab = ahead(in_vocab.view(r, t), False, 1)
+        kept = (lossable & target_in_vocab).reshape(k, r * t)
         slot = kept.nonzero()[:, 1]  # step-major, ascending slots within a step
         counts = kept.sum(1)
         slots = slot.split(counts.tolist())
-        return [(rows, rows + 1 + j) for j, rows in enumerate(slots)], counts, lossable.view(self.steps, -1).sum(1)
+        return [(rows, rows + 1 + j) for j, rows in enumerate(slots)], counts, lossable.reshape(k, -1).sum(1)
 
     def loss_input(self, hidden, rows):
         """The final norm of the rows that enter the loss, in the compute dtype [n, H]."""
