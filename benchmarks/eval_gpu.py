@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,9 @@ def parse_args(argv=None):
                    help="at least this many requests at each concurrency (prompts repeat; default: each prompt once)")
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                    help="which engine serves the saved target and drafter (its own export under drafter/)")
+    p.add_argument("--speculative-args", default="", metavar="WORDS",
+                   help="given to the EAGLE-3 server only, after --extra-args (shell words), e.g. "
+                        "'--disable-overlap-schedule' for SGLang, which speeds its EAGLE-3 and slows its baseline")
     p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=None,
                    help="passed to the engine's server (vllm default on cuda: --gpu-memory-utilization 0.5, vLLM's "
                         "compile and CUDA graphs on, as served; on cpu also --enforce-eager. sglang default: "
@@ -116,7 +120,8 @@ def main(argv=None) -> dict:
 
     engine = EngineConfig(engine=args.engine, num_speculative_tokens=args.k, concurrency=args.concurrency,
                           requests_per_point=args.requests_per_point,
-                          max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args, require_gpu=args.device == "cuda",
+                          max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args,
+                          speculative_extra_args=shlex.split(args.speculative_args), require_gpu=args.device == "cuda",
                           retries=1, ready_timeout_s=420,
                           env={} if args.device == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1"})
     eval_cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
@@ -137,7 +142,7 @@ def main(argv=None) -> dict:
         "benchmark": "eval", "engine": args.engine, "engine_version": result.engine_version, "hardware": result.hardware,
         "target": "demo-llama inflated to 1.04B (draftline.demo.inflate)", "k": args.k,
         "prompts": Path(args.prompts).name, "num_prompts": result.num_prompts, "max_new_tokens": args.max_new_tokens,
-        "extra_args": args.extra_args,
+        "extra_args": args.extra_args, "speculative_args": shlex.split(args.speculative_args),
         **{f"speedup_c{c}": p.speedup for c, p in points.items()},
         "parity": result.parity.value if result.parity else None,
         f"tau_{args.engine}_c1": tau, "tau_reference": reference["mean_acceptance_length"],

@@ -7,6 +7,7 @@
 # and evidence-ENGINE.tar.gz (the EvalResult, the engine's raw answers, the server logs). SERVER_ARGs replace eval_gpu.py's default server arguments.
 # Run `python3 benchmarks/eval_gpu.py SAVED --reference-only` first, without the site on PYTHONPATH: SGLang's site
 # shadows the machine's transformers with its pinned 5.8.1, and the reference decoder should not run on that.
+# SPECULATIVE_ARGS (shell words) go to the EAGLE-3 server only, e.g. SGLang's --disable-overlap-schedule.
 # With EVAL_FALLBACK_ARGS set, a failed evaluation is run once more with those arguments added (e.g. SGLang with
 # CUDA graphs off), into eval-ENGINE-fallback.json, as long as EVAL_DEADLINE_S (default 560 s) leaves time.
 set -uo pipefail
@@ -47,7 +48,7 @@ run_eval() {  # run_eval OUT_JSON [SERVER_ARG ...]
     return 124
   fi
   timeout "$left" python3 "$root/benchmarks/eval_gpu.py" "$saved" --engine "$engine" --out "$json" \
-    ${1:+--extra-args "$@"}
+    ${SPECULATIVE_ARGS:+--speculative-args "$SPECULATIVE_ARGS"} ${1:+--extra-args "$@"}
 }
 
 run_eval "$out/eval-$engine.json" "$@"

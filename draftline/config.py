@@ -168,7 +168,10 @@ class EngineConfig(Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int = Field(2048, ge=16)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    extra_args: list[str] = []
+    extra_args: list[str] = []  # given to both servers, baseline and EAGLE-3
+    # Given to the EAGLE-3 server only, after extra_args: for settings that help one and hurt the other, e.g.
+    # SGLang's --disable-overlap-schedule (benchmarks/RESULTS.md: EAGLE-3 faster, the baseline far slower).
+    speculative_extra_args: list[str] = []
     env: dict[str, str] = {}
     require_gpu: bool = False
     # Supervision of the flaky model load.
@@ -178,6 +181,10 @@ class EngineConfig(Strict):
     first_request_timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(2, ge=0)
     retry_backoff_s: float = Field(5.0, ge=0)
+
+    def server_args(self, speculative: bool) -> list[str]:
+        """The arguments added to an engine server's own: extra_args, then for EAGLE-3 speculative_extra_args."""
+        return list(self.extra_args) + (list(self.speculative_extra_args) if speculative else [])
 
     @field_validator("concurrency")
     @classmethod

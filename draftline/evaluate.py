@@ -82,6 +82,8 @@ class EvalResult(BaseModel):
     num_prompts: int = 0
     sampling: dict[str, Any] = {}
     num_speculative_tokens: int
+    server_args: list[str] = []  # the arguments given to both servers beyond draftline's own
+    speculative_server_args: list[str] = []  # and to the EAGLE-3 server only
     points: list[ConcurrencyPoint] = []
     acceptance: Acceptance | None = None  # over all concurrency levels
     parity: Parity | None = None
@@ -321,7 +323,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=prompts_path.name,
         prompt_set_sha256=_sha256(prompts_path), num_prompts=len(prompts),
         sampling={"temperature": eval_cfg.temperature, "max_new_tokens": eval_cfg.max_new_tokens},
-        num_speculative_tokens=cfg.num_speculative_tokens, started_at=_now(),
+        num_speculative_tokens=cfg.num_speculative_tokens, server_args=list(cfg.extra_args),
+        speculative_server_args=list(cfg.speculative_extra_args), started_at=_now(),
     )
     try:
         facts = preflight(cfg, target_dir, drafter_dir)
@@ -395,7 +398,26 @@ def slowdown_findings(r: EvalResult) -> list[str]:
             parts.append(f"a verification step (TPOT x acceptance length = {s_tpot * tau * 1e3:.2f} ms for "
                          f"{tau:.2f} tokens) takes {s_tpot * tau / b_tpot:.1f} baseline steps ({b_tpot * 1e3:.2f} ms)")
         out.append("; ".join(parts) + ".")
+    if r.engine == "sglang":
+        out += sglang_overlap_finding(r)
     return out
+
+
+def sglang_overlap_finding(r: EvalResult) -> list[str]:
+    """What the H200 runs of session 6 showed about SGLang's overlap scheduler, when this run's arguments ignore it."""
+    seen = ("On an H200 with a 1B target, EAGLE-3 ran 1.18x faster without it (492 to 582 tokens/s at concurrency 1) "
+            "and the baseline 1.7x faster with it (797 against 468 tokens/s; benchmarks/RESULTS.md)")
+    if SGLANG_NO_OVERLAP in r.server_args:
+        return [f"Both SGLang servers ran with {SGLANG_NO_OVERLAP}, so the baseline lost its overlap scheduler too. "
+                f"{seen}: these speedups are against a slowed baseline; give the flag to the EAGLE-3 server only "
+                "(speculative_extra_args)."]
+    if SGLANG_NO_OVERLAP not in r.speculative_server_args:
+        return [f"SGLang ran EAGLE-3 under its overlap scheduler (its default). {seen}: give {SGLANG_NO_OVERLAP} "
+                "to the EAGLE-3 server only (speculative_extra_args)."]
+    return []
+
+
+SGLANG_NO_OVERLAP = "--disable-overlap-schedule"
 
 
 def report_markdown(results: list[EvalResult]) -> str:

@@ -143,6 +143,16 @@ def test_sglang_contract_not_run_against_sglang_command_line_uses_eagle3_chain_d
     assert not any(a.startswith("--speculative") for a in baseline)
 
 
+def test_sglang_contract_not_run_against_sglang_speculative_only_arguments_reach_the_eagle3_server_only(tmp_path):
+    """--disable-overlap-schedule speeds SGLang's EAGLE-3 and slows its baseline: it must be settable for one only."""
+    cfg = EngineConfig(engine="sglang", extra_args=["--mem-fraction-static", "0.8"],
+                       speculative_extra_args=["--disable-overlap-schedule"])
+    eagle = command(cfg, tmp_path / "t", tmp_path / "d", "target", 30000)
+    baseline = command(cfg, tmp_path / "t", None, "target", 30000)
+    assert eagle[-3:] == ["--mem-fraction-static", "0.8", "--disable-overlap-schedule"]
+    assert baseline[-2:] == ["--mem-fraction-static", "0.8"] and "--disable-overlap-schedule" not in baseline
+
+
 def _documented_stream(final_meta: dict, pieces: list[str]) -> bytes:
     """SGLang's /generate stream: `data: {json}` events with cumulative text (incremental_streaming_output is off by
     default), then `data: [DONE]`."""

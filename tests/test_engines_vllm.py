@@ -66,6 +66,10 @@ def test_command_line_carries_the_eval_config_and_an_eagle3_speculative_config(t
         "method": "eagle3", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 5}
     assert argv[-1] == "--enforce-eager"
     assert "--speculative-config" not in command(cfg, tmp_path / "target", None, "tgt", 8123)
+    only_eagle = cfg.model_copy(update={"speculative_extra_args": ["--max-num-seqs", "8"]})
+    assert command(only_eagle, tmp_path / "target", tmp_path / "drafter", "tgt", 8123)[-3:] == [
+        "--enforce-eager", "--max-num-seqs", "8"]
+    assert "--max-num-seqs" not in command(only_eagle, tmp_path / "target", None, "tgt", 8123)
 
 
 # ---------------------------------------------------------------------------------------------- preflight

@@ -58,7 +58,7 @@ def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, serve
         argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_dir),
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(k + 1)]
-    return argv + list(cfg.extra_args)
+    return argv + cfg.server_args(speculative=drafter_dir is not None)
 
 
 def chat_text(tokenizer, messages: list[dict]) -> str:

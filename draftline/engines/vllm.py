@@ -101,7 +101,7 @@ def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, serve
     ]
     if drafter_dir is not None:
         argv += ["--speculative-config", json.dumps(speculative_config(cfg, drafter_dir))]
-    return argv + list(cfg.extra_args)
+    return argv + cfg.server_args(speculative=drafter_dir is not None)
 
 
 def _first_completion(served_name: str):
