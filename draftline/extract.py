@@ -1,6 +1,7 @@
 """Traces → hidden-state shards: one hooked forward per length-bucketed batch, bf16 capture, overlapped copies and writes."""
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -205,6 +206,9 @@ class HiddenStateExtractor:
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
         self.host_pool = HostBufferPool(pinned=self._cuda)
+        # Batches issued to the device and not finished, at most max_queued_batches (see _pace).
+        self.max_queued_batches = 2
+        self._queued: collections.deque[torch.cuda.Event] = collections.deque()
 
     @property
     def bytes_per_token(self) -> int:
@@ -250,8 +254,20 @@ class HiddenStateExtractor:
             host.copied.record(self._copy_stream)  # the copy stream runs in order: this covers every block
         return host
 
+    def _pace(self) -> None:
+        """Wait, without the GIL, until fewer than max_queued_batches batches are queued on the device.
+
+        Unpaced, this thread runs ahead of the device until CUDA's launch queue is full and then blocks inside a
+        kernel launch while holding the GIL, which starves the shard writers (their hashing and writes need it
+        between buffers). An event wait releases the GIL, and one batch queued keeps the device busy meanwhile.
+        """
+        while len(self._queued) >= self.max_queued_batches:
+            self._queued.popleft().synchronize()
+
     @torch.inference_mode()
     def _extract_batch(self, sequences: list[list[int]], batch: list[int], host: HostShard, batch_tokens: int) -> None:
+        if self._cuda:
+            self._pace()
         h = self.hidden_size
         lengths = [len(sequences[i]) for i in batch]
         width, n_tok = max(lengths), sum(lengths)
@@ -286,6 +302,9 @@ class HiddenStateExtractor:
         with capture_hidden_states(self.model, self.aux_layer_ids, sink):
             self.decoder(input_ids=ids, use_cache=False)
         if self._cuda:
+            issued = torch.cuda.Event()
+            issued.record(torch.cuda.current_stream(self.device))
+            self._queued.append(issued)
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
                 # Whole contiguous tensors into contiguous pinned memory: one DMA each, at full bandwidth.
