@@ -84,8 +84,8 @@ def ttt_block_masks(doc_ids: torch.Tensor, key_steps: int, runs: Iterable[int] |
         for pos in (first, last):
             later[steps.expand(-1, n_q), qb.expand(longest - 1, -1), (steps * t + pos) // block] = present
     upto = later.cumsum(0, dtype=torch.int32) > 0  # [i]: the diagonal blocks of steps 1..i
-    index = torch.tensor([n - 1 for n in runs], device=dev) if len(runs) > 1 else None
-    partial = base[None] | (upto[index] if index is not None else upto[runs[0] - 1][None])[:, None]
+    # Python ints pick views: a host-built index tensor would be copied over with a wait for the device.
+    partial = base[None] | torch.stack([upto[n - 1] for n in runs])[:, None]
 
     def ordered(dense):  # (count per query block, key-block indices with the present ones first, ascending)
         order = torch.sort((~dense).to(torch.int16), dim=-1, stable=True).indices
