@@ -1,7 +1,10 @@
 """Hidden-state extraction speed: matmul peak, hooked forward (MFU), disk bandwidth, full extraction, the naive way.
 
-GPU (H200):  python benchmarks/extract.py --compile  (torch + transformers only; no Prefect, no pydantic)
+GPU (H200):  python benchmarks/extract.py --compile --writer-sweep 6,8  (torch + transformers only; no Prefect, no pydantic)
 CPU smoke:   python benchmarks/extract.py --cpu      (the same measurements on a tiny random Llama, seconds)
+
+The shard writers are measured alone at each count of --writer-threads and --writer-sweep; the full extraction runs
+with the fastest, paced (at most HiddenStateExtractor.max_queued_batches batches queued on the device) and unpaced.
 
 Prints a table and writes benchmarks/results/extract-<hw>.json. Every figure comes from ONE run:
   forward_mfu                   = 2 x decoder-layer params x tokens/s / measured bf16 matmul peak
