@@ -88,14 +88,14 @@ def disk_bandwidth(folder: Path, total: int, chunk: int = 64 << 20, early_flush:
 
 
 @contextlib.contextmanager
-def patched(module, name: str, value):
-    """module.name = value for the block: the store's switches, to measure the path with and without a change."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
+def patched(obj, name: str, value):
+    """obj.name = value for the block: a switch of the store or the extractor, to measure with and without a change."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(module, name, saved)
+        setattr(obj, name, saved)
 
 
 def pinned_source(nbytes: int, device) -> torch.Tensor:
@@ -323,12 +323,10 @@ def bench(args) -> dict:
                                        args.max_batches_in_flight), device, repeat=2)
         full_tps = total_tokens / t_full
         shutil.rmtree(Path(tmp) / "store")
-        paced, extractor.max_queued_batches = extractor.max_queued_batches, 1 << 30
-        try:  # as before the pacing: the host runs ahead until CUDA's launch queue blocks it (holding the GIL)
+        # As before the pacing: the host runs ahead until CUDA's launch queue blocks it (holding the GIL).
+        with patched(extractor, "max_queued_batches", 1 << 30):
             t_unpaced = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store-unpaced", best,
                                               args.max_batches_in_flight), device, repeat=1)
-        finally:
-            extractor.max_queued_batches = paced
         naive_seqs = fwd_seqs[: args.naive_samples]
         (Path(tmp) / "naive").mkdir()
         t_naive = timed(naive(model, naive_seqs, extractor.aux_layer_ids, Path(tmp) / "naive", device), device,

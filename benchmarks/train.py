@@ -54,9 +54,7 @@ def build(sizes: dict, device: torch.device, last: torch.Tensor) -> tuple[Eagle3
     model = Eagle3Drafter(cfg)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm_head = (torch.randn(sizes["vocab"], h) * h ** -0.5).to(device, dtype)
-    flat = last.reshape(-1, h).to(dtype)
-    predicted = torch.cat([(flat[a:a + 1024] @ lm_head.t()).argmax(-1) for a in range(0, flat.shape[0], 1024)])
-    predicted = torch.unique(predicted).cpu()[: sizes["draft_vocab"]]
+    predicted = torch.unique(target_predictions(last, lm_head)).cpu()[: sizes["draft_vocab"]]
     others = torch.ones(sizes["vocab"], dtype=torch.bool)
     others[predicted] = False
     fill = others.nonzero()[:, 0]
@@ -68,13 +66,17 @@ def build(sizes: dict, device: torch.device, last: torch.Tensor) -> tuple[Eagle3
     return model.to(device), lm_head
 
 
+def target_predictions(last: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """The target's greedy token at each position [R*T], from its last hidden states, 1024 rows of logits at a time."""
+    flat = last.reshape(-1, lm_head.shape[1]).to(lm_head.dtype)
+    return torch.cat([(flat[a:a + 1024] @ lm_head.t()).argmax(-1) for a in range(0, flat.shape[0], 1024)])
+
+
 def loss_rows_per_step(model: Eagle3Drafter, lm_head: torch.Tensor, b: dict, steps: int) -> list[int]:
     """Rows that enter TTT step j's loss (the draft lm_head runs on these only): slot t predicts the target's token
     at t+1+j when that lies inside the sequence and in the draft vocabulary."""
     r, t = b["input_ids"].shape
-    flat = b["last"].reshape(r * t, -1).to(lm_head.dtype)
-    argmax = torch.cat([(flat[a:a + 1024] @ lm_head.t()).argmax(-1) for a in range(0, flat.shape[0], 1024)])
-    in_vocab = model.t2d[argmax].view(r, t)
+    in_vocab = model.t2d[target_predictions(b["last"], lm_head)].view(r, t)
     return [int(in_vocab[:, 1 + j: t - 1].sum()) for j in range(steps)]
 
 

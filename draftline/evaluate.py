@@ -403,6 +403,9 @@ def slowdown_findings(r: EvalResult) -> list[str]:
     return out
 
 
+SGLANG_NO_OVERLAP = "--disable-overlap-schedule"
+
+
 def sglang_overlap_finding(r: EvalResult) -> list[str]:
     """What the H200 runs of session 6 showed about SGLang's overlap scheduler, when this run's arguments ignore it."""
     seen = ("On an H200 with a 1B target, EAGLE-3 ran 1.18x faster without it (492 to 582 tokens/s at concurrency 1) "
@@ -415,9 +418,6 @@ def sglang_overlap_finding(r: EvalResult) -> list[str]:
         return [f"SGLang ran EAGLE-3 under its overlap scheduler (its default). {seen}: give {SGLANG_NO_OVERLAP} "
                 "to the EAGLE-3 server only (speculative_extra_args)."]
     return []
-
-
-SGLANG_NO_OVERLAP = "--disable-overlap-schedule"
 
 
 def report_markdown(results: list[EvalResult]) -> str:
