@@ -1,10 +1,12 @@
 """Hidden-state extraction speed: matmul peak, hooked forward (MFU), disk bandwidth, full extraction, the naive way.
 
-GPU (H200):  python benchmarks/extract.py --compile --writer-sweep 6,8  (torch + transformers only; no Prefect, no pydantic)
+GPU (H200):  python benchmarks/extract.py --compile --writer-threads 6 --writer-sweep 3,8  (torch + transformers only)
 CPU smoke:   python benchmarks/extract.py --cpu      (the same measurements on a tiny random Llama, seconds)
 
-The shard writers are measured alone at each count of --writer-threads and --writer-sweep; the full extraction runs
-with the fastest, paced (at most HiddenStateExtractor.max_queued_batches batches queued on the device) and unpaced.
+The full extraction runs first, with --writer-threads shard writers, paced (at most
+HiddenStateExtractor.max_queued_batches batches queued on the device) and unpaced, with a timeline of its last run;
+the disk is probed before it, after it and at the end; the shard writers are then measured alone at each count of
+--writer-threads and --writer-sweep.
 
 Prints a table and writes benchmarks/results/extract-<hw>.json. Every figure comes from ONE run:
   forward_mfu                   = 2 x decoder-layer params x tokens/s / measured bf16 matmul peak
@@ -204,21 +206,59 @@ def as_traces(sequences: list[list[int]]) -> list[dict]:
 
 
 def full_extraction(extractor: HiddenStateExtractor, shards: list[list[list[int]]], batch_tokens: int, root: Path,
-                    writer_threads: int, max_batches_in_flight: int | None):
+                    writer_threads: int, max_batches_in_flight: int | None, timeline: list | None = None,
+                    write_shards: bool = True):
     """The library's own path (draftline.extract.run_overlapped + write_hidden_shard): bucketed forward, copies into
     pinned per-batch buffers, shards written from them by a pool of writer threads into a local store (temp file,
-    fsync, rename, completion record). Returns a callable."""
+    fsync, rename, completion record). Returns a callable.
+
+    timeline: receives (what, shard, start, end) in seconds from the run's start for each shard's extract call (the
+    host's issue of its batches) and write, so a run shows which side waited. write_shards=False: the writers only
+    wait for the copies, i.e. the device and copy side alone."""
     store = LocalStore(str(root))
     traces = [as_traces(s) for s in shards]
+    t0 = [0.0]
 
     def write(plan, shard_traces, host):
-        write_hidden_shard(store, "bench", plan, "bench", extractor, shard_traces, host)
+        start = time.perf_counter() - t0[0]
+        if write_shards:
+            write_hidden_shard(store, "bench", plan, "bench", extractor, shard_traces, host)
+        else:
+            host.wait()
+        if timeline is not None:
+            timeline.append(("write", plan.index, start, time.perf_counter() - t0[0]))
+
+    issue = extractor.extract
+
+    def timed_extract(sequences, batch_tokens, shard=None):
+        start = time.perf_counter() - t0[0]
+        host = issue(sequences, batch_tokens, shard=shard)
+        timeline.append(("extract", shard, start, time.perf_counter() - t0[0]))
+        return host
 
     def run():
+        if timeline is not None:
+            timeline.clear()
+        t0[0] = time.perf_counter()
         jobs = ((ShardPlan(i, [], sum(map(len, s)), len(s)), traces[i]) for i, s in enumerate(shards))
-        run_overlapped(extractor, jobs, write, batch_tokens, writer_threads, max_batches_in_flight)
+        with patched(extractor, "extract", timed_extract) if timeline is not None else contextlib.nullcontext():
+            run_overlapped(extractor, jobs, write, batch_tokens, writer_threads, max_batches_in_flight)
 
     return run
+
+
+def timeline_summary(timeline: list) -> dict:
+    """Where a full run's time went: the host's issue of all batches, the writes, and how they overlapped."""
+    extracts = [e for e in timeline if e[0] == "extract"]
+    writes = [e for e in timeline if e[0] == "write"]
+    return {
+        "extract_calls_s": round(sum(e[3] - e[2] for e in extracts), 3),
+        "last_extract_end_s": round(max(e[3] for e in extracts), 3),
+        "first_write_start_s": round(min(e[2] for e in writes), 3),
+        "last_write_end_s": round(max(e[3] for e in writes), 3),
+        "mean_write_s": round(sum(e[3] - e[2] for e in writes) / len(writes), 3),
+        "events": [(what, shard, round(a, 3), round(b, 3)) for what, shard, a, b in sorted(timeline, key=lambda e: e[2])],
+    }
 
 
 def writer_only(extractor: HiddenStateExtractor, shards: list[list[list[int]]], root: Path, writer_threads: int):
@@ -308,7 +348,24 @@ def bench(args) -> dict:
             shutil.rmtree(folder)  # the disk holds the shards of one writer run at a time
             return total_tokens / t
 
-        # How many shard writers: each count measured on the same shards; the full extraction uses the best.
+        # The full extraction first, right after the disk probes: this disk wrote 2 to 3 GB/s early in a run and
+        # 1.1 to 1.8 GB/s after some 70 GB of other measurements (session 7), so its place in the run matters.
+        timeline: list = []
+        t_full = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store", args.writer_threads,
+                                       args.max_batches_in_flight, timeline), device, repeat=2)
+        full_tps = total_tokens / t_full
+        full_timeline = timeline_summary(timeline)  # of the last repeat
+        shutil.rmtree(Path(tmp) / "store")
+        disk_after_full = disk_bandwidth(Path(tmp), args.disk_probe_bytes, early_flush=True)
+        # As before the pacing: the host runs ahead until CUDA's launch queue blocks it (holding the GIL).
+        with patched(extractor, "max_queued_batches", 1 << 30):
+            t_unpaced = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store-unpaced",
+                                              args.writer_threads, args.max_batches_in_flight), device, repeat=1)
+        shutil.rmtree(Path(tmp) / "store-unpaced")
+        t_no_write = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store-no-write",
+                                           args.writer_threads, args.max_batches_in_flight, write_shards=False),
+                           device, repeat=1)
+        # How many shard writers: each count measured alone on the same shards (after the full extraction).
         sweep = {n: writers(n, f"w{n}") for n in sorted({args.writer_threads, *args.writer_sweep})}
         best = max(sweep, key=sweep.get)
         with patched(store_module, "HASH_ON_THE_SIDE", False):  # as before: each writer hashes, then writes
@@ -319,19 +376,13 @@ def bench(args) -> dict:
         hash_gbs = hash_only(source, best)
         write_gbs = write_only(Path(tmp), source, best)
         del source
-        t_full = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store", best,
-                                       args.max_batches_in_flight), device, repeat=2)
-        full_tps = total_tokens / t_full
-        shutil.rmtree(Path(tmp) / "store")
-        # As before the pacing: the host runs ahead until CUDA's launch queue blocks it (holding the GIL).
-        with patched(extractor, "max_queued_batches", 1 << 30):
-            t_unpaced = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store-unpaced", best,
-                                              args.max_batches_in_flight), device, repeat=1)
         naive_seqs = fwd_seqs[: args.naive_samples]
         (Path(tmp) / "naive").mkdir()
         t_naive = timed(naive(model, naive_seqs, extractor.aux_layer_ids, Path(tmp) / "naive", device), device,
                         repeat=1)
         naive_tps = len(naive_seqs) * seq_len / t_naive
+        disk_at_end = disk_bandwidth(Path(tmp), args.disk_probe_bytes, early_flush=True)
+    disk = max(disk, disk_after_full, disk_at_end)  # the ceiling stays the best this disk did in the run
     ceiling = min(fwd_tps, disk / bytes_per_token)
     host_buffers = sum(b.numel() for b in extractor.host_pool._free)
     return {
@@ -340,13 +391,15 @@ def bench(args) -> dict:
         "compiled": args.compile, "layers": L, "hidden": H, "decoder_layer_params": params,
         "aux_layer_ids": extractor.aux_layer_ids, "seq_len": seq_len, "batch_tokens": batch_tokens,
         "tokens_per_shard": per_shard * seq_len, "shards": args.shards,
-        "writer_threads": best, "max_batches_in_flight": args.max_batches_in_flight,
+        "writer_threads": args.writer_threads, "max_batches_in_flight": args.max_batches_in_flight,
         "matmul_peak_tflops": peak / 1e12,
         "forward_tokens_per_s": fwd_tps, "forward_mfu": mfu,
         "device_to_host_pinned_gb_per_s": copy_bw / 1e9,
         "disk_fsync_write_gb_per_s": disk / 1e9,
         "disk_fsync_write_gb_per_s_final_fsync_only": disk_plain / 1e9,
         "disk_fsync_write_gb_per_s_early_flush": disk_early / 1e9,
+        "disk_fsync_write_gb_per_s_early_flush_after_full": disk_after_full / 1e9,
+        "disk_fsync_write_gb_per_s_early_flush_at_end": disk_at_end / 1e9,
         "bytes_per_token": bytes_per_token, "bytes_per_token_floor": 8 * H,
         "disk_bound_tokens_per_s": disk / bytes_per_token,
         "writer_only_tokens_per_s": sweep[best],
@@ -354,11 +407,13 @@ def bench(args) -> dict:
         "writer_only_hash_inline_tokens_per_s": inline_hash,
         "writer_only_final_fsync_only_tokens_per_s": late_flush,
         "hash_only_gb_per_s": hash_gbs / 1e9, "write_only_gb_per_s": write_gbs / 1e9,
-        "hash_and_write_threads": best,
+        "hash_and_write_threads": best, "fastest_writer_threads_alone": best,
         "binding_ceiling": "forward" if fwd_tps <= disk / bytes_per_token else "disk",
         "binding_ceiling_tokens_per_s": ceiling,
         "full_extraction_tokens_per_s": full_tps, "fraction_of_binding_ceiling": full_tps / ceiling,
         "full_extraction_unpaced_tokens_per_s": total_tokens / t_unpaced,
+        "full_extraction_without_writes_tokens_per_s": total_tokens / t_no_write,
+        "full_extraction_timeline": full_timeline,
         "max_queued_batches": extractor.max_queued_batches,
         "host_buffer_gb": host_buffers / 1e9,
         "naive_tokens_per_s": naive_tps, "speedup_vs_naive": full_tps / naive_tps,
@@ -385,7 +440,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=None, help="8 (--cpu: 3)")
     ap.add_argument("--naive-samples", type=int, default=None, help="16 (--cpu: 2)")
     ap.add_argument("--disk-probe-bytes", type=int, default=None, help="4 GiB (--cpu: 64 MiB)")
-    ap.add_argument("--writer-threads", type=int, default=3, help="shards written side by side (extract.writer_threads)")
+    ap.add_argument("--writer-threads", type=int, default=6, help="shards written side by side in the full extraction (extract.writer_threads)")
     ap.add_argument("--writer-sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                     help="more writer counts to measure, e.g. 6,8; the full extraction uses the fastest")
     ap.add_argument("--max-batches-in-flight", type=int, default=None, help="host batch buffers at most (extract.max_batches_in_flight)")
