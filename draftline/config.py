@@ -137,6 +137,8 @@ class TrainConfig(Strict):
     val_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(200, ge=1)
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    # Rows of target logits formed at once (bf16 on GPU); the loss over the draft vocabulary takes as many
+    # logits per chunk, so vocab_size / draft_vocab_size times the rows.
     logits_chunk_tokens: int = Field(1024, ge=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"

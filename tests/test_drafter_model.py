@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 from safetensors import safe_open
 
 from draftline.config import DrafterConfig
@@ -113,3 +114,29 @@ def test_reduced_vocabulary_without_d2t_is_refused(tmp_path):
 def test_aux_ids_beyond_the_target_layers_are_refused():
     with pytest.raises(ConfigError, match="contradict a target with 8 layers"):
         Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=100), aux_layer_ids=[2, 4, 8])
+
+
+def test_a_weight_used_at_every_step_gets_the_sum_of_its_gradients_through_its_cast():
+    """Training sums a weight's gradient over the unrolled steps in place (StepWeights); through a real cast (fp32
+    weight, bf16 matmuls, as on a GPU) the weight must still get what autograd's own sum gives, once, in fp32."""
+    from draftline.drafter.model import StepWeights
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, bias=False)
+    x0 = torch.randn(2, 5, 8).bfloat16()
+    probe = torch.randn(2, 5, 8).bfloat16()
+
+    def unrolled(linear):  # each step reads the previous one's output, like the TTT chain
+        x, loss = x0, 0
+        for _ in range(4):
+            x = torch.tanh(linear(x))
+            loss = loss + (x * probe).float().sum()
+        return loss
+
+    steps = StepWeights()
+    (ours,) = torch.autograd.grad(unrolled(lambda x: steps.linear(lin, x)), [lin.weight])
+    cast = lin.weight.to(torch.bfloat16)
+    (reference,) = torch.autograd.grad(unrolled(lambda x: x @ cast.t()), [lin.weight])
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2)
+    assert ours.abs().sum() > 0

@@ -115,6 +115,70 @@ def matmul_inputs(x: torch.Tensor, consumers: int) -> list[torch.Tensor]:
     return [_SharedCast.apply(x, cast) for _ in range(consumers)]
 
 
+class SharedWeightGrad:
+    """The gradient of one weight that every TTT step uses, summed by matmuls that add into one buffer (beta=1).
+
+    Autograd would form each step's gradient on its own and add them in separate kernels: about 100 bf16 adds, 4.6 ms
+    of a 150 ms step in an H200 profile. Here the first backward to run hands its buffer to autograd and the later
+    ones add into it in place. That is safe because autograd reads the buffer only in the node that consumes the
+    weight's gradient (its cast), which waits for every use's backward.
+    """
+
+    def __init__(self):
+        self.grad: torch.Tensor | None = None
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+        """a @ b added to the weight's gradient; the buffer for autograd on the first call, None after."""
+        if self.grad is None:
+            self.grad = torch.matmul(a, b)
+            return self.grad
+        self.grad.addmm_(a, b)
+        return None
+
+
+class _SharedGradLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, shared):
+        ctx.save_for_backward(x, weight)
+        ctx.shared = shared
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = torch.matmul(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = ctx.shared.add(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w, None
+
+
+class StepWeights:
+    """The draft layer's linear weights during one unrolled training forward: each cast to the matmul dtype once
+    (autocast would do that too) and its gradient summed over the steps by SharedWeightGrad."""
+
+    def __init__(self):
+        self._weights: dict[nn.Module, tuple[torch.Tensor, SharedWeightGrad]] = {}
+
+    def weight(self, module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, SharedWeightGrad]:
+        if module not in self._weights:
+            self._weights[module] = (module.weight.to(dtype), SharedWeightGrad())
+        return self._weights[module]
+
+    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """module(x) without bias, in the dtype autocast would pick."""
+        weight, shared = self.weight(module, matmul_dtype(x))
+        x = x.to(weight.dtype)
+        if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+            return _SharedGradLinear.apply(x, weight, shared)
+        return torch.matmul(x, weight.t())
+
+
+def project(module: nn.Linear, x: torch.Tensor, steps: StepWeights | None) -> torch.Tensor:
+    """module(x), through the training forward's StepWeights when there is one."""
+    return module(x) if steps is None else steps.linear(module, x)
+
+
 COMPILE_DEVICES = ("cuda",)  # where compiled_on_device compiles; CPU runs (and CI) need no C compiler
 
 
@@ -159,16 +223,30 @@ def norm_pair_cat(embeds: torch.Tensor, hidden: torch.Tensor, w_embeds: torch.Te
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, theta: float):
-    """Rotary on q and k at position_ids, the angles computed in the same pass (compiled: one kernel, where eager
-    PyTorch launches a dozen small ones per TTT step for the angles alone)."""
+    """Rotary on q and k [B, heads, T, hd] at position_ids."""
     cos, sin = rope_cos_sin(position_ids, q.shape[-1], theta, q.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def rope_tables(position_ids: torch.Tensor, steps: int, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin [steps, B, T, 1, head_dim] at position_ids + j for each TTT step j, for q and k in the
+    projections' own [B, T, heads, head_dim] layout: made once per unroll by the same code as the decoders' angles."""
+    shifted = position_ids[None] + torch.arange(steps, device=position_ids.device)[:, None, None]
+    cos, sin = rope_cos_sin(shifted.flatten(0, 1), head_dim, theta, dtype)  # [steps*B, 1, T, hd]
+    return tuple(c.view(steps, *position_ids.shape, head_dim).unsqueeze(-2) for c in (cos, sin))
+
+
+def rope_qk_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary on q and k [B, T, heads, hd] with cos/sin [B, T, 1, hd] from rope_tables. Compiled, one kernel reads
+    and writes both contiguously; with the angles computed inside and q in [B, heads, T, hd], an H200 profile showed
+    this step's rotary at 10x its memory time (the angles recomputed for every head, the writes strided)."""
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 silu_mul_fused = compiled_on_device(silu_mul)
 rms_norm_fused = compiled_on_device(rms_norm)
 norm_pair_cat_fused = compiled_on_device(norm_pair_cat)
-rope_qk_fused = compiled_on_device(rope_qk)
+rope_qk_tables_fused = compiled_on_device(rope_qk_tables)
 
 
 class RMSNorm(nn.Module):
@@ -217,11 +295,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, fused: bool = False):
+    def forward(self, x, fused: bool = False, steps: StepWeights | None = None):
         to_gate, to_up = matmul_inputs(x, 2)
         # silu(gate) * up is recomputed in backward: [tokens x intermediate] tensors are the layer's largest.
         act = silu_mul_fused if fused else silu_mul
-        return self.down_proj(recomputed(act, self.gate_proj(to_gate), self.up_proj(to_up)))
+        gate, up = project(self.gate_proj, to_gate, steps), project(self.up_proj, to_up, steps)
+        return project(self.down_proj, recomputed(act, gate, up), steps)
 
 
 class DecoderLayer(nn.Module):
@@ -236,18 +315,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, fused: bool = False):
-        """q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied at position_ids.
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None, fused: bool = False,
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None, steps: StepWeights | None = None):
+        """q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied at position_ids (or with rope, this step's cos
+        and sin from rope_tables; q and k are then transposed views of [B, T, heads, hd]).
 
-        fused: the elementwise parts compiled on CUDA (training); off, the eager code the decoders capture."""
+        fused: the elementwise parts compiled on CUDA (training); off, the eager code the decoders capture.
+        steps: the unrolled training forward's weights (one cast, gradients summed in place over the steps)."""
         b, t, _ = hidden.shape
         cfg = self.cfg
+        att = self.self_attn
         # The norms are recomputed in backward from the bf16 inputs instead of keeping their fp32 intermediates.
         to_q, to_k, to_v = matmul_inputs(recomputed(self.attention_input, embeds, hidden, fused), 3)
-        q = self.self_attn.q_proj(to_q).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = self.self_attn.k_proj(to_k).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        v = self.self_attn.v_proj(to_v).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        q, k = (rope_qk_fused if fused else rope_qk)(q, k, position_ids, cfg.rope_theta)
+        q = project(att.q_proj, to_q, steps).view(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = project(att.k_proj, to_k, steps).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = project(att.v_proj, to_v, steps).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = (rope_qk_tables_fused if fused else rope_qk_tables)(q, k, *rope)
+            return q.transpose(1, 2), k.transpose(1, 2), v
+        q, k = rope_qk(q.transpose(1, 2), k.transpose(1, 2), position_ids, cfg.rope_theta)
         return q, k, v
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -256,11 +342,12 @@ class DecoderLayer(nn.Module):
             return norm_pair_cat_fused(*args, matmul_dtype(hidden))
         return norm_pair_cat(*args)
 
-    def finish(self, hidden: torch.Tensor, attn: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor, fused: bool = False,
+               steps: StepWeights | None = None) -> torch.Tensor:
         """attn [B, nh, T, hd] -> the new residual stream [B, T, H]; the residual is the incoming hidden."""
         b, _, t, _ = attn.shape
-        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        return h + self.mlp(recomputed(self.post_attention_layernorm, h, fused), fused)
+        h = hidden + project(self.self_attn.o_proj, attn.transpose(1, 2).reshape(b, t, -1), steps)
+        return h + self.mlp(recomputed(self.post_attention_layernorm, h, fused), fused, steps)
 
 
 class DrafterCache:

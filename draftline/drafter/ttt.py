@@ -6,7 +6,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from draftline.drafter.model import Eagle3Drafter, compiled_on_device, recomputed, repeat_kv
+from draftline.drafter.model import (Eagle3Drafter, SharedWeightGrad, StepWeights, compiled_on_device, recomputed,
+                                     repeat_kv, rope_tables)
 
 
 # ---- training-time-test attention ----------------------------------------------------------------------------
@@ -175,7 +176,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, target_probs, chunk: int):
+    def forward(ctx, x, weight, target_probs, chunk: int, shared: SharedWeightGrad | None = None):
         rows = x.shape[0]
         acc = torch.promote_types(x.dtype, torch.float32)
         total = torch.zeros((), dtype=acc, device=x.device)
@@ -188,6 +189,7 @@ class SoftCrossEntropy(torch.autograd.Function):
                                                            coeff[a:a + chunk] if need_grad else None)
             total += part
         ctx.save_for_backward(x, weight, coeff)
+        ctx.shared = shared  # the weight's gradient summed in place over the TTT steps
         ctx.mark_non_differentiable(preds)
         return total, preds
 
@@ -196,8 +198,11 @@ class SoftCrossEntropy(torch.autograd.Function):
         x, weight, coeff = ctx.saved_tensors
         scale = grad_total.to(coeff.dtype)  # applied to the [n x H] sides: coeff [n x V] is the largest tensor here
         grad_x = torch.matmul(coeff, weight).mul_(scale) if ctx.needs_input_grad[0] else None
-        grad_w = torch.matmul(coeff.t(), x * scale) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (torch.matmul(coeff.t(), x * scale) if ctx.shared is None
+                      else ctx.shared.add(coeff.t(), x * scale))
+        return grad_x, grad_w, None, None, None
 
 
 @torch.no_grad()
@@ -233,11 +238,15 @@ class TTTModel(nn.Module):
             drafter.embed_tokens.to(compute_dtype)
         self.target_lm_head = lm_head  # a plain attribute: frozen, never broadcast or saved with the drafter
         self.steps, self.chunk, self.compute_dtype = steps, chunk, compute_dtype
+        # The loss over the draft vocabulary takes as many logits per chunk as the target's lm_head does: more rows
+        # for a smaller vocabulary (4x at 32k of 128k), so fewer kernel calls for the same memory.
+        cfg = drafter.config
+        self.draft_chunk = max(chunk, chunk * cfg.vocab_size // cfg.draft_vocab_size)
         self.attention = ttt_attention_flex if attention == "flex" else ttt_attention_eager
         # False: each step's keys only (k key lengths, k compiled flex kernels); benchmarks/train.py compares both.
         self.one_key_shape = one_key_shape
 
-    def unroll(self, input_ids, doc_ids, position_ids, aux):
+    def unroll(self, input_ids, doc_ids, position_ids, aux, steps: StepWeights | None = None):
         """Yield the drafter's residual stream [R, T, H] after each of the k steps.
 
         Step j at slot t reads the token t+1+j and (j > 0) its own step j-1 output at t, at position t+j: the
@@ -249,16 +258,18 @@ class TTTModel(nn.Module):
         masks = (ttt_block_masks(doc_ids, self.steps)
                  if self.attention is ttt_attention_flex and self.one_key_shape else [None] * self.steps)
         hidden = m.fc(aux.to(self.compute_dtype))
+        cos, sin = rope_tables(position_ids, self.steps, m.config.head_dim, m.config.rope_theta, hidden.dtype)
         ks, vs = [], []
         for j in range(self.steps):
             shift = 1 + j
             tokens = torch.zeros_like(input_ids)
             tokens[:, : max(0, t - shift)] = input_ids[:, shift:]
-            q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, position_ids + j, fused=True)
+            q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, None, fused=True,
+                                     rope=(cos[j], sin[j]), steps=steps)
             ks.append(k)
             vs.append(v)
             attn = self.attention(q, ks, vs, doc_ids, self.steps if self.one_key_shape else None, masks[j])
-            hidden = m.midlayer.finish(hidden, attn, fused=True)
+            hidden = m.midlayer.finish(hidden, attn, fused=True, steps=steps)
             yield hidden
 
     def loss_rows(self, loss_mask, doc_ids, in_vocab):
@@ -297,14 +308,15 @@ class TTTModel(nn.Module):
         probs, in_vocab, target_argmax = target_distribution(
             last.reshape(r * t, -1), self.target_lm_head, m.draft_token_ids, m.t2d, self.chunk, dt)
         loss_sums, hits, rows_per_step = [], [], None
-        lm_w = m.lm_head.weight.to(dt)
-        for j, hidden in enumerate(self.unroll(input_ids, doc_ids, position_ids, aux)):
+        steps = StepWeights()
+        lm_w, lm_grad = steps.weight(m.lm_head, dt)
+        for j, hidden in enumerate(self.unroll(input_ids, doc_ids, position_ids, aux, steps)):
             if rows_per_step is None:  # after step 0 is queued, so the device stays busy while the host waits
                 rows_per_step, counts, totals = self.loss_rows(loss_mask, doc_ids, in_vocab)
             rows, src = rows_per_step[j]
             # Recomputed in backward from the bf16 hidden instead of keeping the norm's fp32 intermediates.
             x = recomputed(self.loss_input, hidden, rows)
-            loss_sum, preds = SoftCrossEntropy.apply(x, lm_w, probs.index_select(0, src), self.chunk)
+            loss_sum, preds = SoftCrossEntropy.apply(x, lm_w, probs.index_select(0, src), self.draft_chunk, lm_grad)
             loss_sums.append(loss_sum)
             hits.append((m.draft_to_target(preds) == target_argmax[src]).sum())
         return torch.stack(loss_sums), counts.float(), torch.stack(hits).float(), totals.float()
