@@ -47,13 +47,17 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device, repeat: int = 3, warmup: int = 1) -> float:
-    """Best wall time of `repeat` runs after `warmup` runs, in seconds."""
+def timed(fn, device, repeat: int = 3, warmup: int = 1, prepare=None) -> float:
+    """Best wall time of `repeat` runs after `warmup` runs, in seconds; prepare() before each run, off the clock."""
     for _ in range(warmup):
+        if prepare is not None:
+            prepare()
         fn()
     sync(device)
     best = float("inf")
     for _ in range(repeat):
+        if prepare is not None:
+            prepare()
         t = time.perf_counter()
         fn()
         sync(device)
@@ -201,12 +205,34 @@ def forward_only(extractor: HiddenStateExtractor, sequences, batch_tokens: int):
     return run
 
 
+class FreshFolder:
+    """A new, empty folder for each run of a measurement that writes shards; the previous run's folder is deleted
+    and synced first, off the clock (prepare=folder.next). On the H200 machine, 8 shards written over the previous
+    run's (whose blocks the file system frees meanwhile) went at 1.2 to 1.4 GB/s, against 1.8 to 2.1 GB/s into a
+    fresh folder, whatever memory the bytes came from (session 7). A real extraction writes new shards."""
+
+    def __init__(self, root: Path):
+        self.root, self.runs, self.current = root, 0, None
+
+    def next(self) -> None:
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+            os.sync()
+        self.runs += 1
+        self.current = self.root / f"run-{self.runs}"
+
+    def remove(self) -> None:
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+            os.sync()
+
+
 def as_traces(sequences: list[list[int]]) -> list[dict]:
     return [{"id": f"t{j}", "input_ids": s, "loss_mask": [1] * len(s)} for j, s in enumerate(sequences)]
 
 
-def full_extraction(extractor: HiddenStateExtractor, shards: list[list[list[int]]], batch_tokens: int, root: Path,
-                    writer_threads: int, max_batches_in_flight: int | None, timeline: list | None = None,
+def full_extraction(extractor: HiddenStateExtractor, shards: list[list[list[int]]], batch_tokens: int,
+                    folder: FreshFolder, writer_threads: int, max_batches_in_flight: int | None, timeline: list | None = None,
                     write_shards: bool = True):
     """The library's own path (draftline.extract.run_overlapped + write_hidden_shard): bucketed forward, copies into
     pinned per-batch buffers, shards written from them by a pool of writer threads into a local store (temp file,
@@ -214,15 +240,15 @@ def full_extraction(extractor: HiddenStateExtractor, shards: list[list[list[int]
 
     timeline: receives (what, shard, start, end) in seconds from the run's start for each shard's extract call (the
     host's issue of its batches) and write, so a run shows which side waited. write_shards=False: the writers only
-    wait for the copies, i.e. the device and copy side alone."""
-    store = LocalStore(str(root))
+    wait for the copies, i.e. the device and copy side alone. Each run writes into folder.current (time it with
+    prepare=folder.next)."""
     traces = [as_traces(s) for s in shards]
     t0 = [0.0]
 
     def write(plan, shard_traces, host):
         start = time.perf_counter() - t0[0]
         if write_shards:
-            write_hidden_shard(store, "bench", plan, "bench", extractor, shard_traces, host)
+            write_hidden_shard(LocalStore(str(folder.current)), "bench", plan, "bench", extractor, shard_traces, host)
         else:
             host.wait()
         if timeline is not None:
@@ -261,9 +287,10 @@ def timeline_summary(timeline: list) -> dict:
     }
 
 
-def writer_only(extractor: HiddenStateExtractor, shards: list[list[list[int]]], root: Path, writer_threads: int):
-    """Just the shard writers (hash, write, fsync, publish) on host buffers filled beforehand: the host side alone."""
-    store = LocalStore(str(root))
+def writer_only(extractor: HiddenStateExtractor, shards: list[list[list[int]]], folder: FreshFolder,
+                writer_threads: int):
+    """Just the shard writers (hash, write, fsync, publish) on host buffers filled beforehand: the host side alone.
+    Each run writes into folder.current (time it with prepare=folder.next)."""
     h = extractor.hidden_size
     n = max(sum(map(len, s)) for s in shards)
     pinned = extractor.device.type == "cuda"
@@ -280,6 +307,7 @@ def writer_only(extractor: HiddenStateExtractor, shards: list[list[list[int]]], 
     traces = [as_traces(s) for s in shards]
 
     def run():
+        store = LocalStore(str(folder.current))
         with ThreadPoolExecutor(writer_threads) as pool:
             futures = [pool.submit(write_hidden_shard, store, "writer-only", ShardPlan(i, [], 0, 0), "bench",
                                    extractor, traces[i], hosts[i]) for i in range(len(shards))]
@@ -343,28 +371,32 @@ def bench(args) -> dict:
         disk = max(disk_plain, disk_early)  # the ceiling is the best this disk did
 
         def writers(n: int, tag: str, repeat: int = 2, warmup: int = 0) -> float:
-            folder = Path(tmp) / f"writer-only-{tag}"
-            t = timed(writer_only(extractor, shards, folder, n), device, repeat=repeat, warmup=warmup)
-            shutil.rmtree(folder)  # the disk holds the shards of one writer run at a time
+            folder = FreshFolder(Path(tmp) / f"writer-only-{tag}")
+            t = timed(writer_only(extractor, shards, folder, n), device, repeat=repeat, warmup=warmup,
+                      prepare=folder.next)
+            folder.remove()  # the disk holds the shards of one writer run at a time
             return total_tokens / t
 
         # The full extraction first, right after the disk probes: this disk wrote 2 to 3 GB/s early in a run and
         # 1.1 to 1.8 GB/s after some 70 GB of other measurements (session 7), so its place in the run matters.
         timeline: list = []
-        t_full = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store", args.writer_threads,
-                                       args.max_batches_in_flight, timeline), device, repeat=2)
+        folder = FreshFolder(Path(tmp) / "store")
+        t_full = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
+                                       args.max_batches_in_flight, timeline), device, repeat=2, prepare=folder.next)
         full_tps = total_tokens / t_full
         full_timeline = timeline_summary(timeline)  # of the last repeat
-        shutil.rmtree(Path(tmp) / "store")
+        folder.remove()
         disk_after_full = disk_bandwidth(Path(tmp), args.disk_probe_bytes, early_flush=True)
         # As before the pacing: the host runs ahead until CUDA's launch queue blocks it (holding the GIL).
+        folder = FreshFolder(Path(tmp) / "store-unpaced")
         with patched(extractor, "max_queued_batches", 1 << 30):
-            t_unpaced = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store-unpaced",
-                                              args.writer_threads, args.max_batches_in_flight), device, repeat=1)
-        shutil.rmtree(Path(tmp) / "store-unpaced")
-        t_no_write = timed(full_extraction(extractor, shards, batch_tokens, Path(tmp) / "store-no-write",
-                                           args.writer_threads, args.max_batches_in_flight, write_shards=False),
-                           device, repeat=1)
+            t_unpaced = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
+                                              args.max_batches_in_flight), device, repeat=1, prepare=folder.next)
+        folder.remove()
+        folder = FreshFolder(Path(tmp) / "store-no-write")
+        t_no_write = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
+                                           args.max_batches_in_flight, write_shards=False),
+                           device, repeat=1, prepare=folder.next)
         # How many shard writers: each count measured alone on the same shards (after the full extraction).
         sweep = {n: writers(n, f"w{n}") for n in sorted({args.writer_threads, *args.writer_sweep})}
         best = max(sweep, key=sweep.get)
