@@ -215,9 +215,7 @@ class FreshFolder:
         self.root, self.runs, self.current = root, 0, None
 
     def next(self) -> None:
-        if self.current is not None:
-            shutil.rmtree(self.current, ignore_errors=True)
-            os.sync()
+        self.remove()
         self.runs += 1
         self.current = self.root / f"run-{self.runs}"
 

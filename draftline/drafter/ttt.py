@@ -200,8 +200,7 @@ class SoftCrossEntropy(torch.autograd.Function):
         grad_x = torch.matmul(coeff, weight).mul_(scale) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (torch.matmul(coeff.t(), x * scale) if ctx.shared is None
-                      else ctx.shared.add(coeff.t(), x * scale))
+            grad_w = (ctx.shared or SharedWeightGrad()).add(coeff.t(), x * scale)
         return grad_x, grad_w, None, None, None
 
 
