@@ -11,6 +11,8 @@ the disk is probed before it, after it and at the end; the shard writers are the
 Prints a table and writes benchmarks/results/extract-<hw>.json. Every figure comes from ONE run:
   forward_mfu                   = 2 x decoder-layer params x tokens/s / measured bf16 matmul peak
   fraction_of_binding_ceiling   = full-extraction tokens/s / min(forward tokens/s, fsync'd disk B/s / bytes per token)
+where the disk's B/s is the best it wrote in the run: the single-file probes or the shard writers alone (several
+files at once, fsync'd, into a fresh folder), whichever was faster, so the ceiling is never understated.
 We store 3 aux states + the last state in bf16: 4 x H x 2 B = 8 x H bytes per token, the floor the issue names,
 plus 9 bytes of input_ids (int64) and loss_mask (uint8); nothing else (no other layers, no logits, no fp32).
 """
@@ -412,7 +414,10 @@ def bench(args) -> dict:
                         repeat=1)
         naive_tps = len(naive_seqs) * seq_len / t_naive
         disk_at_end = disk_bandwidth(Path(tmp), args.disk_probe_bytes, early_flush=True)
-    disk = max(disk, disk_after_full, disk_at_end)  # the ceiling stays the best this disk did in the run
+    disk_probe = max(disk, disk_after_full, disk_at_end)
+    # Several files written at once beat one file on this kind of disk (session 8: 2.31 against 1.93 GB/s), so the
+    # shard writers alone also measure the disk; the ceiling takes the best this disk did in the run.
+    disk = max(disk_probe, sweep[best] * bytes_per_token)
     ceiling = min(fwd_tps, disk / bytes_per_token)
     host_buffers = sum(b.numel() for b in extractor.host_pool._free)
     return {
@@ -426,6 +431,8 @@ def bench(args) -> dict:
         "forward_tokens_per_s": fwd_tps, "forward_mfu": mfu,
         "device_to_host_pinned_gb_per_s": copy_bw / 1e9,
         "disk_fsync_write_gb_per_s": disk / 1e9,
+        "disk_fsync_write_gb_per_s_single_file_probes": disk_probe / 1e9,
+        "disk_fsync_write_gb_per_s_shard_writers_alone": sweep[best] * bytes_per_token / 1e9,
         "disk_fsync_write_gb_per_s_final_fsync_only": disk_plain / 1e9,
         "disk_fsync_write_gb_per_s_early_flush": disk_early / 1e9,
         "disk_fsync_write_gb_per_s_early_flush_after_full": disk_after_full / 1e9,
