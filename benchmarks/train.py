@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftline.drafter.model import Eagle3Config, Eagle3Drafter, apply_rope, repeat_kv, rope_cos_sin  # noqa: E402
-from draftline.drafter.ttt import TTTModel  # noqa: E402
+from draftline.drafter.ttt import TTTModel, loss_plan  # noqa: E402
 
 GPU_SIZES = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, draft_vocab=32000, seq=2048,
                  rows=2, steps=7, chunk=2048)
@@ -171,11 +171,17 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
                        torch.bfloat16 if device.type == "cuda" else torch.float32,
                        one_key_shape=name != "draftline-per-step-keys")
     weights = torch.tensor([0.8 ** j for j in range(sizes["steps"])], device=device)
+    host_mask, host_docs = b["loss_mask"].cpu(), b["doc_ids"].cpu()  # the batch as the trainer collates it
 
-    def step() -> float:
+    def step() -> torch.Tensor:
+        """One training step as draftline's trainer runs it: the loss plan made on the host beside the batch
+        (pinned, copied without a wait), and the loss read after the next step is queued, not at once."""
         with autocast:
             if name.startswith("draftline"):
-                loss_sum, count, _, _ = ttt(**b)
+                plan = loss_plan(host_mask, host_docs, sizes["steps"])
+                if device.type == "cuda":
+                    plan = plan.pin_memory()
+                loss_sum, count, _, _ = ttt(**b, plan=plan.to(device, non_blocking=True))
                 loss = (weights * loss_sum / count.clamp(min=1)).sum()
             else:
                 loss = straightforward_loss(model, lm_head, b, sizes["steps"])
@@ -183,7 +189,7 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return loss.detach()
 
     def sync():
         if device.type == "cuda":
@@ -202,6 +208,7 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
         t0 = time.perf_counter()
         losses = [step() for _ in range(iters)]
         sync()
+        losses = [float(x) for x in losses]
         elapsed = time.perf_counter() - t0
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated()

@@ -77,6 +77,42 @@ def test_chunked_soft_cross_entropy_equals_the_plain_formula_and_gradient():
     torch.testing.assert_close(gw, pw)
 
 
+def test_row_weights_drop_rows_from_the_chunked_loss_and_its_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(23, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 16, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(23, 11, dtype=torch.float64), -1)
+    keep = torch.rand(23) > 0.4
+    loss, _ = SoftCrossEntropy.apply(x, w, p, 5, None, keep)
+    plain = -(p[keep] * torch.log_softmax(x[keep] @ w.t(), -1)).sum()
+    torch.testing.assert_close(loss.double(), plain)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    px, pw = torch.autograd.grad(plain, (x, w))
+    torch.testing.assert_close(gx, px)
+    torch.testing.assert_close(gw, pw)
+    assert gx[~keep].abs().max() == 0
+
+
+def test_a_loss_plan_made_on_the_host_gives_the_same_step_as_one_made_in_the_forward():
+    """Training makes the plan beside the batch (so the forward never waits for the device); it must change nothing."""
+    from draftline.drafter.ttt import loss_plan
+
+    torch.manual_seed(0)
+    model = drafter_with_draft_vocab()
+    ttt = TTTModel(model, torch.randn(50, 32), 3, 5, "eager", torch.float32).train()
+    batch = packed_batch()
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for plan in (None, loss_plan(batch["loss_mask"], batch["doc_ids"], 3)):
+        loss_sum, count, hit, total = ttt(**batch, plan=plan)
+        grads = torch.autograd.grad((loss_sum / count).sum(), params)
+        results.append((loss_sum.detach(), count, hit, total, grads))
+    for a, b in zip(results[0][:4], results[1][:4]):
+        assert torch.equal(a, b)
+    for a, b in zip(results[0][4], results[1][4]):
+        assert torch.equal(a, b)
+
+
 def test_target_distribution_is_renormalised_over_the_draft_vocabulary_in_chunks():
     torch.manual_seed(0)
     last, head = torch.randn(9, 8), torch.randn(20, 8)

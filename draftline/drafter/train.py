@@ -24,7 +24,7 @@ from draftline.config import DrafterConfig, TrainConfig
 from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_keys, pack_rows, rank_rows,
                                     read_shard_metadata, split_shards)
 from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
-from draftline.drafter.ttt import TTTModel, acceptance_length  # noqa: F401  (acceptance_length is re-exported)
+from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan  # noqa: F401  (acceptance_length is re-exported)
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.errors import ConfigError
 from draftline.target import resolve_device
@@ -290,6 +290,11 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     t0, tokens_seen = time.perf_counter(), 0
 
     def to_device(batch: dict) -> dict:
+        """The collated batch and its loss plan (made here, on the host) on the device. From pinned memory on a GPU:
+        a copy from pageable memory waits for the device to finish all queued work first."""
+        batch = dict(batch, plan=loss_plan(batch["loss_mask"], batch["doc_ids"], cfg.ttt_steps))
+        if device.type == "cuda":
+            batch = {k: v.pin_memory() for k, v in batch.items()}
         return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
     def validate() -> dict:
@@ -328,6 +333,22 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
             log.info("checkpoint %s", store.uri(key))
         barrier(d)
 
+    pending: list[dict] = []  # the last step's figures, still on the device
+
+    def record_pending() -> None:
+        """The last step's figures into the history and the log. Read one step late, after the next step is
+        queued: reading them at once would make the host wait for the device at every step, and the device
+        would then idle while the host prepares and issues the next one."""
+        while pending:
+            p = pending.pop()
+            entry = {"step": p["step"], "loss": float(p["loss"]), "lr": p["lr"], "grad_norm": float(p["grad_norm"]),
+                     "accuracy": (p["stats"][1] / p["stats"][2].clamp(min=1)).tolist()}
+            history["train"].append(entry)
+            if d.main and (entry["step"] % cfg.log_every == 0 or entry["step"] == cfg.max_steps):
+                rate = p["tokens_seen"] / max(1e-9, time.perf_counter() - t0)  # the step is done: its figures are read
+                log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s", entry["step"], cfg.max_steps,
+                         entry["loss"], entry["accuracy"][0], entry["lr"], rate)
+
     ttt.train()
     try:
         while step < cfg.max_steps:
@@ -344,17 +365,15 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            record_pending()  # the step before this one, now that this one is queued
             step += 1
             tokens_seen += sum(len(s) for s in batch)
-            global_loss = all_sum(loss.detach() / d.world, d)
-            entry = {"step": step, "loss": float(global_loss), "lr": scheduler.get_last_lr()[0],
-                     "grad_norm": float(grad_norm), "accuracy": (stats[1] / stats[2].clamp(min=1)).tolist()}
-            history["train"].append(entry)
-            if d.main and (step % cfg.log_every == 0 or step == cfg.max_steps):
-                rate = tokens_seen / max(1e-9, time.perf_counter() - t0)
-                log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s", step, cfg.max_steps, entry["loss"],
-                         entry["accuracy"][0], entry["lr"], rate)
-            if val_keys and (step % cfg.val_every == 0 or step == cfg.max_steps):
+            pending.append({"step": step, "loss": all_sum(loss.detach() / d.world, d), "lr": scheduler.get_last_lr()[0],
+                            "grad_norm": grad_norm, "stats": stats, "tokens_seen": tokens_seen})
+            validating = bool(val_keys) and (step % cfg.val_every == 0 or step == cfg.max_steps)
+            if validating or step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+                record_pending()  # the log in step order, and a checkpoint holds the history up to its step
+            if validating:
                 v = validate()
                 history["val"].append(v)
                 if d.main:

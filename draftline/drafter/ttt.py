@@ -1,7 +1,7 @@
 """The training-time-test graph: k unrolled draft steps, their causal-plus-diagonal attention, and the chunked soft loss."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -149,18 +149,22 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
 
 
 # ---- loss -------------------------------------------------------------------------------------------------------
-def soft_ce_chunk(z: torch.Tensor, p: torch.Tensor, grad_out: torch.Tensor | None = None):
-    """For logits z and target probabilities p [n, V]: sum of the rows' soft cross-entropy and each row's argmax;
-    with grad_out, the loss's gradient wrt z, softmax(z) - p, written into it (in its dtype). In fp32 (or z's
-    wider dtype) inside. Written into, not returned: compiled, the kernel stores straight into the caller's buffer
-    instead of a new tensor that would then be copied there."""
+def soft_ce_chunk(z: torch.Tensor, p: torch.Tensor, grad_out: torch.Tensor | None = None,
+                  row_weight: torch.Tensor | None = None):
+    """For logits z and target probabilities p [n, V]: sum of the rows' soft cross-entropy (each times its
+    row_weight [n], when given) and each row's argmax; with grad_out, the loss's gradient wrt z, (softmax(z) - p)
+    times the row's weight, written into it (in its dtype). In fp32 (or z's wider dtype) inside. Written into, not
+    returned: compiled, the kernel stores straight into the caller's buffer instead of a new tensor copied there."""
     acc = torch.promote_types(z.dtype, torch.float32)
     z, p = z.to(acc), p.to(acc)
     lse = torch.logsumexp(z, dim=-1)
-    total = (lse * p.sum(-1) - (p * z).sum(-1)).sum()
+    per_row = lse * p.sum(-1) - (p * z).sum(-1)
+    if row_weight is not None:
+        per_row = per_row * row_weight.to(acc)
     if grad_out is not None:
-        grad_out.copy_(torch.exp(z - lse[:, None]) - p)
-    return total, z.argmax(-1)
+        grad = torch.exp(z - lse[:, None]) - p
+        grad_out.copy_(grad if row_weight is None else grad * row_weight.to(acc)[:, None])
+    return per_row.sum(), z.argmax(-1)
 
 
 # On CUDA one pass over z and p and one write of the gradient, where eager PyTorch makes about ten passes over fp32
@@ -169,14 +173,17 @@ soft_ce_chunk_fused = compiled_on_device(soft_ce_chunk)
 
 
 class SoftCrossEntropy(torch.autograd.Function):
-    """sum_rows CE(target_probs, softmax(x @ weight.T)) in row chunks, never holding all logits in fp32.
+    """sum_rows row_weight x CE(target_probs, softmax(x @ weight.T)) in row chunks, never holding all logits in fp32.
 
     The gradient (softmax - p) is formed chunk by chunk in the forward and kept in the compute dtype, so the
-    backward is two matmuls and the fp32 logits/log-softmax of every row never exist at once.
+    backward is two matmuls and the fp32 logits/log-softmax of every row never exist at once. row_weight [n]
+    (0 or 1 in training: whether the row's target lies in the draft vocabulary) drops rows from the loss without
+    a device-to-host wait to find them.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, target_probs, chunk: int, shared: SharedWeightGrad | None = None):
+    def forward(ctx, x, weight, target_probs, chunk: int, shared: SharedWeightGrad | None = None,
+                row_weight: torch.Tensor | None = None):
         rows = x.shape[0]
         acc = torch.promote_types(x.dtype, torch.float32)
         total = torch.zeros((), dtype=acc, device=x.device)
@@ -186,7 +193,8 @@ class SoftCrossEntropy(torch.autograd.Function):
         for a in range(0, rows, chunk):
             part, preds[a:a + chunk] = soft_ce_chunk_fused(torch.matmul(x[a:a + chunk], weight.t()),
                                                            target_probs[a:a + chunk],
-                                                           coeff[a:a + chunk] if need_grad else None)
+                                                           coeff[a:a + chunk] if need_grad else None,
+                                                           None if row_weight is None else row_weight[a:a + chunk])
             total += part
         ctx.save_for_backward(x, weight, coeff)
         ctx.shared = shared  # the weight's gradient summed in place over the TTT steps
@@ -201,7 +209,7 @@ class SoftCrossEntropy(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (ctx.shared or SharedWeightGrad()).add(coeff.t(), x * scale)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 @torch.no_grad()
@@ -221,6 +229,37 @@ def target_distribution(last: torch.Tensor, lm_head: torch.Tensor, draft_ids: to
         argmax[a:a + chunk] = z.argmax(-1)
         probs[a:a + chunk] = torch.softmax(z.index_select(1, draft_ids).float(), dim=-1).to(dtype)
     return probs, t2d[argmax], argmax
+
+
+class LossPlan(NamedTuple):
+    """Which slots enter each TTT step's loss, from the batch's loss mask and doc ids alone (no target needed), so
+    it can be made on the host beside the batch: slots[j] [n_j] (flat, ascending) and lossable [k] (the n_j)."""
+    slots: list[torch.Tensor]
+    lossable: torch.Tensor
+
+    def to(self, device, non_blocking: bool = False) -> "LossPlan":
+        return LossPlan([s.to(device, non_blocking=non_blocking) for s in self.slots],
+                        self.lossable.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "LossPlan":
+        return LossPlan([s.pin_memory() for s in self.slots], self.lossable.pin_memory())
+
+
+def loss_plan(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> LossPlan:
+    """The LossPlan of a batch [R, T] for an unroll of `steps`. Slot t at step j predicts token t+2+j from the
+    target's distribution at t+1+j: it is lossable when that token is in the loss and in the same sequence.
+    On the host (CPU tensors) it costs the device nothing; on the device it waits for it once (nonzero)."""
+    r, t = loss_mask.shape
+
+    def ahead(x, fill, first):  # [k, R, T]: x[:, s + first + j] at step j, `fill` past the end (views of one cat)
+        windows = torch.cat([x, x.new_full((r, steps + 2), fill)], dim=1).unfold(1, t, 1)
+        return windows[:, first:first + steps].transpose(0, 1)
+
+    lossable = ((ahead(doc_ids, -1, 2) == doc_ids) & (doc_ids >= 0) & ahead(loss_mask.bool(), False, 2))
+    lossable = lossable.reshape(steps, r * t)
+    slot = lossable.nonzero()[:, 1]  # step-major, ascending slots within a step
+    counts = lossable.sum(1)
+    return LossPlan(list(slot.split(counts.tolist())), counts)
 
 
 class TTTModel(nn.Module):
@@ -271,54 +310,40 @@ class TTTModel(nn.Module):
             hidden = m.midlayer.finish(hidden, attn, fused=True, steps=steps)
             yield hidden
 
-    def loss_rows(self, loss_mask, doc_ids, in_vocab):
-        """Per step: the flat slots [n_j] that enter the loss, the slots they read the target at, and the number of
-        lossable slots (before dropping targets outside the draft vocabulary).
-
-        All steps at once, so the forward waits on the device once instead of at every step's nonzero().
-        Slot t at step j predicts token t+2+j from the target's distribution at t+1+j, inside one sequence.
-        """
-        r, t = loss_mask.shape
-        k = self.steps
-
-        def ahead(x, fill, first):  # [k, R, T]: x[:, s + first + j] at step j, `fill` past the end (views of one cat)
-            windows = torch.cat([x, x.new_full((r, k + 2), fill)], dim=1).unfold(1, t, 1)
-            return windows[:, first:first + k].transpose(0, 1)
-
-        # Step j (shift 1 + j): slot s is lossable when the token it predicts, at s + shift + 1, is in the loss and
-        # in the same sequence; its target, read at s + shift, must lie in the draft vocabulary.
-        lossable = ((ahead(doc_ids, -1, 2) == doc_ids) & (doc_ids >= 0) & ahead(loss_mask, False, 2))
-        target_in_vocab = ahead(in_vocab.view(r, t), False, 1)
-        kept = (lossable & target_in_vocab).reshape(k, r * t)
-        slot = kept.nonzero()[:, 1]  # step-major, ascending slots within a step
-        counts = kept.sum(1)
-        slots = slot.split(counts.tolist())
-        return [(rows, rows + 1 + j) for j, rows in enumerate(slots)], counts, lossable.reshape(k, -1).sum(1)
-
     def loss_input(self, hidden, rows):
         """The final norm of the rows that enter the loss, in the compute dtype [n, H]."""
         normed = self.drafter.norm(hidden, fused=True)
         return normed.reshape(-1, hidden.shape[-1]).index_select(0, rows).to(self.compute_dtype)
 
-    def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux, last):
+    def forward(self, input_ids, loss_mask, doc_ids, position_ids, aux, last, plan: LossPlan | None = None):
+        """Per step: (loss sum, rows in the loss, top-1 hits, lossable rows), over the lossable slots whose target
+        token lies in the draft vocabulary. plan: loss_plan(loss_mask, doc_ids, k) made on the host and copied
+        over; without it, it is made here, after step 0 is queued, with one wait for the device."""
         m = self.drafter
         r, t = input_ids.shape
         dt = self.compute_dtype
         probs, in_vocab, target_argmax = target_distribution(
             last.reshape(r * t, -1), self.target_lm_head, m.draft_token_ids, m.t2d, self.chunk, dt)
-        loss_sums, hits, rows_per_step = [], [], None
+        loss_sums, counts, hits = [], [], []
         steps = StepWeights()
         lm_w, lm_grad = steps.weight(m.lm_head, dt)
         for j, hidden in enumerate(self.unroll(input_ids, doc_ids, position_ids, aux, steps)):
-            if rows_per_step is None:  # after step 0 is queued, so the device stays busy while the host waits
-                rows_per_step, counts, totals = self.loss_rows(loss_mask, doc_ids, in_vocab)
-            rows, src = rows_per_step[j]
+            if plan is None:  # after step 0 is queued, so the device stays busy while the host waits
+                plan = loss_plan(loss_mask, doc_ids, self.steps)
+            rows = plan.slots[j]
+            src = rows + 1 + j  # where the target's distribution for each row's prediction was computed
+            # A row whose target lies outside the draft vocabulary stays in the matmuls with weight 0: finding and
+            # dropping it would need the device's answer on the host, and the device would idle meanwhile.
+            keep = in_vocab.index_select(0, src)
             # Recomputed in backward from the bf16 hidden instead of keeping the norm's fp32 intermediates.
             x = recomputed(self.loss_input, hidden, rows)
-            loss_sum, preds = SoftCrossEntropy.apply(x, lm_w, probs.index_select(0, src), self.draft_chunk, lm_grad)
+            loss_sum, preds = SoftCrossEntropy.apply(x, lm_w, probs.index_select(0, src), self.draft_chunk, lm_grad,
+                                                     keep)
             loss_sums.append(loss_sum)
-            hits.append((m.draft_to_target(preds) == target_argmax[src]).sum())
-        return torch.stack(loss_sums), counts.float(), torch.stack(hits).float(), totals.float()
+            counts.append(keep.sum())
+            # A target outside the draft vocabulary is never hit: the drafter predicts inside it.
+            hits.append((m.draft_to_target(preds) == target_argmax.index_select(0, src)).sum())
+        return torch.stack(loss_sums), torch.stack(counts).float(), torch.stack(hits).float(), plan.lossable.float()
 
 
 def acceptance_length(acc: list[float]) -> float:
