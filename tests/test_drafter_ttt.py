@@ -307,6 +307,28 @@ def test_rows_mostly_padding_cost_no_attention_between_padding_blocks():
     assert step0.tolist() == [1, 1, 1, 1]  # each block of row 1 meets only its own diagonal block
 
 
+def test_block_masks_carry_the_same_backward_block_lists_as_flex_attention_derives():
+    """The backward of flex attention walks query blocks per key block; ours come from the dense masks, torch's
+    from_kv_blocks derives them from the key-block lists. They must agree exactly, or gradients go wrong on a GPU."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from draftline.drafter.ttt import ttt_block_masks
+
+    doc = torch.full((2, 300), -1, dtype=torch.long)
+    doc[0, :100], doc[0, 100:290], doc[1, :260] = 0, 1, 0
+    for mask in ttt_block_masks(doc, 3):
+        derived = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                           mask.full_kv_indices, BLOCK_SIZE=mask.BLOCK_SIZE, seq_lengths=mask.seq_lengths)
+        for name in ("q_num_blocks", "full_q_num_blocks"):
+            assert torch.equal(getattr(mask, name), getattr(derived, name)), name
+        for num, name in (("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+            counts = getattr(mask, num)  # past each row's count the order of absent blocks does not matter
+            ours, theirs = getattr(mask, name), getattr(derived, name)
+            used = torch.arange(ours.shape[-1]) < counts[..., None]
+            assert torch.equal(ours[used], theirs[used]), name
+        assert int(mask.q_num_blocks.sum()) > 0
+
+
 def test_padding_a_batch_to_a_fixed_length_changes_no_loss_count_or_hit():
     torch.manual_seed(0)
     model = drafter_with_draft_vocab()

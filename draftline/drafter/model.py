@@ -165,9 +165,18 @@ class StepWeights:
             self._weights[module] = (module.weight.to(dtype), SharedWeightGrad())
         return self._weights[module]
 
-    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """module(x) without bias, in the dtype autocast would pick."""
-        weight, shared = self.weight(module, matmul_dtype(x))
+    def stacked_weight(self, modules: tuple[nn.Linear, ...], dtype: torch.dtype) -> tuple[torch.Tensor, SharedWeightGrad]:
+        """The modules' weights stacked along their outputs, in dtype: one matmul for linears that read one input."""
+        if modules not in self._weights:
+            self._weights[modules] = (torch.cat([m.weight for m in modules]).to(dtype), SharedWeightGrad())
+        return self._weights[modules]
+
+    def linear(self, module: nn.Linear | tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
+        """module(x) without bias, in the dtype autocast would pick; for a tuple of modules, their outputs
+        concatenated along the last dimension, from one matmul."""
+        dtype = matmul_dtype(x)
+        weight, shared = (self.stacked_weight(module, dtype) if isinstance(module, tuple)
+                          else self.weight(module, dtype))
         x = x.to(weight.dtype)
         if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
             return _SharedGradLinear.apply(x, weight, shared)
@@ -177,6 +186,14 @@ class StepWeights:
 def project(module: nn.Linear, x: torch.Tensor, steps: StepWeights | None) -> torch.Tensor:
     """module(x), through the training forward's StepWeights when there is one."""
     return module(x) if steps is None else steps.linear(module, x)
+
+
+def project_each(modules: tuple[nn.Linear, ...], x: torch.Tensor, steps: StepWeights | None) -> list[torch.Tensor]:
+    """[m(x) for m in modules]. In the training forward one matmul over the stacked weights, split into views: on a
+    GPU the host issues kernels more slowly than the device runs them, so fewer and larger matmuls win."""
+    if steps is None:
+        return [m(x) for m in modules]
+    return list(steps.linear(modules, x).split([m.out_features for m in modules], dim=-1))
 
 
 COMPILE_DEVICES = ("cuda",)  # where compiled_on_device compiles; CPU runs (and CI) need no C compiler
@@ -296,10 +313,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, fused: bool = False, steps: StepWeights | None = None):
-        to_gate, to_up = matmul_inputs(x, 2)
         # silu(gate) * up is recomputed in backward: [tokens x intermediate] tensors are the layer's largest.
         act = silu_mul_fused if fused else silu_mul
-        gate, up = project(self.gate_proj, to_gate, steps), project(self.up_proj, to_up, steps)
+        if steps is None:
+            to_gate, to_up = matmul_inputs(x, 2)
+            gate, up = self.gate_proj(to_gate), self.up_proj(to_up)
+        else:
+            gate, up = project_each((self.gate_proj, self.up_proj), x, steps)
         return project(self.down_proj, recomputed(act, gate, up), steps)
 
 
@@ -326,10 +346,15 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         att = self.self_attn
         # The norms are recomputed in backward from the bf16 inputs instead of keeping their fp32 intermediates.
-        to_q, to_k, to_v = matmul_inputs(recomputed(self.attention_input, embeds, hidden, fused), 3)
-        q = project(att.q_proj, to_q, steps).view(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = project(att.k_proj, to_k, steps).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        v = project(att.v_proj, to_v, steps).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        x = recomputed(self.attention_input, embeds, hidden, fused)
+        if steps is None:
+            to_q, to_k, to_v = matmul_inputs(x, 3)
+            q, k, v = att.q_proj(to_q), att.k_proj(to_k), att.v_proj(to_v)
+        else:
+            q, k, v = project_each((att.q_proj, att.k_proj, att.v_proj), x, steps)
+        q = q.view(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = (rope_qk_tables_fused if fused else rope_qk_tables)(q, k, *rope)
             return q.transpose(1, 2), k.transpose(1, 2), v

@@ -94,9 +94,14 @@ def ttt_block_masks(doc_ids: torch.Tensor, key_steps: int, runs: Iterable[int] |
 
     num, idx = ordered(partial)  # [runs, R, 1, n_q], [runs, R, 1, n_q, n_kv]
     full_num, full_idx = ordered(full_kv)
-    return [BlockMask.from_kv_blocks(num[i], idx[i], full_num, full_idx, BLOCK_SIZE=block,
-                                     mask_mod=ttt_mask_mod(doc_ids, torch.full((), n, device=dev)),
-                                     seq_lengths=(t, key_steps * t))
+    # The backward's view (query blocks per key block) from the same dense masks, transposed: from_kv_blocks would
+    # rebuild each dense mask from the indices under a nested vmap, about 1 ms of host time per mask.
+    q_num, q_idx = ordered(partial.transpose(-1, -2))
+    full_q_num, full_q_idx = ordered(full_kv.transpose(-1, -2))
+    return [BlockMask(seq_lengths=(t, key_steps * t), kv_num_blocks=num[i], kv_indices=idx[i],
+                      full_kv_num_blocks=full_num, full_kv_indices=full_idx, q_num_blocks=q_num[i],
+                      q_indices=q_idx[i], full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+                      BLOCK_SIZE=(block, block), mask_mod=ttt_mask_mod(doc_ids, torch.full((), n, device=dev)))
             for i, n in enumerate(runs)]
 
 
@@ -297,13 +302,12 @@ class TTTModel(nn.Module):
                  if self.attention is ttt_attention_flex and self.one_key_shape else [None] * self.steps)
         hidden = m.fc(aux.to(self.compute_dtype))
         cos, sin = rope_tables(position_ids, self.steps, m.config.head_dim, m.config.rope_theta, hidden.dtype)
+        # Every step's input embeddings in one lookup [k, R, T, H]: step j reads token t+1+j, 0 past the end.
+        padded = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], self.steps)], dim=1)
+        embeds = m.embed_tokens(padded.unfold(1, t, 1)[:, 1:self.steps + 1].transpose(0, 1)).to(hidden.dtype)
         ks, vs = [], []
         for j in range(self.steps):
-            shift = 1 + j
-            tokens = torch.zeros_like(input_ids)
-            tokens[:, : max(0, t - shift)] = input_ids[:, shift:]
-            q, k, v = m.midlayer.qkv(m.embed_tokens(tokens).to(hidden.dtype), hidden, None, fused=True,
-                                     rope=(cos[j], sin[j]), steps=steps)
+            q, k, v = m.midlayer.qkv(embeds[j], hidden, None, fused=True, rope=(cos[j], sin[j]), steps=steps)
             ks.append(k)
             vs.append(v)
             attn = self.attention(q, ks, vs, doc_ids, self.steps if self.one_key_shape else None, masks[j])
