@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import platform
 import resource
@@ -215,8 +216,12 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         tokens = sizes["rows"] * sizes["seq"] * iters
+        if not all(map(math.isfinite, losses)):  # the time of a step that computes garbage is no result
+            queue.put({"impl": name, "ok": False, "error": f"loss not finite in the timed steps: {losses}",
+                       "step_s_not_a_result": elapsed / iters})
+            return
         queue.put({"impl": name, "ok": True, "tokens_per_s": tokens / elapsed, "step_s": elapsed / iters,
-                   "peak_memory_bytes": int(peak), "loss": losses[-1]})
+                   "peak_memory_bytes": int(peak), "loss_first": losses[0], "loss": losses[-1]})
     except torch.cuda.OutOfMemoryError as exc:  # the straightforward step may not fit; that is a result too
         queue.put({"impl": name, "ok": False, "error": f"out of memory: {str(exc).splitlines()[0]}"})
 

@@ -327,6 +327,9 @@ def test_block_masks_carry_the_same_backward_block_lists_as_flex_attention_deriv
             used = torch.arange(ours.shape[-1]) < counts[..., None]
             assert torch.equal(ours[used], theirs[used]), name
         assert int(mask.q_num_blocks.sum()) > 0
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):  # the kernels read them as contiguous
+            assert getattr(mask, name).is_contiguous(), name
 
 
 def test_padding_a_batch_to_a_fixed_length_changes_no_loss_count_or_hit():

@@ -89,8 +89,11 @@ def ttt_block_masks(doc_ids: torch.Tensor, key_steps: int, runs: Iterable[int] |
     partial = base[None] | torch.stack([upto[n - 1] for n in runs])[:, None]
 
     def ordered(dense):  # (count per query block, key-block indices with the present ones first, ascending)
+        # Contiguous: flex attention's kernels step through the indices as if they were (a transposed dense mask
+        # sorts into strided ones, and the backward then reads the wrong blocks).
         order = torch.sort((~dense).to(torch.int16), dim=-1, stable=True).indices
-        return dense.sum(-1, dtype=torch.int32).unsqueeze(-2), order.to(torch.int32).unsqueeze(-3)
+        return (dense.sum(-1, dtype=torch.int32).unsqueeze(-2),
+                order.to(torch.int32, memory_format=torch.contiguous_format).unsqueeze(-3).contiguous())
 
     num, idx = ordered(partial)  # [runs, R, 1, n_q], [runs, R, 1, n_q, n_kv]
     full_num, full_idx = ordered(full_kv)
