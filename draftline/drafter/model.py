@@ -188,6 +188,14 @@ def project(module: nn.Linear, x: torch.Tensor, steps: StepWeights | None) -> to
     return module(x) if steps is None else steps.linear(module, x)
 
 
+def project_each(modules: tuple[nn.Linear, ...], x: torch.Tensor, steps: StepWeights | None) -> list[torch.Tensor]:
+    """[m(x) for m in modules]. In the training forward one matmul over the stacked weights, split into views: on a
+    GPU the host issues kernels more slowly than the device runs them, so fewer and larger matmuls win."""
+    if steps is None:
+        return [m(x) for m in modules]
+    return list(steps.linear(modules, x).split([m.out_features for m in modules], dim=-1))
+
+
 COMPILE_DEVICES = ("cuda",)  # where compiled_on_device compiles; CPU runs (and CI) need no C compiler
 
 
@@ -195,30 +203,22 @@ def compiled_on_device(fn):
     """fn, run through torch.compile (inductor, dynamic shapes) when its first argument lives on a device in
     COMPILE_DEVICES, eagerly elsewhere. For elementwise stretches that eager PyTorch runs as one pass over memory per
     op (norms, SiLU, rotary, the loss over the draft vocabulary): compiled, each is a kernel or two. Dynamic shapes,
-    because token counts differ per batch and per TTT step, and recompiling for each would hit dynamo's limit.
-    Keyword arguments are constants of the kernel (head counts): one compile per distinct set."""
-    compiled = {}
+    because token counts differ per batch and per TTT step, and recompiling for each would hit dynamo's limit."""
+    compiled = None
 
     @functools.wraps(fn)
-    def run(*args, **constants):
+    def run(*args):
+        nonlocal compiled
         if args[0].device.type not in COMPILE_DEVICES:
-            return fn(*args, **constants)
-        key = tuple(sorted(constants.items()))
-        if key not in compiled:
-            compiled[key] = torch.compile(functools.partial(fn, **constants), dynamic=True)
-        return compiled[key](*args)
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(*args)
 
     return run
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up from one matmul's output [.., 2 x intermediate] (gate first). Compiled, the forward reads it
-    contiguously and the backward writes its whole gradient in one kernel (split views would need a cat)."""
-    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -260,18 +260,7 @@ def rope_qk_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def rope_qkv_packed(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
-    """q and k with rotary, and v, each [B, T, heads, hd], from one matmul's output [B, T, (heads + 2 kv_heads) hd]
-    and cos/sin [B, T, 1, hd] from rope_tables. v is copied out, so that compiled, the backward writes the gradient
-    of the whole projection in one kernel."""
-    b, t, _ = qkv.shape
-    q, k, v = qkv.view(b, t, heads + 2 * kv_heads, cos.shape[-1]).split([heads, kv_heads, kv_heads], dim=2)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.clone()
-
-
 silu_mul_fused = compiled_on_device(silu_mul)
-silu_mul_packed_fused = compiled_on_device(silu_mul_packed)
-rope_qkv_packed_fused = compiled_on_device(rope_qkv_packed)
 rms_norm_fused = compiled_on_device(rms_norm)
 norm_pair_cat_fused = compiled_on_device(norm_pair_cat)
 rope_qk_tables_fused = compiled_on_device(rope_qk_tables)
@@ -328,10 +317,10 @@ class MLP(nn.Module):
         act = silu_mul_fused if fused else silu_mul
         if steps is None:
             to_gate, to_up = matmul_inputs(x, 2)
-            return self.down_proj(recomputed(act, self.gate_proj(to_gate), self.up_proj(to_up)))
-        # Training: gate and up from one matmul over the stacked weights, read by one kernel.
-        gate_up = steps.linear((self.gate_proj, self.up_proj), x)
-        return project(self.down_proj, recomputed(silu_mul_packed_fused if fused else silu_mul_packed, gate_up), steps)
+            gate, up = self.gate_proj(to_gate), self.up_proj(to_up)
+        else:
+            gate, up = project_each((self.gate_proj, self.up_proj), x, steps)
+        return project(self.down_proj, recomputed(act, gate, up), steps)
 
 
 class DecoderLayer(nn.Module):
@@ -358,15 +347,14 @@ class DecoderLayer(nn.Module):
         att = self.self_attn
         # The norms are recomputed in backward from the bf16 inputs instead of keeping their fp32 intermediates.
         x = recomputed(self.attention_input, embeds, hidden, fused)
-        if steps is not None and rope is not None:  # training: one matmul, one kernel for the rotary and the split
-            qkv = steps.linear((att.q_proj, att.k_proj, att.v_proj), x)
-            q, k, v = (rope_qkv_packed_fused if fused else rope_qkv_packed)(
-                qkv, *rope, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads)
-            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        to_q, to_k, to_v = matmul_inputs(x, 3)
-        q = project(att.q_proj, to_q, steps).view(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = project(att.k_proj, to_k, steps).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        v = project(att.v_proj, to_v, steps).view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        if steps is None:
+            to_q, to_k, to_v = matmul_inputs(x, 3)
+            q, k, v = att.q_proj(to_q), att.k_proj(to_k), att.v_proj(to_v)
+        else:
+            q, k, v = project_each((att.q_proj, att.k_proj, att.v_proj), x, steps)
+        q = q.view(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = (rope_qk_tables_fused if fused else rope_qk_tables)(q, k, *rope)
             return q.transpose(1, 2), k.transpose(1, 2), v
