@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftline.drafter.model import Eagle3Config, Eagle3Drafter, apply_rope, repeat_kv, rope_cos_sin  # noqa: E402
+from draftline.drafter import ttt as ttt_module  # noqa: E402
 from draftline.drafter.ttt import TTTModel, loss_plan  # noqa: E402
 
 GPU_SIZES = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, draft_vocab=32000, seq=2048,
@@ -157,8 +158,9 @@ def matmul_flops_per_step(sizes: dict, loss_rows: list[int]) -> float:
 
 
 def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, threads: int, queue,
-             profile: str | None = None) -> None:
+             profile: str | None = None, flex_mode: str | None = None) -> None:
     device = torch.device(device_kind)
+    ttt_module.FLEX_COMPILE_MODE = flex_mode
     if device.type == "cpu":
         torch.set_num_threads(threads)
     b = batch(sizes, device)
@@ -313,6 +315,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="override a size, e.g. rows=1")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (oversubscribed OpenMP crawls on a shared box)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train-<hw>.json)")
+    parser.add_argument("--flex-mode", default=None, metavar="MODE",
+                        help="torch.compile mode for flex attention, e.g. max-autotune-no-cudagraphs (not yet measured)")
     parser.add_argument("--impls", default=None, metavar="A,B",
                         help="only these implementations (a quick look; the JSON's ratios need draftline and straightforward)")
     parser.add_argument("--profile", default=None, metavar="PATH",
@@ -342,7 +346,7 @@ def main() -> int:
     for impl in impls:
         queue = ctx.Queue()
         proc = ctx.Process(target=run_impl, args=(impl, sizes, device.type, iters, warmup, args.threads, queue,
-                                                  args.profile))
+                                                  args.profile, args.flex_mode))
         proc.start()
         proc.join()
         results[impl] = queue.get() if not queue.empty() else {"impl": impl, "ok": False,
@@ -368,6 +372,7 @@ def main() -> int:
         "benchmark": "train", "hardware": hw, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
         "torch": torch.__version__, "sizes": sizes, "iters": iters, "measured_peak_tflops": peak,
         "matmul_flops_per_step": flops, "loss_rows_per_step": loss_rows,
+        "flex_compile_mode": args.flex_mode,
         "loss_rows_fraction": sum(loss_rows) / (sizes["rows"] * sizes["seq"] * sizes["steps"]), "results": results,
         "train_mfu": ours.get("mfu"),
         "train_tokens_per_s": ours.get("tokens_per_s"),

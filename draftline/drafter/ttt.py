@@ -127,6 +127,9 @@ def ttt_mask_mod(doc_ids: torch.Tensor, steps: torch.Tensor | None = None):
 
 
 _FLEX = None
+# torch.compile's mode for flex attention. "max-autotune-no-cudagraphs" lets inductor time its candidate block sizes
+# for the forward and backward kernels on the first call (minutes of compiling); None keeps its defaults.
+FLEX_COMPILE_MODE: str | None = None
 
 
 def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], doc_ids: torch.Tensor,
@@ -141,7 +144,7 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     from torch.nn.attention.flex_attention import flex_attention
 
     if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+        _FLEX = torch.compile(flex_attention, dynamic=False, mode=FLEX_COMPILE_MODE) if q.is_cuda else flex_attention
     run = len(ks)
     total = max(run, total_steps or run)
     if total > run:
