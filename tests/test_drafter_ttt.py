@@ -258,13 +258,32 @@ def test_compiled_elementwise_path_of_gpu_training_gives_the_plain_loss_accuracy
     check_ttt_step_against_plain("eager")
 
 
-def check_ttt_step_against_plain(attention: str) -> None:
+def test_keys_and_values_in_one_buffer_per_unroll_give_the_plain_loss_and_gradients():
+    """StepSlots writes each step's keys into one buffer behind autograd's back; the gradients must still be exact."""
+    check_ttt_step_against_plain("eager", key_slots=True)
+
+
+def test_flex_attention_over_the_key_slots_matches_the_cat_of_every_step():
+    torch.manual_seed(0)
+    model = drafter_with_draft_vocab()
+    batch = packed_batch()
+    outputs = []
+    for key_slots in (False, True):
+        ttt = TTTModel(model, torch.randn(50, 32, generator=torch.Generator().manual_seed(3)), 3, 5, "flex",
+                       torch.float32, key_slots=key_slots).eval()
+        with torch.no_grad():
+            outputs.append(ttt(**batch))
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def check_ttt_step_against_plain(attention: str, key_slots: bool = False) -> None:
     torch.manual_seed(0)
     model = drafter_with_draft_vocab()
     head, steps, batch = torch.randn(50, 32), 3, packed_batch()
     weights = torch.tensor([0.8 ** j for j in range(steps)])
 
-    ttt = TTTModel(model, head, steps, 5, attention, torch.float32).train()
+    ttt = TTTModel(model, head, steps, 5, attention, torch.float32, key_slots=key_slots).train()
     with torch.set_grad_enabled(attention == "eager"):
         loss_sum, count, hit, total = ttt(**batch)
         plain = plain_ttt_step(model, head, steps, **batch)

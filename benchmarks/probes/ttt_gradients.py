@@ -1,5 +1,6 @@
 """GPU correctness probe: the TTT step with compiled flex attention (what GPU training runs) against the exact eager
-TTT attention, on the same drafter and batch: per-step loss sums, counts and hits, and every parameter's gradient.
+TTT attention, on the same drafter and batch: per-step loss sums, counts and hits, and every parameter's gradient;
+with the keys and values in one buffer per unroll (key_slots) and without.
 
     python3 benchmarks/probes/ttt_gradients.py      # needs a CUDA device; exits 1 when they disagree
 
@@ -35,7 +36,7 @@ def batch(device, r=2, t=640, h=256, vocab=4096):
     }
 
 
-def step(attention: str, device, compute_dtype, steps=3, h=256, vocab=4096, draft=2048):
+def step(attention: str, device, compute_dtype, key_slots=False, steps=3, h=256, vocab=4096, draft=2048):
     cfg = Eagle3Config(hidden_size=h, intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=h // 4, vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=h,
                        aux_layer_ids=[1, 3, 5])
@@ -47,7 +48,7 @@ def step(attention: str, device, compute_dtype, steps=3, h=256, vocab=4096, draf
     model.set_vocab(used - torch.arange(draft), t2d)
     model.to(device)
     head = (torch.randn(vocab, h, generator=torch.Generator().manual_seed(2)) * h ** -0.5).to(device)
-    ttt = TTTModel(model, head, steps, 256, attention, compute_dtype).train()
+    ttt = TTTModel(model, head, steps, 256, attention, compute_dtype, key_slots=key_slots).train()
     b = batch(device)
     plan = loss_plan(b["loss_mask"].cpu(), b["doc_ids"].cpu(), steps).to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16)
@@ -66,9 +67,9 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda")
     failed = False
-    for dtype, tol in ((torch.float32, 2e-3), (torch.bfloat16, 5e-2)):
-        (f_out, f_grads), (e_out, e_grads) = step("flex", device, dtype), step("eager", device, dtype)
-        print(f"compute dtype {dtype}: loss sums flex {f_out[0].tolist()} eager {e_out[0].tolist()}")
+    for (dtype, tol), key_slots in ((x, y) for y in (False, True) for x in ((torch.float32, 2e-3), (torch.bfloat16, 5e-2))):
+        (f_out, f_grads), (e_out, e_grads) = step("flex", device, dtype, key_slots), step("eager", device, dtype)
+        print(f"compute dtype {dtype}, key_slots {key_slots}: loss sums flex {f_out[0].tolist()} eager {e_out[0].tolist()}")
         # Counts and totals exactly; hits (top-1 argmax) may flip on near ties between two roundings.
         same_counts = (torch.equal(f_out[1], e_out[1]) and torch.equal(f_out[3], e_out[3])
                        and bool(((f_out[2] - e_out[2]).abs() <= 0.01 * e_out[1]).all()))

@@ -140,11 +140,6 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     unroll has one shape. Compiled flex attention recompiles for every new key length and gives up after
     torch._dynamo's recompile limit (8): with k = 7, training and validation alone would need 14 variants.
     block_mask: this step's, from ttt_block_masks (built here when not given)."""
-    global _FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False, mode=FLEX_COMPILE_MODE) if q.is_cuda else flex_attention
     run = len(ks)
     total = max(run, total_steps or run)
     if total > run:
@@ -152,11 +147,57 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
         ks, vs = ks + [blank] * (total - run), vs + [blank] * (total - run)
     if block_mask is None:
         block_mask = ttt_block_masks(doc_ids, total, [run])[0]
-    groups = q.shape[1] // ks[0].shape[1]
+    return flex_step_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), block_mask)
+
+
+def flex_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask) -> torch.Tensor:
+    """Compiled flex attention of one TTT step's queries over every step's keys and values [B, nkv, k*T, hd]."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False, mode=FLEX_COMPILE_MODE) if q.is_cuda else flex_attention
     # Batches still differ in rows (packing) and in grad mode (validation): a few more variants than dynamo's
     # default limit of 8 allows; past the limit it silently falls back to unfused flex attention, far slower.
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
-        return _FLEX(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), block_mask=block_mask, enable_gqa=groups > 1)
+        return _FLEX(q, keys, values, block_mask=block_mask, enable_gqa=q.shape[1] > keys.shape[1])
+
+
+class _StepSlots(torch.autograd.Function):
+    """Step j's view of every unrolled step's keys (or values) in one buffer [B, nkv, k*T, hd]: only step j's own
+    are written, into their slot. Its gradient goes back to each step's tensor as a view of that step's slot.
+
+    The write goes through `.data`, out of autograd's version tracking, because earlier steps' attention saved the
+    same buffer for its backward. That is safe because each step's block mask leaves out the slots of later steps,
+    so no backward reads what a later step wrote (benchmarks/probes/ttt_gradients.py checks it on a GPU)."""
+
+    @staticmethod
+    def forward(ctx, slots: "StepSlots", *parts):
+        j, t = len(parts) - 1, parts[-1].shape[2]
+        slots.buffer.data[:, :, j * t:(j + 1) * t].copy_(parts[-1])
+        ctx.t, ctx.n = t, len(parts)
+        return slots.buffer.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        t = ctx.t
+        return (None, *(grad[:, :, i * t:(i + 1) * t] for i in range(ctx.n)))
+
+
+class StepSlots:
+    """One buffer for the keys (or the values) of all k unrolled steps, filled step by step (see _StepSlots).
+    The alternative, a cat of every step's keys and zeros per step, copies k x T keys at each of the k steps."""
+
+    def __init__(self, steps: int):
+        self.steps, self.parts, self.buffer = steps, [], None
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        """Put step j's x [B, nkv, T, hd] into slot j; return the whole buffer as step j's attention sees it."""
+        if self.buffer is None:
+            b, h, t, d = x.shape
+            self.buffer = x.new_zeros(b, h, self.steps * t, d)
+        self.parts.append(x)
+        return _StepSlots.apply(self, *self.parts)
 
 
 # ---- loss -------------------------------------------------------------------------------------------------------
@@ -277,7 +318,7 @@ class TTTModel(nn.Module):
     """The drafter unrolled for k steps of training-time test; forward returns per-step sums (loss, counts, hits)."""
 
     def __init__(self, drafter: Eagle3Drafter, lm_head: torch.Tensor, steps: int, chunk: int, attention: str,
-                 compute_dtype: torch.dtype, one_key_shape: bool = True):
+                 compute_dtype: torch.dtype, one_key_shape: bool = True, key_slots: bool = False):
         super().__init__()
         self.drafter = drafter
         embeddings = drafter.embed_tokens.weight
@@ -294,6 +335,9 @@ class TTTModel(nn.Module):
         self.attention = ttt_attention_flex if attention == "flex" else ttt_attention_eager
         # False: each step's keys only (k key lengths, k compiled flex kernels); benchmarks/train.py compares both.
         self.one_key_shape = one_key_shape
+        # True: all steps' keys and values in one buffer each (StepSlots) instead of a cat per step. Not yet measured
+        # on a GPU (benchmarks/train.py's draftline-key-slots), so off by default.
+        self.key_slots = key_slots and one_key_shape
 
     def unroll(self, input_ids, doc_ids, position_ids, aux, steps: StepWeights | None = None):
         """Yield the drafter's residual stream [R, T, H] after each of the k steps.
@@ -312,11 +356,21 @@ class TTTModel(nn.Module):
         padded = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], self.steps)], dim=1)
         embeds = m.embed_tokens(padded.unfold(1, t, 1)[:, 1:self.steps + 1].transpose(0, 1)).to(hidden.dtype)
         ks, vs = [], []
+        slots = (StepSlots(self.steps), StepSlots(self.steps)) if self.key_slots else None
         for j in range(self.steps):
             q, k, v = m.midlayer.qkv(embeds[j], hidden, None, fused=True, rope=(cos[j], sin[j]), steps=steps)
-            ks.append(k)
-            vs.append(v)
-            attn = self.attention(q, ks, vs, doc_ids, self.steps if self.one_key_shape else None, masks[j])
+            if slots is None:
+                ks.append(k)
+                vs.append(v)
+                attn = self.attention(q, ks, vs, doc_ids, self.steps if self.one_key_shape else None, masks[j])
+            else:
+                keys, values = slots[0].add(k), slots[1].add(v)
+                if self.attention is ttt_attention_flex:
+                    attn = flex_step_attention(q, keys, values, masks[j])
+                else:  # the exact attention over the same slots: what the CPU tests check the slots with
+                    per_step = [slice(i * t, (i + 1) * t) for i in range(j + 1)]
+                    attn = ttt_attention_eager(q, [keys[:, :, s] for s in per_step], [values[:, :, s] for s in per_step],
+                                               doc_ids)
             hidden = m.midlayer.finish(hidden, attn, fused=True, steps=steps)
             yield hidden
 
