@@ -160,23 +160,19 @@ class StepWeights:
     def __init__(self):
         self._weights: dict[nn.Module, tuple[torch.Tensor, SharedWeightGrad]] = {}
 
-    def weight(self, module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, SharedWeightGrad]:
+    def weight(self, module: nn.Module | tuple[nn.Module, ...], dtype: torch.dtype
+               ) -> tuple[torch.Tensor, SharedWeightGrad]:
+        """The module's weight in dtype; for a tuple of modules, their weights stacked along the outputs (one matmul
+        for linears that read one input)."""
         if module not in self._weights:
-            self._weights[module] = (module.weight.to(dtype), SharedWeightGrad())
+            w = torch.cat([m.weight for m in module]) if isinstance(module, tuple) else module.weight
+            self._weights[module] = (w.to(dtype), SharedWeightGrad())
         return self._weights[module]
-
-    def stacked_weight(self, modules: tuple[nn.Linear, ...], dtype: torch.dtype) -> tuple[torch.Tensor, SharedWeightGrad]:
-        """The modules' weights stacked along their outputs, in dtype: one matmul for linears that read one input."""
-        if modules not in self._weights:
-            self._weights[modules] = (torch.cat([m.weight for m in modules]).to(dtype), SharedWeightGrad())
-        return self._weights[modules]
 
     def linear(self, module: nn.Linear | tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
         """module(x) without bias, in the dtype autocast would pick; for a tuple of modules, their outputs
         concatenated along the last dimension, from one matmul."""
-        dtype = matmul_dtype(x)
-        weight, shared = (self.stacked_weight(module, dtype) if isinstance(module, tuple)
-                          else self.weight(module, dtype))
+        weight, shared = self.weight(module, matmul_dtype(x))
         x = x.to(weight.dtype)
         if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
             return _SharedGradLinear.apply(x, weight, shared)
@@ -191,8 +187,8 @@ def project(module: nn.Linear, x: torch.Tensor, steps: StepWeights | None) -> to
 def project_each(modules: tuple[nn.Linear, ...], x: torch.Tensor, steps: StepWeights | None) -> list[torch.Tensor]:
     """[m(x) for m in modules]. In the training forward one matmul over the stacked weights, split into views: fewer
     kernels for the host to issue, and the narrow k and v projections run at the efficiency of a wide one."""
-    if steps is None:
-        return [m(x) for m in modules]
+    if steps is None:  # one cast of x shared by all of them (matmul_inputs)
+        return [m(to_m) for m, to_m in zip(modules, matmul_inputs(x, len(modules)))]
     return list(steps.linear(modules, x).split([m.out_features for m in modules], dim=-1))
 
 
@@ -241,8 +237,7 @@ def norm_pair_cat(embeds: torch.Tensor, hidden: torch.Tensor, w_embeds: torch.Te
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, theta: float):
     """Rotary on q and k [B, heads, T, hd] at position_ids."""
-    cos, sin = rope_cos_sin(position_ids, q.shape[-1], theta, q.dtype)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return rope_qk_tables(q, k, *rope_cos_sin(position_ids, q.shape[-1], theta, q.dtype))
 
 
 def rope_tables(position_ids: torch.Tensor, steps: int, head_dim: int, theta: float, dtype: torch.dtype):
@@ -346,11 +341,7 @@ class DecoderLayer(nn.Module):
         att = self.self_attn
         # The norms are recomputed in backward from the bf16 inputs instead of keeping their fp32 intermediates.
         x = recomputed(self.attention_input, embeds, hidden, fused)
-        if steps is None:
-            to_q, to_k, to_v = matmul_inputs(x, 3)
-            q, k, v = att.q_proj(to_q), att.k_proj(to_k), att.v_proj(to_v)
-        else:
-            q, k, v = project_each((att.q_proj, att.k_proj, att.v_proj), x, steps)
+        q, k, v = project_each((att.q_proj, att.k_proj, att.v_proj), x, steps)
         q = q.view(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = v.view(b, t, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
