@@ -1,6 +1,7 @@
 """Speculative-decoding speedup of the reference decoder next to the analytic bound tau / (1 + k * c).
 
     python benchmarks/decode.py            # GPU: demo-llama inflated to a 1.04B Llama shape, bf16
+    python benchmarks/decode.py --target-shape 8b   # GPU: the same inflated to a 6.88B Llama-3-8B-like shape
     python benchmarks/decode.py --cpu      # the demo target assets/demo-llama on CPU, float32, demo sizes
 
 The GPU target is assets/demo-llama embedded in a Llama-3.2-1B-like shape (draftline.demo.inflate): it costs a
@@ -74,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--metrics", default=None,
                    help="with --drafter: the training run's metrics.json, for the offline acceptance estimate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target-shape", choices=("1b", "8b"), default="1b",
+                   help="GPU only: the Llama shape the demo target is inflated to (draftline.demo.inflate.SHAPES)")
     p.add_argument("--save", default=None,
                    help="GPU only: write the inflated target (target/) and the trained drafter's exports "
                         "(drafter/sglang, drafter/vllm) here, for benchmarks/eval_gpu.py")
@@ -111,7 +114,7 @@ def sync(device):
 # ---------------------------------------------------------------- target and prompts
 
 def demo_target_and_prompts(args, device):
-    """demo-llama (CPU, float32) or its 1.04B inflation (GPU, bf16), with the demo's chat prompts encoded."""
+    """demo-llama (CPU, float32) or its inflation to --target-shape (GPU, bf16), with the demo's chat prompts encoded."""
     from draftline.decode import eos_token_ids
     from draftline.target import load_target
     from draftline.traces import encode_prompt, read_prompts
@@ -120,10 +123,11 @@ def demo_target_and_prompts(args, device):
     model, tok = load_target(target_dir, "float32", "cpu")
     name = "demo-llama (assets/demo-llama, float32)"
     if device.type == "cuda":
-        from draftline.demo.inflate import inflate_llama
+        from draftline.demo.inflate import SHAPES, inflate_llama, parameter_count
 
-        model = inflate_llama(model, seed=args.seed, dtype=torch.bfloat16, device=device)
-        name = "demo-llama inflated to 1.04B (draftline.demo.inflate: Llama-3.2-1B-like shape, bf16)"
+        model = inflate_llama(model, SHAPES[args.target_shape], seed=args.seed, dtype=torch.bfloat16, device=device)
+        billions = parameter_count(model.config.to_dict()) / 1e9
+        name = f"demo-llama inflated to {billions:.2f}B (draftline.demo.inflate: the {args.target_shape} shape, bf16)"
     enc = lambda f, n: [encode_prompt(tok, p, True) for p in read_prompts(ROOT / "assets" / "prompts" / f)[:n]]
     return (model, eos_token_ids(target_dir, tok), name,
             enc("train_prompts.jsonl", args.train_prompts), enc("eval_prompts.jsonl", args.eval_prompts))

@@ -2,6 +2,7 @@
 against the reference decoder and the speedup next to the bound tau / (1 + k * c), all in one run.
 
     python benchmarks/decode.py --save /tmp/bench        # trains the drafter on the 1.04B inflated demo target
+    (add --target-shape 8b to decode.py for the 6.88B shape; the target's size is read from its config)
     python benchmarks/eval_gpu.py /tmp/bench --out benchmarks/results/eval-h200.json
 
 tau is vLLM's mean acceptance length at concurrency 1 (from /metrics); c = one drafter forward / one plain target
@@ -76,6 +77,14 @@ def step_ratio(target, target_dir: Path, drafter_dir: Path, prompts_path: str, k
     return out
 
 
+def target_description(target_dir: Path) -> str:
+    from draftline.demo.inflate import parameter_count
+
+    config = json.loads((target_dir / "config.json").read_text())
+    return (f"demo-llama inflated to {parameter_count(config) / 1e9:.2f}B (draftline.demo.inflate), "
+            f"hidden {config['hidden_size']}, {config['num_hidden_layers']} layers")
+
+
 def reference_and_timing(args, saved: Path) -> tuple[dict, dict]:
     """The reference decoder's acceptance on the engines' prompts and c, both on this GPU; cached in SAVED."""
     cache = saved / f"reference-k{args.k}-n{args.max_prompts}-t{args.max_new_tokens}-{Path(args.prompts).stem}.json"
@@ -140,7 +149,7 @@ def main(argv=None) -> dict:
     bound = tau / (1 + args.k * timing["c"])
     out = {
         "benchmark": "eval", "engine": args.engine, "engine_version": result.engine_version, "hardware": result.hardware,
-        "target": "demo-llama inflated to 1.04B (draftline.demo.inflate)", "k": args.k,
+        "target": target_description(target_dir), "k": args.k,
         "prompts": Path(args.prompts).name, "num_prompts": result.num_prompts, "max_new_tokens": args.max_new_tokens,
         "extra_args": args.extra_args, "speculative_args": shlex.split(args.speculative_args),
         **{f"speedup_c{c}": p.speedup for c, p in points.items()},

@@ -48,7 +48,7 @@ run_eval() {  # run_eval OUT_JSON [SERVER_ARG ...]
     return 124
   fi
   timeout "$left" python3 "$root/benchmarks/eval_gpu.py" "$saved" --engine "$engine" --out "$json" \
-    ${SPECULATIVE_ARGS:+--speculative-args "$SPECULATIVE_ARGS"} ${1:+--extra-args "$@"}
+    ${SPECULATIVE_ARGS:+"--speculative-args=$SPECULATIVE_ARGS"} ${1:+--extra-args "$@"}
 }
 
 run_eval "$out/eval-$engine.json" "$@"

@@ -12,9 +12,10 @@ target distribution from the last hidden state in bf16 chunks, chunked soft cros
 exist for all rows at once. "straightforward" = what a first implementation does: fp32 target logits over the whole
 vocabulary for every token, masked softmax, plain causal SDPA per unrolled step, full draft logits + log_softmax,
 and the draft layer written plainly (plain_qkv / plain_finish below: autograd keeps what it keeps), so the baseline
-stays what it was when draftline's layer gets leaner. On a GPU two variants of draftline run too: each TTT step
-over its own key length ("draftline-per-step-keys"), and every step's keys and values in one buffer per unroll
-instead of a cat per step ("draftline-key-slots", TTTModel(key_slots=True)).
+stays what it was when draftline's layer gets leaner. On a GPU, where draftline keeps every step's keys and values
+in one buffer per unroll (TTTModel's key slots), two variants of it run too: each TTT step over its own key length
+("draftline-per-step-keys"), and the keys and values of all steps so far concatenated at each step
+("draftline-cat-keys", TTTModel(key_slots=False), the default before session 9).
 """
 from __future__ import annotations
 
@@ -174,7 +175,8 @@ def run_impl(name: str, sizes: dict, device_kind: str, iters: int, warmup: int, 
     if name.startswith("draftline"):
         ttt = TTTModel(model, lm_head, sizes["steps"], sizes["chunk"], "flex" if device.type == "cuda" else "eager",
                        torch.bfloat16 if device.type == "cuda" else torch.float32,
-                       one_key_shape=name != "draftline-per-step-keys", key_slots=name == "draftline-key-slots")
+                       one_key_shape=name != "draftline-per-step-keys",
+                       key_slots=False if name == "draftline-cat-keys" else None)
     weights = torch.tensor([0.8 ** j for j in range(sizes["steps"])], device=device)
     host_mask, host_docs = b["loss_mask"].cpu(), b["doc_ids"].cpu()  # the batch as the trainer collates it
 
@@ -340,7 +342,7 @@ def main() -> int:
     results = {}
     # On a GPU also draftline with each TTT step's own key length, as before all steps shared one (flex kernels
     # compiled per shape): what the one shape costs or saves per step, measured in the same run.
-    impls = ("draftline", "straightforward") + (("draftline-per-step-keys", "draftline-key-slots")
+    impls = ("draftline", "straightforward") + (("draftline-per-step-keys", "draftline-cat-keys")
                                                 if device.type == "cuda" else ())
     if args.profile:
         impls = ("draftline",)

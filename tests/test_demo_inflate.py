@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftline.demo.inflate import ONE_B_SHAPE, inflate_llama, layer_positions
+from draftline.demo.inflate import EIGHT_B_SHAPE, ONE_B_SHAPE, _check, inflate_llama, layer_positions, parameter_count
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo-llama"
 
@@ -39,14 +39,12 @@ def test_an_inflated_target_gives_the_demo_targets_logits_and_greedy_text(demo, 
     assert big_text.tolist() == small_text.tolist()
 
 
-def test_the_default_shape_has_at_least_a_billion_parameters(demo):
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(**{**demo.config.to_dict(), **ONE_B_SHAPE})
-    layer = (4 * cfg.hidden_size * cfg.head_dim * (cfg.num_attention_heads + cfg.num_key_value_heads) // 2
-             + 3 * cfg.hidden_size * cfg.intermediate_size)
-    total = cfg.num_hidden_layers * layer + 2 * cfg.vocab_size * cfg.hidden_size
-    assert total >= 1.0e9
+def test_parameter_count_matches_the_model_and_the_shapes_are_their_sizes(demo):
+    assert parameter_count(demo.config.to_dict()) == sum(p.numel() for p in demo.parameters())
+    base = demo.config.to_dict()
+    assert 1.0e9 <= parameter_count({**base, **ONE_B_SHAPE}) < 1.1e9
+    assert 6.5e9 <= parameter_count({**base, **EIGHT_B_SHAPE}) < 8.1e9
+    _check(demo, EIGHT_B_SHAPE)  # the 8B shape can hold the demo (it is too big to build in a CPU test)
 
 
 def test_a_shape_that_cannot_hold_the_demo_is_refused(demo):

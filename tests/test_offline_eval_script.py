@@ -77,3 +77,40 @@ def test_an_engine_that_does_not_import_stops_before_the_evaluation_with_the_rea
     kept = (tmp_path / "out" / "imports-sglang.txt").read_text()
     assert "libcuda.so.1: cannot open shared object file" in kept
     assert not (tmp_path / "out" / "eval-sglang.json").exists()
+
+
+def test_speculative_args_that_start_with_dashes_reach_the_evaluation_as_one_value(tmp_path):
+    """SGLang's --disable-overlap-schedule for the EAGLE-3 server only: argparse refuses a separate one-word value
+    that looks like an option, so the script must hand it over as --speculative-args=VALUE (a GPU run hit this)."""
+    import json
+    import sys
+
+    parts = _parts(tmp_path, {f"{m}/__init__.py": "__version__ = 'fixture'\n"
+                              for m in ("sglang", "sgl_kernel", "flashinfer", "transformers")}
+                   | {"sglang/launch_server.py": ""})
+    # python3 runs the import probe as usual; in place of the GPU evaluation it records the arguments it was given.
+    shim = tmp_path / "bin" / "python3"
+    shim.parent.mkdir()
+    record = tmp_path / "argv.json"
+    shim.write_text(f"""#!/bin/sh
+case "$1" in
+  *eval_gpu.py) exec {sys.executable} -c 'import json, sys; json.dump(sys.argv[1:], open("{record}", "w"))' "$@" ;;
+  *) exec {sys.executable} "$@" ;;
+esac
+""")
+    shim.chmod(0o755)
+    env = {"PATH": f"{shim.parent}:/usr/bin:/bin", "ENGINE_SITE": str(tmp_path / "site"), "HOME": str(tmp_path),
+           "SPECULATIVE_ARGS": "--disable-overlap-schedule"}
+    r = subprocess.run(["bash", str(SCRIPT), "sglang", str(parts), str(tmp_path / "saved"), str(tmp_path / "out"),
+                        "--mem-fraction-static", "0.5"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    argv = json.loads(record.read_text())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from eval_gpu import parse_args
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    args = parse_args(argv[1:])
+    assert args.engine == "sglang"
+    assert args.speculative_args == "--disable-overlap-schedule"
+    assert args.extra_args == ["--mem-fraction-static", "0.5"]

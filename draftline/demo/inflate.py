@@ -22,6 +22,19 @@ import torch
 # vocabulary (16 x 63.9M layer parameters + 2 x 4096 x 2048 embeddings = 1.04B).
 ONE_B_SHAPE = dict(hidden_size=2048, intermediate_size=8704, num_hidden_layers=16, num_attention_heads=32,
                    num_key_value_heads=8, head_dim=64)
+# Llama-3-8B's widths and depth with the demo's 64-wide heads (64 query heads instead of 32 of 128, the same
+# projection sizes): a target big enough that a decoding step is bound by the GPU, not by an engine's host work.
+EIGHT_B_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=64,
+                     num_key_value_heads=8, head_dim=64)
+SHAPES = {"1b": ONE_B_SHAPE, "8b": EIGHT_B_SHAPE}
+
+
+def parameter_count(config: dict) -> int:
+    """Parameters of a Llama with untied embeddings and no biases, from its config's sizes."""
+    h, d = config["hidden_size"], config["head_dim"]
+    attention = 2 * h * d * (config["num_attention_heads"] + config["num_key_value_heads"])
+    layer = attention + 3 * h * config["intermediate_size"] + 2 * h
+    return config["num_hidden_layers"] * layer + 2 * config["vocab_size"] * h + h
 
 
 def _check(small, large: dict) -> None:

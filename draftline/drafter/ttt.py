@@ -318,7 +318,7 @@ class TTTModel(nn.Module):
     """The drafter unrolled for k steps of training-time test; forward returns per-step sums (loss, counts, hits)."""
 
     def __init__(self, drafter: Eagle3Drafter, lm_head: torch.Tensor, steps: int, chunk: int, attention: str,
-                 compute_dtype: torch.dtype, one_key_shape: bool = True, key_slots: bool = False):
+                 compute_dtype: torch.dtype, one_key_shape: bool = True, key_slots: bool | None = None):
         super().__init__()
         self.drafter = drafter
         embeddings = drafter.embed_tokens.weight
@@ -335,8 +335,11 @@ class TTTModel(nn.Module):
         self.attention = ttt_attention_flex if attention == "flex" else ttt_attention_eager
         # False: each step's keys only (k key lengths, k compiled flex kernels); benchmarks/train.py compares both.
         self.one_key_shape = one_key_shape
-        # True: all steps' keys and values in one buffer each (StepSlots) instead of a cat per step. Not yet measured
-        # on a GPU (benchmarks/train.py's draftline-key-slots), so off by default.
+        # True: all steps' keys and values in one buffer each (StepSlots) instead of a cat per step. None: on the flex
+        # path only, where benchmarks/train.py measured it faster and leaner on an H200 (session 9: MFU 0.649 against
+        # 0.645, 16.0 against 16.7 GB); the eager path keeps the cat.
+        if key_slots is None:
+            key_slots = attention == "flex"
         self.key_slots = key_slots and one_key_shape
 
     def unroll(self, input_ids, doc_ids, position_ids, aux, steps: StepWeights | None = None):
