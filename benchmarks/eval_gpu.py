@@ -111,12 +111,27 @@ def reference_and_timing(args, saved: Path) -> tuple[dict, dict]:
     return reference, timing
 
 
+def default_server_args(engine: str, device: str) -> list[str]:
+    if engine == "sglang":
+        return ["--mem-fraction-static", "0.5", "--grammar-backend", "none", "--sampling-backend", "pytorch"]
+    return ["--gpu-memory-utilization", "0.5"] + (["--enforce-eager"] if device == "cpu" else [])
+
+
+def engine_config(args) -> EngineConfig:
+    """The engine settings of this benchmark (also benchmarks/probes/sglang_profile.py's): args needs engine, k,
+    concurrency, requests_per_point, extra_args, speculative_args and device."""
+    return EngineConfig(engine=args.engine, num_speculative_tokens=args.k, concurrency=args.concurrency,
+                        requests_per_point=args.requests_per_point,
+                        max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args,
+                        speculative_extra_args=shlex.split(args.speculative_args), require_gpu=args.device == "cuda",
+                        retries=1, ready_timeout_s=420,
+                        env={} if args.device == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.extra_args is None:
-        args.extra_args = (["--mem-fraction-static", "0.5", "--grammar-backend", "none", "--sampling-backend", "pytorch"]
-                           if args.engine == "sglang" else
-                           ["--gpu-memory-utilization", "0.5"] + (["--enforce-eager"] if args.device == "cpu" else []))
+        args.extra_args = default_server_args(args.engine, args.device)
     if args.out is None:
         name = "eval-h200.json" if args.engine == "vllm" else "eval-sglang-h200.json"
         args.out = str(ROOT / "benchmarks" / "results" / name)
@@ -127,12 +142,7 @@ def main(argv=None) -> dict:
     if args.reference_only:
         return {"reference": reference, "timing": timing}
 
-    engine = EngineConfig(engine=args.engine, num_speculative_tokens=args.k, concurrency=args.concurrency,
-                          requests_per_point=args.requests_per_point,
-                          max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args,
-                          speculative_extra_args=shlex.split(args.speculative_args), require_gpu=args.device == "cuda",
-                          retries=1, ready_timeout_s=420,
-                          env={} if args.device == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    engine = engine_config(args)
     eval_cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
                           temperature=0.0, engines=[engine], reference=ReferenceConfig(num_speculative_tokens=args.k))
     store = open_store(str(saved / "store"))

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftline.drafter.model import Eagle3Config, Eagle3Drafter, apply_rope, repeat_kv, rope_cos_sin  # noqa: E402
 from draftline.drafter import ttt as ttt_module  # noqa: E402
 from draftline.drafter.ttt import TTTModel, loss_plan  # noqa: E402
+from device_time import union_length  # noqa: E402  (benchmarks/device_time.py)
 
 GPU_SIZES = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, draft_vocab=32000, seq=2048,
                  rows=2, steps=7, chunk=2048)
@@ -258,12 +259,7 @@ def write_profile(step, sync, iters: int, path: Path) -> None:
     if torch.cuda.is_available():
         key = next((k for k in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], k)), key)
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    spans, busy, by_kind = sorted((e.time_range.start, e.time_range.end) for e in kernels), 0.0, {}
-    end = float("-inf")
-    for a, b in spans:  # the union of kernel intervals: time the device was doing anything
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+    busy, by_kind = union_length((e.time_range.start, e.time_range.end) for e in kernels), {}
     for e in kernels:
         kind = next((k for k, marks in KERNEL_KINDS if any(m in e.name for m in marks)), "other elementwise and reductions")
         by_kind[kind] = by_kind.get(kind, 0.0) + e.time_range.elapsed_us()

@@ -1,0 +1,121 @@
+"""Where SGLang's EAGLE-3 iteration spends its time against its baseline step: device busy and idle per step, from
+SGLang's own torch profiler (POST /start_profile), at concurrency 1, on the target and drafter of
+benchmarks/decode.py --save.
+
+    python3 benchmarks/probes/sglang_profile.py SAVED --out DIR [--speculative-args=WORDS] [--extra-args ...]
+
+Per server (baseline, then EAGLE-3): start it as benchmarks/eval_gpu.py does, warm it up with a few requests,
+profile --num-steps scheduler steps (CPU and GPU activities) while sending requests one at a time, and read the
+Chrome trace SGLang writes. Written to DIR: sglang-profile.json (per server: steps, device busy and idle per step,
+the top kernels, the requests' TPOT; and the EAGLE-3 iteration against the baseline step, busy and in all), the
+traces and the server logs. Reading it: if EAGLE-3's busy time per iteration is near (1 + k c) baseline steps but
+its step time is far above, host work binds; if its busy time is already far above, its kernels do.
+
+Needs a CUDA GPU and sglang (e.g. the offline site on PYTHONPATH, see benchmarks/eval_offline.sh); no Prefect.
+Nothing here has run against SGLang yet: SGLang cannot run on the CI machines, and the GPU session that wrote this
+probe had no time left for it. Its trace reading is tested on CPU (tests/test_device_time.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from device_time import device_summary, trace_kernels  # noqa: E402  (benchmarks/device_time.py)
+from draftline.engines.base import http_answer  # noqa: E402
+from draftline.engines.client import load_prompts, run_load  # noqa: E402
+from draftline.engines.launch import launch  # noqa: E402
+from draftline.engines.sglang import SglangAdapter  # noqa: E402
+from eval_gpu import default_server_args, engine_config  # noqa: E402  (benchmarks/eval_gpu.py)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("saved", help="the folder benchmarks/decode.py --save wrote (target/, drafter/sglang)")
+    p.add_argument("--out", required=True, help="folder for sglang-profile.json, the traces and the logs")
+    p.add_argument("--prompts", default=str(ROOT / "assets" / "prompts" / "eval_prompts.jsonl"))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--num-steps", type=int, default=60, help="scheduler steps to profile per server")
+    p.add_argument("--warmup-requests", type=int, default=4)
+    p.add_argument("--requests", type=int, default=4, help="requests sent one at a time while profiling")
+    p.add_argument("--trace-wait-s", type=float, default=180.0, help="how long to wait for SGLang to write a trace")
+    p.add_argument("--speculative-args", default="", metavar="WORDS",
+                   help="to the EAGLE-3 server only; give a one-word value as --speculative-args=--flag")
+    p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=None, help="to both servers (eval_gpu.py's)")
+    return p.parse_args(argv)
+
+
+def wait_for_trace(folder: Path, timeout_s: float) -> Path | None:
+    """SGLang exports the trace after the last profiled step, asynchronously; wait until one file is complete."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = sorted(folder.glob("*.trace.json.gz"))
+        if found:
+            size = found[0].stat().st_size
+            time.sleep(2.0)
+            if found[0].stat().st_size == size:
+                return found[0]
+        time.sleep(2.0)
+    return None
+
+
+def profile_server(mode: str, args, cfg, target_dir: Path, drafter_dir: Path | None, out: Path) -> dict:
+    adapter = SglangAdapter()
+    traces = out / f"trace-{mode}"
+    traces.mkdir(parents=True, exist_ok=True)
+    spec = adapter.server_spec(cfg, target_dir, drafter_dir, "target")
+    spec.env = {**spec.env, "SGLANG_TORCH_PROFILER_DIR": str(traces)}
+    prompts = load_prompts(args.prompts, args.warmup_requests + args.requests)
+    requester = adapter.requester("target", target_dir, args.max_new_tokens, 0.0)
+    with launch(spec, cfg, out / "logs") as server:
+        run_load(server.base_url, prompts[:args.warmup_requests], 1, requester)
+        started = http_answer("POST", server.base_url + "/start_profile",
+                              json={"output_dir": str(traces), "num_steps": args.num_steps,
+                                    "activities": ["CPU", "GPU"]})
+        metrics, _ = run_load(server.base_url, prompts[args.warmup_requests:], 1, requester)
+        stopped = http_answer("POST", server.base_url + "/stop_profile")  # refused when num_steps already ended it
+        trace = wait_for_trace(traces, args.trace_wait_s)
+    result = {"server": spec.name, "start_profile": started, "stop_profile": stopped,
+              "tpot_ms": metrics.tpot_mean_s * 1e3, "output_tokens_per_s": metrics.output_tokens_per_s}
+    if trace is None:
+        return {**result, "error": f"no trace in {traces} within {args.trace_wait_s:.0f} s"}
+    return {**result, "trace": str(trace), **device_summary(trace_kernels(trace), args.num_steps)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.extra_args is None:
+        args.extra_args = default_server_args("sglang", "cuda")
+    saved, out = Path(args.saved), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = engine_config(SimpleNamespace(engine="sglang", k=args.k, concurrency=[1], requests_per_point=None,
+                                        extra_args=args.extra_args, speculative_args=args.speculative_args,
+                                        device="cuda"))
+    report = {"probe": "sglang_profile", "note": "SGLang's own torch profiler, concurrency 1", "k": args.k,
+              "num_steps": args.num_steps, "extra_args": args.extra_args, "speculative_args": args.speculative_args}
+    for mode, drafter in (("baseline", None), ("eagle3", saved / "drafter" / "sglang")):
+        report[mode] = profile_server(mode, args, cfg, saved / "target", drafter, out)
+        print(f"{mode}: " + ", ".join(f"{k} {report[mode][k]:.2f}" for k in
+                                      ("step_ms", "busy_per_step_ms", "idle_per_step_ms", "tpot_ms")
+                                      if isinstance(report[mode].get(k), float)), flush=True)
+    base, spec = report["baseline"], report["eagle3"]
+    if "busy_per_step_ms" in base and "busy_per_step_ms" in spec:
+        report["eagle3_iteration_in_baseline_steps"] = {
+            "busy": spec["busy_per_step_ms"] / base["busy_per_step_ms"],
+            "step": spec["step_ms"] / base["step_ms"],
+        }
+        print(f"an EAGLE-3 iteration = {report['eagle3_iteration_in_baseline_steps']['busy']:.2f} baseline steps of "
+              f"device time, {report['eagle3_iteration_in_baseline_steps']['step']:.2f} in all", flush=True)
+    (out / "sglang-profile.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
