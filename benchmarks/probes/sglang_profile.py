@@ -5,11 +5,12 @@ benchmarks/decode.py --save.
     python3 benchmarks/probes/sglang_profile.py SAVED --out DIR [--speculative-args=WORDS] [--extra-args ...]
 
 Per server (baseline, then EAGLE-3): start it as benchmarks/eval_gpu.py does, warm it up with a few requests,
-profile --num-steps scheduler steps (CPU and GPU activities) while sending requests one at a time, and read the
-Chrome trace SGLang writes. Written to DIR: sglang-profile.json (per server: steps, device busy and idle per step,
-the top kernels, the requests' TPOT; and the EAGLE-3 iteration against the baseline step, busy and in all), the
-traces and the server logs. Reading it: if EAGLE-3's busy time per iteration is near (1 + k c) baseline steps but
-its step time is far above, host work binds; if its busy time is already far above, its kernels do.
+profile --num-steps forward passes (kernels only by default) while sending requests one at a time, and read the
+Chrome trace SGLang writes. Written to DIR: sglang-profile.json, the traces and the server logs. Per server: steps,
+device busy and idle per step, the top kernels, and the TPOT of the warm-up requests (unprofiled) and of those under
+the profiler; then an EAGLE-3 iteration in baseline steps, busy and in all. Reading it: if EAGLE-3's busy time per
+iteration is near (1 + k c) baseline steps but its step time is far above, host work binds; if its busy time is
+already far above, its kernels do.
 
 Needs a CUDA GPU and sglang (e.g. the offline site on PYTHONPATH, see benchmarks/eval_offline.sh); no Prefect.
 Nothing here has run against SGLang yet: SGLang cannot run on the CI machines, and the GPU session that wrote this
@@ -45,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--num-steps", type=int, default=60, help="scheduler steps to profile per server")
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument("--requests", type=int, default=4, help="requests sent one at a time while profiling")
+    p.add_argument("--activities", default="GPU",
+                   help="SGLang profiler activities, comma-separated: GPU (kernels only, the least host overhead, "
+                        "enough for busy against idle) or CPU,GPU (also the host's ops, slower under the profiler)")
     p.add_argument("--trace-wait-s", type=float, default=180.0, help="how long to wait for SGLang to write a trace")
     p.add_argument("--speculative-args", default="", metavar="WORDS",
                    help="to the EAGLE-3 server only; give a one-word value as --speculative-args=--flag")
@@ -75,15 +79,22 @@ def profile_server(mode: str, args, cfg, target_dir: Path, drafter_dir: Path | N
     prompts = load_prompts(args.prompts, args.warmup_requests + args.requests)
     requester = adapter.requester("target", target_dir, args.max_new_tokens, 0.0)
     with launch(spec, cfg, out / "logs") as server:
-        run_load(server.base_url, prompts[:args.warmup_requests], 1, requester)
+        unprofiled, _ = run_load(server.base_url, prompts[:args.warmup_requests], 1, requester)
+        # num_steps counts the scheduler's forward passes (an EAGLE-3 iteration is one), from now; SGLang stops the
+        # profiler and writes the trace itself after them. Stacks and shapes off: they add host time to every op
+        # (SGLang 0.5.14 records both unless told not to).
         started = http_answer("POST", server.base_url + "/start_profile",
                               json={"output_dir": str(traces), "num_steps": args.num_steps,
-                                    "activities": ["CPU", "GPU"]})
-        metrics, _ = run_load(server.base_url, prompts[args.warmup_requests:], 1, requester)
+                                    "activities": args.activities.split(","), "with_stack": False,
+                                    "record_shapes": False})
+        if isinstance(started, dict) and "error" in started:
+            return {"server": spec.name, "start_profile": started, "error": "SGLang refused /start_profile"}
+        profiled, _ = run_load(server.base_url, prompts[args.warmup_requests:], 1, requester)
         stopped = http_answer("POST", server.base_url + "/stop_profile")  # refused when num_steps already ended it
         trace = wait_for_trace(traces, args.trace_wait_s)
     result = {"server": spec.name, "start_profile": started, "stop_profile": stopped,
-              "tpot_ms": metrics.tpot_mean_s * 1e3, "output_tokens_per_s": metrics.output_tokens_per_s}
+              "tpot_ms": unprofiled.tpot_mean_s * 1e3, "tpot_ms_under_profiler": profiled.tpot_mean_s * 1e3,
+              "output_tokens_per_s": unprofiled.output_tokens_per_s}
     if trace is None:
         return {**result, "error": f"no trace in {traces} within {args.trace_wait_s:.0f} s"}
     return {**result, "trace": str(trace), **device_summary(trace_kernels(trace), args.num_steps)}
@@ -99,11 +110,12 @@ def main(argv=None) -> dict:
                                         extra_args=args.extra_args, speculative_args=args.speculative_args,
                                         device="cuda"))
     report = {"probe": "sglang_profile", "note": "SGLang's own torch profiler, concurrency 1", "k": args.k,
+              "activities": args.activities,
               "num_steps": args.num_steps, "extra_args": args.extra_args, "speculative_args": args.speculative_args}
     for mode, drafter in (("baseline", None), ("eagle3", saved / "drafter" / "sglang")):
         report[mode] = profile_server(mode, args, cfg, saved / "target", drafter, out)
         print(f"{mode}: " + ", ".join(f"{k} {report[mode][k]:.2f}" for k in
-                                      ("step_ms", "busy_per_step_ms", "idle_per_step_ms", "tpot_ms")
+                                      ("step_ms", "busy_per_step_ms", "idle_per_step_ms", "tpot_ms", "tpot_ms_under_profiler")
                                       if isinstance(report[mode].get(k), float)), flush=True)
     base, spec = report["baseline"], report["eagle3"]
     if "busy_per_step_ms" in base and "busy_per_step_ms" in spec:
