@@ -56,11 +56,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def wait_for_trace(folder: Path, timeout_s: float) -> Path | None:
-    """SGLang exports the trace after the last profiled step, asynchronously; wait until one file is complete."""
+def wait_for_trace(folder: Path, timeout_s: float, earlier: set[Path]) -> Path | None:
+    """SGLang exports the trace after the last profiled step, asynchronously; wait until a file not in `earlier`
+    (an earlier run's, when --out is reused) is complete."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = sorted(folder.glob("*.trace.json.gz"))
+        found = sorted(set(folder.glob("*.trace.json.gz")) - earlier)
         if found:
             size = found[0].stat().st_size
             time.sleep(2.0)
@@ -79,6 +80,7 @@ def profile_server(mode: str, args, cfg, target_dir: Path, drafter_dir: Path | N
     prompts = load_prompts(args.prompts, args.warmup_requests + args.requests)
     requester = adapter.requester("target", target_dir, args.max_new_tokens, 0.0)
     with launch(spec, cfg, out / "logs") as server:
+        earlier = set(traces.glob("*.trace.json.gz"))
         unprofiled, _ = run_load(server.base_url, prompts[:args.warmup_requests], 1, requester)
         # num_steps counts the scheduler's forward passes (an EAGLE-3 iteration is one), from now; SGLang stops the
         # profiler and writes the trace itself after them. Stacks and shapes off: they add host time to every op
@@ -91,7 +93,7 @@ def profile_server(mode: str, args, cfg, target_dir: Path, drafter_dir: Path | N
             return {"server": spec.name, "start_profile": started, "error": "SGLang refused /start_profile"}
         profiled, _ = run_load(server.base_url, prompts[args.warmup_requests:], 1, requester)
         stopped = http_answer("POST", server.base_url + "/stop_profile")  # refused when num_steps already ended it
-        trace = wait_for_trace(traces, args.trace_wait_s)
+        trace = wait_for_trace(traces, args.trace_wait_s, earlier)
     result = {"server": spec.name, "start_profile": started, "stop_profile": stopped,
               "tpot_ms": unprofiled.tpot_mean_s * 1e3, "tpot_ms_under_profiler": profiled.tpot_mean_s * 1e3,
               "output_tokens_per_s": unprofiled.output_tokens_per_s}
