@@ -2,10 +2,13 @@
 SGLang's own torch profiler (POST /start_profile), at concurrency 1, on the target and drafter of
 benchmarks/decode.py --save.
 
-    python3 benchmarks/probes/sglang_profile.py SAVED --out DIR [--speculative-args=WORDS] [--extra-args ...]
+    python3 benchmarks/probes/sglang_profile.py SAVED --out DIR [--speculative-args=WORDS ...]
+        [--baseline-args=WORDS ...] [--extra-args ...]
 
-Per server (baseline, then EAGLE-3): start it as benchmarks/eval_gpu.py does, warm it up with a few requests,
-profile --num-steps forward passes (kernels only by default) while sending requests one at a time, and read the
+Each --speculative-args (repeatable) is one EAGLE-3 server, each --baseline-args one more baseline server besides
+the plain one, so one run compares settings such as the overlap scheduler on and off.
+Per server (the plain baseline, the EAGLE-3 servers, the other baselines): start it as benchmarks/eval_gpu.py
+does, warm it up with a few requests, profile --num-steps forward passes (kernels only by default) while sending requests one at a time, and read the
 Chrome trace SGLang writes. Written to DIR: sglang-profile.json, the traces and the server logs. Per server: steps,
 device busy and idle per step, the top kernels, and the TPOT of the warm-up requests (unprofiled) and of those under
 the profiler; then an EAGLE-3 iteration in baseline steps, busy and in all. Reading it: if EAGLE-3's busy time per
@@ -50,8 +53,11 @@ def parse_args(argv=None):
                    help="SGLang profiler activities, comma-separated: GPU (kernels only, the least host overhead, "
                         "enough for busy against idle) or CPU,GPU (also the host's ops, slower under the profiler)")
     p.add_argument("--trace-wait-s", type=float, default=180.0, help="how long to wait for SGLang to write a trace")
-    p.add_argument("--speculative-args", default="", metavar="WORDS",
-                   help="to the EAGLE-3 server only; give a one-word value as --speculative-args=--flag")
+    p.add_argument("--speculative-args", action="append", metavar="WORDS",
+                   help="one EAGLE-3 server with these arguments (repeatable; default one server with none); give a "
+                        "one-word value as --speculative-args=--flag and none as --speculative-args=")
+    p.add_argument("--baseline-args", action="append", default=[], metavar="WORDS",
+                   help="one more baseline server with these arguments (repeatable), after the plain baseline")
     p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=None, help="to both servers (eval_gpu.py's)")
     return p.parse_args(argv)
 
@@ -72,6 +78,7 @@ def wait_for_trace(folder: Path, timeout_s: float, earlier: set[Path]) -> Path |
 
 
 def profile_server(mode: str, args, cfg, target_dir: Path, drafter_dir: Path | None, out: Path) -> dict:
+    """One server's profile; cfg carries its arguments (for a baseline, speculative_extra_args go to it too)."""
     adapter = SglangAdapter()
     traces = out / f"trace-{mode}"
     traces.mkdir(parents=True, exist_ok=True)
@@ -79,7 +86,7 @@ def profile_server(mode: str, args, cfg, target_dir: Path, drafter_dir: Path | N
     spec.env = {**spec.env, "SGLANG_TORCH_PROFILER_DIR": str(traces)}
     prompts = load_prompts(args.prompts, args.warmup_requests + args.requests)
     requester = adapter.requester("target", target_dir, args.max_new_tokens, 0.0)
-    with launch(spec, cfg, out / "logs") as server:
+    with launch(spec, cfg, out / "logs" / mode) as server:
         earlier = set(traces.glob("*.trace.json.gz"))
         unprofiled, _ = run_load(server.base_url, prompts[:args.warmup_requests], 1, requester)
         # num_steps counts the scheduler's forward passes (an EAGLE-3 iteration is one), from now; SGLang stops the
@@ -102,32 +109,46 @@ def profile_server(mode: str, args, cfg, target_dir: Path, drafter_dir: Path | N
     return {**result, "trace": str(trace), **device_summary(trace_kernels(trace), args.num_steps)}
 
 
+def server_config(args, words: str):
+    return engine_config(SimpleNamespace(engine="sglang", k=args.k, concurrency=[1], requests_per_point=None,
+                                         extra_args=args.extra_args, speculative_args=words, device="cuda"))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.extra_args is None:
         args.extra_args = default_server_args("sglang", "cuda")
+    if args.speculative_args is None:
+        args.speculative_args = [""]
     saved, out = Path(args.saved), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = engine_config(SimpleNamespace(engine="sglang", k=args.k, concurrency=[1], requests_per_point=None,
-                                        extra_args=args.extra_args, speculative_args=args.speculative_args,
-                                        device="cuda"))
+    # (mode, words, drafter): the plain baseline, the EAGLE-3 servers, then the other baselines (the least needed
+    # last, for a run cut short by its time limit).
+    servers = [("baseline", "", None)]
+    servers += [(f"eagle3-{i + 1}", words, saved / "drafter" / "sglang") for i, words in enumerate(args.speculative_args)]
+    servers += [(f"baseline-{i + 1}", words, None) for i, words in enumerate(args.baseline_args)]
     report = {"probe": "sglang_profile", "note": "SGLang's own torch profiler, concurrency 1", "k": args.k,
-              "activities": args.activities,
-              "num_steps": args.num_steps, "extra_args": args.extra_args, "speculative_args": args.speculative_args}
-    for mode, drafter in (("baseline", None), ("eagle3", saved / "drafter" / "sglang")):
-        report[mode] = profile_server(mode, args, cfg, saved / "target", drafter, out)
-        print(f"{mode}: " + ", ".join(f"{k} {report[mode][k]:.2f}" for k in
-                                      ("step_ms", "busy_per_step_ms", "idle_per_step_ms", "tpot_ms", "tpot_ms_under_profiler")
-                                      if isinstance(report[mode].get(k), float)), flush=True)
-    base, spec = report["baseline"], report["eagle3"]
-    if "busy_per_step_ms" in base and "busy_per_step_ms" in spec:
-        report["eagle3_iteration_in_baseline_steps"] = {
-            "busy": spec["busy_per_step_ms"] / base["busy_per_step_ms"],
-            "step": spec["step_ms"] / base["step_ms"],
-        }
-        print(f"an EAGLE-3 iteration = {report['eagle3_iteration_in_baseline_steps']['busy']:.2f} baseline steps of "
-              f"device time, {report['eagle3_iteration_in_baseline_steps']['step']:.2f} in all", flush=True)
-    (out / "sglang-profile.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+              "activities": args.activities, "num_steps": args.num_steps, "extra_args": args.extra_args,
+              "servers": {}}
+    for mode, words, drafter in servers:
+        cfg = server_config(args, words)
+        if drafter is None:  # a baseline server: its extra words go to it, since it has no EAGLE-3 arguments
+            cfg = cfg.model_copy(update={"extra_args": [*cfg.extra_args, *cfg.speculative_extra_args],
+                                         "speculative_extra_args": []})
+        result = {"server_args": words, **profile_server(mode, args, cfg, saved / "target", drafter, out)}
+        report["servers"][mode] = result
+        print(f"{mode} [{words or 'defaults'}]: " + ", ".join(
+            f"{k} {result[k]:.2f}" for k in ("step_ms", "busy_per_step_ms", "idle_per_step_ms", "tpot_ms",
+                                             "tpot_ms_under_profiler") if isinstance(result.get(k), float)),
+              flush=True)
+        base = report["servers"]["baseline"]
+        if mode.startswith("eagle3") and "busy_per_step_ms" in base and "busy_per_step_ms" in result:
+            result["iteration_in_baseline_steps"] = {"busy": result["busy_per_step_ms"] / base["busy_per_step_ms"],
+                                                     "step": result["step_ms"] / base["step_ms"]}
+            print(f"  an EAGLE-3 iteration = {result['iteration_in_baseline_steps']['busy']:.2f} baseline steps of "
+                  f"device time, {result['iteration_in_baseline_steps']['step']:.2f} in all", flush=True)
+        # Written after every server: a run cut short by its time limit keeps what it measured.
+        (out / "sglang-profile.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
 
 
