@@ -172,7 +172,8 @@ class EngineConfig(Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     extra_args: list[str] = []  # given to both servers, baseline and EAGLE-3
     # Given to the EAGLE-3 server only, after extra_args: for settings that help one and hurt the other, e.g.
-    # SGLang's --disable-overlap-schedule (benchmarks/RESULTS.md: EAGLE-3 faster, the baseline far slower).
+    # SGLang's --disable-overlap-schedule (benchmarks/RESULTS.md: the baseline always slower; EAGLE-3 faster with a
+    # 1B target, slower with a 6.88B one).
     speculative_extra_args: list[str] = []
     env: dict[str, str] = {}
     require_gpu: bool = False

@@ -15,9 +15,14 @@ the profiler; then an EAGLE-3 iteration in baseline steps, busy and in all. Read
 iteration is near (1 + k c) baseline steps but its step time is far above, host work binds; if its busy time is
 already far above, its kernels do.
 
+Reading the figures: the profiler adds host time to every step (on the H200 a baseline step took 6.3 ms under it
+against 4.3 ms without), so busy time per step is the profiled figure to trust and the unprofiled TPOT the step
+time; an EAGLE-3 iteration takes TPOT x acceptance length.
+
 Needs a CUDA GPU and sglang (e.g. the offline site on PYTHONPATH, see benchmarks/eval_offline.sh); no Prefect.
-Nothing here has run against SGLang yet: SGLang cannot run on the CI machines, and the GPU session that wrote this
-probe had no time left for it. Its trace reading is tested on CPU (tests/test_device_time.py).
+Ran against SGLang 0.5.14 on an H200 (benchmarks/RESULTS.md, session 10; /stop_profile answers HTTP 500 there, as
+expected once num_steps has stopped the profiler). SGLang cannot run on the CI machines; the trace reading is
+tested on CPU (tests/test_device_time.py).
 """
 from __future__ import annotations
 
