@@ -13,7 +13,7 @@ import platform
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel
 
@@ -87,6 +87,8 @@ class EvalResult(BaseModel):
     points: list[ConcurrencyPoint] = []
     acceptance: Acceptance | None = None  # over all concurrency levels
     parity: Parity | None = None
+    # Per server ("baseline", "eagle3"): what its own log said about how it ran (EngineAdapter.log_facts).
+    server_log_facts: dict[str, dict[str, Any]] = {}
     started_at: str | None = None
     finished_at: str | None = None
 
@@ -166,6 +168,14 @@ def likely_causes(result: EvalResult, engine_cfg: EngineConfig | None = None) ->
     config, lineage = ({}, {})
     if (drafter_dir / "config.json").is_file():
         config, lineage = drafter_format(drafter_dir)
+    # The engine's own word beats any inference: the layers it says it fed the drafter, against the training's.
+    used = result.server_log_facts.get("eagle3", {}).get("aux_hidden_state_layers")
+    trained = lineage.get(f"aux_layer_ids_{result.engine}")
+    if used and trained and list(used) != list(trained):
+        source = result.server_log_facts["eagle3"].get("aux_hidden_state_layers_from", "its settings")
+        causes.append(f"{result.engine}'s log says it fed the drafter the hidden states of layers {tuple(used)} "
+                      f"(from the {source}), but the drafter was trained on layers {tuple(trained)} in "
+                      f"{result.engine}'s convention")
     if config and not config.get("speculators_config") and not aux_layer_ids(config):
         causes.append("the drafter config has no eagle_aux_hidden_state_layer_ids, so the engine guessed its "
                       "default layers")
@@ -270,11 +280,17 @@ def _served_name(target_dir: Path) -> str:
     return Path(target_dir).resolve().name or "target"
 
 
+class ServerRuns(NamedTuple):
+    """One server's load runs, one (metrics, acceptance, request results) per concurrency, and what its log said."""
+
+    runs: list[tuple[RunMetrics, Acceptance | None, list]]
+    log_facts: dict[str, Any]
+
+
 def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None,
-            prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, prefix: str | None
-            ) -> list[tuple[RunMetrics, Acceptance | None, list]]:
+            prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, prefix: str | None) -> ServerRuns:
     """Start one server (baseline or EAGLE-3), run every configured concurrency against it, keep the engine's
-    raw answers (`prefix`/responses/<server>.json), stop it."""
+    raw answers (`prefix`/responses/<server>.json), stop it, and read its log."""
     served = _served_name(target_dir)
     spec = adapter.server_spec(cfg, target_dir, drafter_dir, served)
     requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature)
@@ -292,7 +308,8 @@ def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter
             out.append((metrics, acceptance, results))
         if prefix:
             _put_json(store, f"{prefix}/responses/{spec.name}.json", adapter.snapshot(server.base_url, served))
-    return out
+    log_text = server.log_path.read_text(errors="replace") if server.log_path.is_file() else ""
+    return ServerRuns(out, adapter.log_facts(log_text))
 
 
 def _put_json(store, key: str, data: dict) -> None:
@@ -347,7 +364,7 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         _put_json(store, f"{prefix}/result.json", failed.model_dump(mode="json"))
         raise
     points = []
-    for (b_metrics, _, b_results), (s_metrics, acc, s_results) in zip(base, spec):
+    for (b_metrics, _, b_results), (s_metrics, acc, s_results) in zip(base.runs, spec.runs):
         speedup = s_metrics.output_tokens_per_s / b_metrics.output_tokens_per_s if b_metrics.output_tokens_per_s else 0.0
         points.append(ConcurrencyPoint(
             concurrency=b_metrics.concurrency, baseline=b_metrics, speculative=s_metrics, speedup=speedup,
@@ -356,6 +373,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         ))
     result.points = points
     result.acceptance = combine_acceptance([p.acceptance for p in points])
+    result.server_log_facts = {mode: facts for mode, facts in (("baseline", base.log_facts), ("eagle3", spec.log_facts))
+                               if facts}
     result.finished_at = _now()
     if reference is not None:
         result = with_parity(result, reference, eval_cfg.parity_threshold, cfg)
@@ -399,8 +418,24 @@ def slowdown_findings(r: EvalResult) -> list[str]:
                          f"{tau:.2f} tokens) takes {s_tpot * tau / b_tpot:.1f} baseline steps ({b_tpot * 1e3:.2f} ms)")
         out.append("; ".join(parts) + ".")
     if r.engine == "sglang":
+        out += sglang_prefill_graph_finding(r)
         out += sglang_overlap_finding(r)
     return out
+
+
+def sglang_prefill_graph_finding(r: EvalResult) -> list[str]:
+    """When SGLang's own log shows the EAGLE-3 server prefilling without the CUDA graphs its baseline used."""
+    base, spec = r.server_log_facts.get("baseline", {}), r.server_log_facts.get("eagle3", {})
+    if not base.get("prefill_batches") or not spec.get("prefill_batches"):
+        return []
+    b_graphs, s_graphs = base["prefill_batches_with_cuda_graph"], spec["prefill_batches_with_cuda_graph"]
+    if s_graphs / spec["prefill_batches"] >= b_graphs / base["prefill_batches"]:
+        return []
+    said = f' (its log: "{spec["prefill_cuda_graph_off"]}")' if spec.get("prefill_cuda_graph_off") else ""
+    return [f"SGLang ran {s_graphs} of the EAGLE-3 server's {spec['prefill_batches']} prefill batches as CUDA graphs "
+            f"against {b_graphs} of the baseline's {base['prefill_batches']}{said}: eager prefills raise the time to "
+            "first token. SGLang 0.5.14 keeps the prefill graph of an EAGLE-3 target only on its `breakable` "
+            "backend (`--cuda-graph-backend-prefill breakable` on the EAGLE-3 server; not measured by draftline)."]
 
 
 SGLANG_NO_OVERLAP = "--disable-overlap-schedule"

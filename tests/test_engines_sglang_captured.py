@@ -90,3 +90,16 @@ def test_sglang_servers_get_a_port_with_room_for_their_grpc_port_no_sglang_runs_
 def test_a_port_cap_below_the_kernels_ephemeral_range_is_still_served():
     ports = {free_port(30000) for _ in range(20)}
     assert all(20000 <= p <= 30000 for p in ports)
+
+
+def test_captured_from_sglang_0_5_14_no_sglang_runs_here_log_shows_eagle3_prefills_without_cuda_graphs():
+    """Excerpts of the two servers' logs from the 6.88B H200 run (2026-12-01): the baseline's prefills ran as
+    piecewise CUDA graphs, EAGLE-3's eagerly, and SGLang said why when it started."""
+    adapter = SglangAdapter()
+    base = adapter.log_facts((CAPTURED / "server-log-baseline.txt").read_text())
+    spec = adapter.log_facts((CAPTURED / "server-log-eagle3.txt").read_text())
+    assert base == {"prefill_batches": 8, "prefill_batches_with_cuda_graph": 8}
+    assert spec["prefill_batches"] == 8 and spec["prefill_batches_with_cuda_graph"] == 0
+    assert spec["prefill_cuda_graph_off"].startswith("Disable prefill CUDA graph for EAGLE target on tc_piecewise")
+    # Decode batches carry "cuda graph: True" too; they are not prefills.
+    assert adapter.log_facts("Decode batch, #running-req: 1, cuda graph: True, gen throughput (token/s): 9") == {}

@@ -225,6 +225,12 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
     assert eagle["POST /v1/completions stream"][-1] == "[DONE]"
     assert any(line.startswith("vllm:spec_decode_num_accepted_tokens") for line in eagle["GET /metrics (spec_decode lines)"])
     assert base["POST /v1/completions"]["choices"][0]["text"] and base["GET /version"]["version"]
+    # And what its log said: the layers whose hidden states it fed the drafter, the ones the drafter was trained on.
+    trained = json.loads((trained_demo.drafter_vllm / "draftline.json").read_text())["aux_layer_ids_vllm"]
+    assert result.server_log_facts == {"eagle3": {"aux_hidden_state_layers": trained,
+                                                  "aux_hidden_state_layers_from": "drafter config"}}
+    from draftline.evaluate import likely_causes
+    assert not any("log says" in c for c in likely_causes(result))
 
 
 @pytest.mark.vllm
@@ -304,13 +310,19 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     cfg = _engine_cfg([1])
     eval_cfg = EvalConfig(prompts=str(trained_demo.eval_prompts), max_new_tokens=MAX_NEW_TOKENS, engines=[cfg])
     check_drafter("vllm", trained_demo.drafter_wrong_ids, trained_demo.target_dir)  # preflight cannot see it
-    runs = measure(VllmAdapter(), cfg, trained_demo.target_dir, trained_demo.drafter_wrong_ids,
-                   load_prompts(trained_demo.eval_prompts), eval_cfg, tmp_path, None, None)
+    served = measure(VllmAdapter(), cfg, trained_demo.target_dir, trained_demo.drafter_wrong_ids,
+                     load_prompts(trained_demo.eval_prompts), eval_cfg, tmp_path, None, None)
     wrong = good.model_copy(update={"drafter": "drafter-wrong-ids", "drafter_path": str(trained_demo.drafter_wrong_ids),
-                                    "acceptance": combine_acceptance([a for _, a, _ in runs]), "parity": None})
+                                    "acceptance": combine_acceptance([a for _, a, _ in served.runs]), "parity": None,
+                                    "server_log_facts": {"eagle3": served.log_facts}})
     flagged = with_parity(EvalResult.model_validate(wrong.model_dump()), reference, 0.8, cfg)
     print(f"right ids: {good.parity.verdict}; wrong ids: {flagged.parity.verdict}")
     assert flagged.parity.integration_suspected, flagged.parity.verdict
     assert flagged.parity.value < good.parity.value
     assert any("aux-layer ids" in c for c in flagged.parity.likely_causes)
+    # vLLM's own log names the layers it used, one below each trained one; the report leads with that.
+    trained = json.loads((trained_demo.drafter_wrong_ids / "draftline.json").read_text())["aux_layer_ids_vllm"]
+    assert served.log_facts["aux_hidden_state_layers"] == [i - 1 for i in trained]
+    assert flagged.parity.likely_causes[0].startswith(
+        f"vllm's log says it fed the drafter the hidden states of layers {tuple(i - 1 for i in trained)}")
     assert _engine_processes(str(trained_demo.target_dir)) == []

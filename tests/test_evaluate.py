@@ -251,3 +251,51 @@ def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
     assert "measure EAGLE-3 under the overlap scheduler too" in slowdown_findings(eagle_only)[-1]
     md = report_markdown([vllm, sglang])
     assert "### Slower with speculation: sglang 0.5.14" in md and "Slower with speculation: vllm" not in md
+
+
+def test_report_names_sglang_eager_prefills_from_its_own_log():
+    """SGLang 0.5.14 turns the EAGLE-3 target's prefill CUDA graph off; its log says so and every TTFT doubles.
+    The report must say it when the logs show it, and stay quiet when both servers prefilled alike."""
+    from draftline.engines.sglang import SglangAdapter
+    from draftline.evaluate import slowdown_findings
+
+    captured = Path(__file__).resolve().parent / "fixtures" / "sglang-0.5.14"
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report-session4" / "results.json"
+    _, sglang = (EvalResult.model_validate(x) for x in json.loads(saved.read_text()))
+    assert sglang.server_log_facts == {}  # results written before the field existed still load
+    assert not any("prefill batches" in f for f in slowdown_findings(sglang))
+    adapter = SglangAdapter()
+    facts = {mode: adapter.log_facts((captured / f"server-log-{mode}.txt").read_text()) for mode in ("baseline", "eagle3")}
+    eager = sglang.model_copy(update={"server_log_facts": facts})
+    finding = next(f for f in slowdown_findings(eager) if "prefill batches" in f)
+    assert "0 of the EAGLE-3 server's 8 prefill batches" in finding and "8 of the baseline's 8" in finding
+    assert "Disable prefill CUDA graph for EAGLE target" in finding and "--cuda-graph-backend-prefill breakable" in finding
+    alike = sglang.model_copy(update={"server_log_facts": {"baseline": facts["baseline"], "eagle3": facts["baseline"]}})
+    assert not any("prefill batches" in f for f in slowdown_findings(alike))
+    assert "prefill batches" in report_markdown([eager])
+
+
+def test_likely_causes_lead_with_the_layers_the_engine_says_it_used(tmp_path):
+    """vLLM logs the aux layers it feeds the drafter; when they differ from the ones the drafter was trained on,
+    that is the cause to name first, before any inference from configs."""
+    from draftline.engines.vllm import aux_layer_facts
+    from draftline.evaluate import likely_causes
+
+    from draftline.engines.preflight import aux_layer_ids
+
+    drafter = _drafter(tmp_path, "vllm")
+    trained = list(aux_layer_ids(json.loads((drafter / "config.json").read_text())))
+    lineage = json.loads((drafter / LINEAGE_FILE).read_text())
+    (drafter / LINEAGE_FILE).write_text(json.dumps({**lineage, "aux_layer_ids_vllm": trained}))  # as export writes it
+    shifted = tuple(i - 1 for i in trained)
+    line = f"(Worker pid=1) INFO 12-01 14:56:35 [gpu_model_runner.py:5243] Using auxiliary layers from speculative config: {shifted}"
+    facts = aux_layer_facts(line)
+    assert facts == {"aux_hidden_state_layers": list(shifted), "aux_hidden_state_layers_from": "drafter config"}
+    result = EvalResult(run="r", engine="vllm", engine_version="0.32.0", status="ok", hardware="cpu", target="t",
+                        target_path="t", drafter="d", drafter_path=str(drafter), prompt_set="p.jsonl",
+                        num_speculative_tokens=3, server_log_facts={"eagle3": facts})
+    assert likely_causes(result)[0] == (f"vllm's log says it fed the drafter the hidden states of layers {shifted} "
+                                        f"(from the drafter config), but the drafter was trained on layers "
+                                        f"{tuple(trained)} in vllm's convention")
+    same = result.model_copy(update={"server_log_facts": {"eagle3": {**facts, "aux_hidden_state_layers": trained}}})
+    assert not any("log says" in c for c in likely_causes(same))

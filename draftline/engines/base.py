@@ -61,6 +61,11 @@ class EngineAdapter(ABC):
         evidence behind its acceptance figures, and real response shapes to test the adapter against."""
         return {}
 
+    def log_facts(self, log_text: str) -> dict[str, Any]:
+        """What the server's own log says about how it ran (which passes were CUDA graphs, say), read after it
+        stopped, for the report's explanations; empty when the log holds nothing draftline reads."""
+        return {}
+
 
 def http_answer(method: str, url: str, **kwargs) -> Any:
     """One raw answer for a snapshot: parsed JSON, else text; an error becomes {"error": ...} (a snapshot is

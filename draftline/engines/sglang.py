@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -207,6 +208,28 @@ class SglangAdapter(EngineAdapter):
             "POST /generate stream": stream_events(base_url + "/generate", {**body, "stream": True}),
             "GET /metrics (spec lines)": metrics_lines(base_url, "spec"),
         }
+
+    def log_facts(self, log_text: str) -> dict[str, Any]:
+        return prefill_graph_facts(log_text)
+
+
+# SGLang 0.5.14 logs every prefill batch as "Prefill batch, #new-seq: ..., cuda graph: True|False, ...".
+PREFILL_BATCH_LINE = re.compile(r"Prefill batch\b.*\bcuda graph: (True|False)\b")
+PREFILL_GRAPH_OFF = "Disable prefill CUDA graph"
+
+
+def prefill_graph_facts(log_text: str) -> dict[str, Any]:
+    """How many of the server's prefill batches ran as CUDA graphs, from its own log, and SGLang's words when it
+    turned the prefill graph off (0.5.14 does so for an EAGLE-3 target on its default tc_piecewise backend)."""
+    flags = PREFILL_BATCH_LINE.findall(log_text)
+    if not flags:
+        return {}
+    facts: dict[str, Any] = {"prefill_batches": len(flags), "prefill_batches_with_cuda_graph": flags.count("True")}
+    for line in log_text.splitlines():
+        if PREFILL_GRAPH_OFF in line:
+            facts["prefill_cuda_graph_off"] = line[line.index(PREFILL_GRAPH_OFF):].strip()
+            break
+    return facts
 
 
 def server_info(base_url: str, timeout_s: float = 30) -> dict | None:

@@ -155,6 +155,26 @@ class VllmAdapter(EngineAdapter):
             "GET /metrics (spec_decode lines)": metrics_lines(base_url, "spec_decode"),
         }
 
+    def log_facts(self, log_text: str) -> dict[str, Any]:
+        return aux_layer_facts(log_text)
+
+
+# vLLM logs the target layers whose hidden states it feeds an EAGLE-3 drafter: 0.32's model runner says "Using
+# auxiliary layers from speculative config: (2, 4, 5)"; its newer runner "Using Eagle3 auxiliary layers from
+# config: ..." or "... from model: ..." (the model's defaults, when the drafter config names none).
+AUX_LAYERS_LINE = re.compile(r"Using (?:Eagle3 )?auxiliary layers from (speculative config|config|model): "
+                             r"[\[(]([\d,\s]*)[\])]")
+
+
+def aux_layer_facts(log_text: str) -> dict[str, Any]:
+    """The aux-layer ids vLLM says it used (its convention: the input of layer k), and where it took them from."""
+    found = AUX_LAYERS_LINE.search(log_text)
+    if not found:
+        return {}
+    source, ids = found.groups()
+    return {"aux_hidden_state_layers": [int(x) for x in ids.replace(",", " ").split()],
+            "aux_hidden_state_layers_from": "model defaults" if source == "model" else "drafter config"}
+
 
 def read_counters(base_url: str) -> dict[str, Any]:
     try:
