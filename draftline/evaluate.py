@@ -169,13 +169,9 @@ def likely_causes(result: EvalResult, engine_cfg: EngineConfig | None = None) ->
     if (drafter_dir / "config.json").is_file():
         config, lineage = drafter_format(drafter_dir)
     # The engine's own word beats any inference: the layers it says it fed the drafter, against the training's.
-    used = result.server_log_facts.get("eagle3", {}).get("aux_hidden_state_layers")
-    trained = lineage.get(f"aux_layer_ids_{result.engine}")
-    if used and trained and list(used) != list(trained):
-        source = result.server_log_facts["eagle3"].get("aux_hidden_state_layers_from", "its settings")
-        causes.append(f"{result.engine}'s log says it fed the drafter the hidden states of layers {tuple(used)} "
-                      f"(from the {source}), but the drafter was trained on layers {tuple(trained)} in "
-                      f"{result.engine}'s convention")
+    logged = logged_aux_layers(result, lineage)
+    if logged and logged[1] is not None and logged[0] != logged[1]:
+        causes.append(logged_aux_layers_sentence(result, lineage))
     if config and not config.get("speculators_config") and not aux_layer_ids(config):
         causes.append("the drafter config has no eagle_aux_hidden_state_layer_ids, so the engine guessed its "
                       "default layers")
@@ -214,6 +210,32 @@ def likely_causes(result: EvalResult, engine_cfg: EngineConfig | None = None) ->
             seen.add(c)
             out.append(c)
     return out
+
+
+def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[list[int], list[int] | None] | None:
+    """(the aux layers the EAGLE-3 server's log says it used, the ones the drafter was trained on in that engine's
+    convention, or None when the lineage does not say); None when the log named none."""
+    used = result.server_log_facts.get("eagle3", {}).get("aux_hidden_state_layers")
+    if not used:
+        return None
+    if lineage is None:
+        lineage = {}
+        if (Path(result.drafter_path) / "config.json").is_file():
+            lineage = drafter_format(Path(result.drafter_path))[1]
+    trained = lineage.get(f"aux_layer_ids_{result.engine}")
+    return list(used), (list(trained) if trained else None)
+
+
+def logged_aux_layers_sentence(result: EvalResult, lineage: dict | None = None) -> str:
+    used, trained = logged_aux_layers(result, lineage)
+    source = result.server_log_facts["eagle3"].get("aux_hidden_state_layers_from", "its settings")
+    said = (f"{result.engine}'s log says it fed the drafter the hidden states of layers {tuple(used)} (from the "
+            f"{source})")
+    if trained is None:
+        return said + "; the drafter's lineage does not say which layers it was trained on"
+    if used == trained:
+        return said + f", the layers the drafter was trained on in {result.engine}'s convention"
+    return said + f", but the drafter was trained on layers {tuple(trained)} in {result.engine}'s convention"
 
 
 def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Parity:
@@ -418,8 +440,17 @@ def slowdown_findings(r: EvalResult) -> list[str]:
                          f"{tau:.2f} tokens) takes {s_tpot * tau / b_tpot:.1f} baseline steps ({b_tpot * 1e3:.2f} ms)")
         out.append("; ".join(parts) + ".")
     if r.engine == "sglang":
-        out += sglang_prefill_graph_finding(r)
         out += sglang_overlap_finding(r)
+    return out
+
+
+def engine_log_findings(r: EvalResult) -> list[str]:
+    """What the servers' own logs said that bears on the figures (EvalResult.server_log_facts), whatever the
+    speedup and parity: the aux layers vLLM fed the drafter, SGLang's prefills without CUDA graphs."""
+    out = []
+    if logged_aux_layers(r):
+        out.append(logged_aux_layers_sentence(r) + ".")
+    out += sglang_prefill_graph_finding(r)
     return out
 
 
@@ -431,19 +462,28 @@ def sglang_prefill_graph_finding(r: EvalResult) -> list[str]:
     b_graphs, s_graphs = base["prefill_batches_with_cuda_graph"], spec["prefill_batches_with_cuda_graph"]
     if s_graphs / spec["prefill_batches"] >= b_graphs / base["prefill_batches"]:
         return []
-    said = f' (its log: "{spec["prefill_cuda_graph_off"]}")' if spec.get("prefill_cuda_graph_off") else ""
+    said = f' (its log: "{spec["prefill_cuda_graph_off_log_line"]}")' if spec.get("prefill_cuda_graph_off_log_line") else ""
+    ttft = ""
+    if r.points:
+        p = min(r.points, key=lambda q: q.concurrency)
+        if p.baseline.ttft_mean_s and p.speculative.ttft_mean_s:
+            ttft = (f" Time to first token at concurrency {p.concurrency} in this run: "
+                    f"{p.baseline.ttft_mean_s * 1e3:.1f} ms for the baseline, {p.speculative.ttft_mean_s * 1e3:.1f} ms "
+                    "with EAGLE-3.")
     return [f"SGLang ran {s_graphs} of the EAGLE-3 server's {spec['prefill_batches']} prefill batches as CUDA graphs "
-            f"against {b_graphs} of the baseline's {base['prefill_batches']}{said}: eager prefills raise the time to "
-            "first token. SGLang 0.5.14 keeps the prefill graph of an EAGLE-3 target only on its `breakable` "
-            "backend (`--cuda-graph-backend-prefill breakable` on the EAGLE-3 server; not measured by draftline)."]
+            f"against {b_graphs} of the baseline's {base['prefill_batches']}{said}: eager prefills can raise the time "
+            f"to first token.{ttft} SGLang 0.5.14 keeps the prefill graph of an EAGLE-3 target only on its "
+            "`breakable` backend (`--cuda-graph-backend-prefill breakable` on the EAGLE-3 server; not measured by "
+            "draftline)."]
 
 
 SGLANG_NO_OVERLAP = "--disable-overlap-schedule"
 # What H200 runs measured (benchmarks/RESULTS.md, sessions 6, 9 and 10): the baseline is always faster under SGLang's
 # overlap scheduler, while which setting speeds EAGLE-3 turns with the target's size.
-SGLANG_OVERLAP_SEEN = ("On an H200, SGLang's baseline ran faster under its overlap scheduler with both targets measured "
-                       "(1.7x with a 1B target, 1.4x with a 6.88B one), while EAGLE-3 ran 1.18x faster without it "
-                       "with the 1B target and 1.44x faster with it with the 6.88B one (benchmarks/RESULTS.md)")
+SGLANG_OVERLAP_SEEN = ("On an H200 (time per output token), SGLang's baseline ran faster under its overlap scheduler "
+                       "with both targets measured (1.7x with a 1.04B target, 1.4x with a 6.88B one), while EAGLE-3 "
+                       "ran 1.15x faster without it with the 1.04B target and 1.44x faster with it with the 6.88B one "
+                       "(benchmarks/RESULTS.md)")
 
 
 def sglang_overlap_finding(r: EvalResult) -> list[str]:
@@ -454,10 +494,10 @@ def sglang_overlap_finding(r: EvalResult) -> list[str]:
                 f"default and give the flag, if at all, to the EAGLE-3 server only (speculative_extra_args)."]
     if SGLANG_NO_OVERLAP in r.speculative_server_args:
         return [f"SGLang ran EAGLE-3 with {SGLANG_NO_OVERLAP} and the baseline under its overlap scheduler. "
-                f"{SGLANG_OVERLAP_SEEN}: for a target of billions of parameters, measure EAGLE-3 under the overlap "
-                "scheduler too (drop the flag from speculative_extra_args)."]
-    return [f"SGLang ran EAGLE-3 under its overlap scheduler (its default). {SGLANG_OVERLAP_SEEN}: for a small target, "
-            f"measure EAGLE-3 with {SGLANG_NO_OVERLAP} too, on the EAGLE-3 server only (speculative_extra_args)."]
+                f"{SGLANG_OVERLAP_SEEN}: for a target of several billion parameters (6.88B measured), measure "
+                "EAGLE-3 under the overlap scheduler too (drop the flag from speculative_extra_args)."]
+    return [f"SGLang ran EAGLE-3 under its overlap scheduler (its default). {SGLANG_OVERLAP_SEEN}: for a target of about "
+            f"1B parameters (1.04B measured), measure EAGLE-3 with {SGLANG_NO_OVERLAP} too, on the EAGLE-3 server only (speculative_extra_args)."]
 
 
 def report_markdown(results: list[EvalResult]) -> str:
@@ -512,6 +552,10 @@ def report_markdown(results: list[EvalResult]) -> str:
         findings = slowdown_findings(r)
         if findings:
             lines += ["", f"### Slower with speculation: {r.label()}", ""] + [f"- {f}" for f in findings]
+    for r in results:
+        said = engine_log_findings(r)
+        if said:
+            lines += ["", f"### What the engine's log says: {r.label()}", ""] + [f"- {f}" for f in said]
     lines += ["", "## Plots", "", "![acceptance by position](acceptance_by_position.png)", "",
               "![throughput and speedup](throughput_speedup.png)", "",
               "Raw figures: results.json (one EvalResult per engine).", ""]

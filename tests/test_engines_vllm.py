@@ -229,8 +229,11 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
     trained = json.loads((trained_demo.drafter_vllm / "draftline.json").read_text())["aux_layer_ids_vllm"]
     assert result.server_log_facts == {"eagle3": {"aux_hidden_state_layers": trained,
                                                   "aux_hidden_state_layers_from": "drafter config"}}
-    from draftline.evaluate import likely_causes
+    from draftline.evaluate import engine_log_findings, likely_causes
     assert not any("log says" in c for c in likely_causes(result))
+    assert engine_log_findings(result) == [f"vllm's log says it fed the drafter the hidden states of layers "
+                                           f"{tuple(trained)} (from the drafter config), the layers the drafter was "
+                                           "trained on in vllm's convention."]
 
 
 @pytest.mark.vllm

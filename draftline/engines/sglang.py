@@ -227,7 +227,7 @@ def prefill_graph_facts(log_text: str) -> dict[str, Any]:
     facts: dict[str, Any] = {"prefill_batches": len(flags), "prefill_batches_with_cuda_graph": flags.count("True")}
     for line in log_text.splitlines():
         if PREFILL_GRAPH_OFF in line:
-            facts["prefill_cuda_graph_off"] = line[line.index(PREFILL_GRAPH_OFF):].strip()
+            facts["prefill_cuda_graph_off_log_line"] = line[line.index(PREFILL_GRAPH_OFF):].strip()
             break
     return facts
 
