@@ -170,8 +170,8 @@ def likely_causes(result: EvalResult, engine_cfg: EngineConfig | None = None) ->
         config, lineage = drafter_format(drafter_dir)
     # The engine's own word beats any inference: the layers it says it fed the drafter, against the training's.
     logged = logged_aux_layers(result, lineage)
-    if logged and logged[1] is not None and logged[0] != logged[1]:
-        causes.append(logged_aux_layers_sentence(result, lineage))
+    if logged and logged[1]:
+        causes.append(logged[0])
     if config and not config.get("speculators_config") and not aux_layer_ids(config):
         causes.append("the drafter config has no eagle_aux_hidden_state_layer_ids, so the engine guessed its "
                       "default layers")
@@ -212,30 +212,25 @@ def likely_causes(result: EvalResult, engine_cfg: EngineConfig | None = None) ->
     return out
 
 
-def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[list[int], list[int] | None] | None:
-    """(the aux layers the EAGLE-3 server's log says it used, the ones the drafter was trained on in that engine's
-    convention, or None when the lineage does not say); None when the log named none."""
-    used = result.server_log_facts.get("eagle3", {}).get("aux_hidden_state_layers")
+def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[str, bool] | None:
+    """A sentence on the aux layers the EAGLE-3 server's log says it used, against the ones the drafter was trained
+    on in that engine's convention (lineage: the drafter's, read here when not given), and whether they differ;
+    None when the log named none."""
+    facts = result.server_log_facts.get("eagle3", {})
+    used = facts.get("aux_hidden_state_layers")
     if not used:
         return None
     if lineage is None:
-        lineage = {}
-        if (Path(result.drafter_path) / "config.json").is_file():
-            lineage = drafter_format(Path(result.drafter_path))[1]
+        drafter_dir = Path(result.drafter_path)
+        lineage = drafter_format(drafter_dir)[1] if (drafter_dir / "config.json").is_file() else {}
     trained = lineage.get(f"aux_layer_ids_{result.engine}")
-    return list(used), (list(trained) if trained else None)
-
-
-def logged_aux_layers_sentence(result: EvalResult, lineage: dict | None = None) -> str:
-    used, trained = logged_aux_layers(result, lineage)
-    source = result.server_log_facts["eagle3"].get("aux_hidden_state_layers_from", "its settings")
     said = (f"{result.engine}'s log says it fed the drafter the hidden states of layers {tuple(used)} (from the "
-            f"{source})")
-    if trained is None:
-        return said + "; the drafter's lineage does not say which layers it was trained on"
-    if used == trained:
-        return said + f", the layers the drafter was trained on in {result.engine}'s convention"
-    return said + f", but the drafter was trained on layers {tuple(trained)} in {result.engine}'s convention"
+            f"{facts.get('aux_hidden_state_layers_from', 'its settings')})")
+    if not trained:
+        return said + "; the drafter's lineage does not say which layers it was trained on", False
+    if list(used) == list(trained):
+        return said + f", the layers the drafter was trained on in {result.engine}'s convention", False
+    return said + f", but the drafter was trained on layers {tuple(trained)} in {result.engine}'s convention", True
 
 
 def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Parity:
@@ -447,11 +442,8 @@ def slowdown_findings(r: EvalResult) -> list[str]:
 def engine_log_findings(r: EvalResult) -> list[str]:
     """What the servers' own logs said that bears on the figures (EvalResult.server_log_facts), whatever the
     speedup and parity: the aux layers vLLM fed the drafter, SGLang's prefills without CUDA graphs."""
-    out = []
-    if logged_aux_layers(r):
-        out.append(logged_aux_layers_sentence(r) + ".")
-    out += sglang_prefill_graph_finding(r)
-    return out
+    logged = logged_aux_layers(r)
+    return ([logged[0] + "."] if logged else []) + sglang_prefill_graph_finding(r)
 
 
 def sglang_prefill_graph_finding(r: EvalResult) -> list[str]:
@@ -462,7 +454,8 @@ def sglang_prefill_graph_finding(r: EvalResult) -> list[str]:
     b_graphs, s_graphs = base["prefill_batches_with_cuda_graph"], spec["prefill_batches_with_cuda_graph"]
     if s_graphs / spec["prefill_batches"] >= b_graphs / base["prefill_batches"]:
         return []
-    said = f' (its log: "{spec["prefill_cuda_graph_off_log_line"]}")' if spec.get("prefill_cuda_graph_off_log_line") else ""
+    off_line = spec.get("prefill_cuda_graph_off_log_line")
+    said = f' (its log: "{off_line}")' if off_line else ""
     ttft = ""
     if r.points:
         p = min(r.points, key=lambda q: q.concurrency)
@@ -496,8 +489,9 @@ def sglang_overlap_finding(r: EvalResult) -> list[str]:
         return [f"SGLang ran EAGLE-3 with {SGLANG_NO_OVERLAP} and the baseline under its overlap scheduler. "
                 f"{SGLANG_OVERLAP_SEEN}: for a target of several billion parameters (6.88B measured), measure "
                 "EAGLE-3 under the overlap scheduler too (drop the flag from speculative_extra_args)."]
-    return [f"SGLang ran EAGLE-3 under its overlap scheduler (its default). {SGLANG_OVERLAP_SEEN}: for a target of about "
-            f"1B parameters (1.04B measured), measure EAGLE-3 with {SGLANG_NO_OVERLAP} too, on the EAGLE-3 server only (speculative_extra_args)."]
+    return [f"SGLang ran EAGLE-3 under its overlap scheduler (its default). {SGLANG_OVERLAP_SEEN}: for a target of "
+            f"about 1B parameters (1.04B measured), measure EAGLE-3 with {SGLANG_NO_OVERLAP} too, on the EAGLE-3 "
+            "server only (speculative_extra_args)."]
 
 
 def report_markdown(results: list[EvalResult]) -> str:

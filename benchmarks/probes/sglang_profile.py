@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -117,9 +118,11 @@ def profile_server(mode: str, args, cfg, target_dir: Path, drafter_dir: Path | N
     return {**result, "trace": str(trace), **device_summary(trace_kernels(trace), args.num_steps)}
 
 
-def server_config(args, words: str):
+def server_config(args, words: str, eagle3: bool):
+    """One server's settings as eval_gpu.py makes them; a baseline takes its own words after the shared ones."""
+    extra = args.extra_args if eagle3 else [*args.extra_args, *shlex.split(words)]
     return engine_config(SimpleNamespace(engine="sglang", k=args.k, concurrency=[1], requests_per_point=None,
-                                         extra_args=args.extra_args, speculative_args=words, device="cuda"))
+                                         extra_args=extra, speculative_args=words if eagle3 else "", device="cuda"))
 
 
 def main(argv=None) -> dict:
@@ -133,16 +136,14 @@ def main(argv=None) -> dict:
     # (mode, words, drafter): the plain baseline, the EAGLE-3 servers, then the other baselines (the least needed
     # last, for a run cut short by its time limit).
     servers = [("baseline", "", None)]
-    servers += [(f"eagle3-{i + 1}", words, saved / "drafter" / "sglang") for i, words in enumerate(args.speculative_args)]
+    drafter = saved / "drafter" / "sglang"
+    servers += [(f"eagle3-{i + 1}", words, drafter) for i, words in enumerate(args.speculative_args)]
     servers += [(f"baseline-{i + 1}", words, None) for i, words in enumerate(args.baseline_args)]
     report = {"probe": "sglang_profile", "note": "SGLang's own torch profiler, concurrency 1", "k": args.k,
               "activities": args.activities, "num_steps": args.num_steps, "extra_args": args.extra_args,
               "servers": {}}
     for mode, words, drafter in servers:
-        cfg = server_config(args, words)
-        if drafter is None:  # a baseline server: its extra words go to it, since it has no EAGLE-3 arguments
-            cfg = cfg.model_copy(update={"extra_args": [*cfg.extra_args, *cfg.speculative_extra_args],
-                                         "speculative_extra_args": []})
+        cfg = server_config(args, words, eagle3=drafter is not None)
         try:
             result = {"server_args": words, **profile_server(mode, args, cfg, saved / "target", drafter, out)}
         except EngineError as exc:  # one server that will not start (a bad flag, say) leaves the others to run
