@@ -228,9 +228,16 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
             f"{facts.get('aux_hidden_state_layers_from', 'its settings')})")
     if not trained:
         return said + "; the drafter's lineage does not say which layers it was trained on", False
+    # The drafter config named its layers, yet the engine fell back to the target's defaults: it never read them.
+    ignored = ("" if facts.get("aux_hidden_state_layers_from") != "model defaults" else
+               f"{result.engine} did not read the layer ids in the drafter's config (vLLM 0.25's GPU model runner "
+               "reads them only at the config's top level, where draftline's vLLM export now writes them too): export "
+               "the drafter again")
     if list(used) == list(trained):
-        return said + f", the layers the drafter was trained on in {result.engine}'s convention", False
-    return said + f", but the drafter was trained on layers {tuple(trained)} in {result.engine}'s convention", True
+        return (said + f", the layers the drafter was trained on in {result.engine}'s convention"
+                + (", but only because those are also the target's defaults: " + ignored if ignored else "")), False
+    return (said + f", but the drafter was trained on layers {tuple(trained)} in {result.engine}'s convention"
+            + (": " + ignored if ignored else "")), True
 
 
 def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Parity:
@@ -447,7 +454,8 @@ def engine_log_findings(r: EvalResult) -> list[str]:
 
 
 def sglang_prefill_graph_finding(r: EvalResult) -> list[str]:
-    """When SGLang's own log shows the EAGLE-3 server prefilling without the CUDA graphs its baseline used."""
+    """When SGLang's own log shows the EAGLE-3 server prefilling without the CUDA graphs its baseline used, and the
+    setting that gave it back those graphs on an H200."""
     base, spec = r.server_log_facts.get("baseline", {}), r.server_log_facts.get("eagle3", {})
     if not base.get("prefill_batches") or not spec.get("prefill_batches"):
         return []
@@ -465,9 +473,26 @@ def sglang_prefill_graph_finding(r: EvalResult) -> list[str]:
                     "with EAGLE-3.")
     return [f"SGLang ran {s_graphs} of the EAGLE-3 server's {spec['prefill_batches']} prefill batches as CUDA graphs "
             f"against {b_graphs} of the baseline's {base['prefill_batches']}{said}: eager prefills can raise the time "
-            f"to first token.{ttft} SGLang 0.5.14 keeps the prefill graph of an EAGLE-3 target only on its "
-            "`breakable` backend (`--cuda-graph-backend-prefill breakable` on the EAGLE-3 server; not measured by "
-            "draftline)."]
+            f"to first token.{ttft} {sglang_prefill_graph_remedy(r.target_architecture)}"]
+
+
+# Architectures SGLang serves with multi-head latent attention (its use_mla_backend): DeepSeek-V2/V3 and Kimi-K2.
+MLA_ARCHITECTURE_PREFIXES = ("Deepseek", "Kimi")
+SGLANG_BREAKABLE_PREFILL = "--cuda-graph-backend-prefill breakable"
+
+
+def sglang_prefill_graph_remedy(architecture: str | None) -> str:
+    """SGLang 0.5.14 keeps an EAGLE-3 target's prefill graph only on its breakable backend, which does not serve MLA."""
+    if architecture and architecture.startswith(MLA_ARCHITECTURE_PREFIXES):
+        return (f"SGLang 0.5.14 keeps an EAGLE-3 target's prefill graph only on its `breakable` backend, which it marks "
+                f"incompatible with MLA attention, and {architecture} uses MLA: expect eager prefills with EAGLE-3 on "
+                "this target (SGLang skips that check when the backend is given explicitly, so do not give "
+                f"`{SGLANG_BREAKABLE_PREFILL}` here).")
+    return (f"SGLang 0.5.14 keeps an EAGLE-3 target's prefill graph only on its `breakable` backend: give "
+            f"`{SGLANG_BREAKABLE_PREFILL}` to the EAGLE-3 server (speculative_extra_args). On an H200 with a 6.88B "
+            "Llama-shaped target, every EAGLE-3 prefill then ran as a graph, EAGLE-3's time to first token at "
+            "concurrency 1 fell from 53.7 to 27.1 ms, and the speedup rose from 1.40x to 1.49x at concurrency 1 and "
+            "from 0.89x to 1.17x at 8 (benchmarks/RESULTS.md, sessions 10 and 11).")
 
 
 SGLANG_NO_OVERLAP = "--disable-overlap-schedule"
@@ -519,6 +544,15 @@ def report_markdown(results: list[EvalResult]) -> str:
                          f"{p.speculative.output_tokens_per_s:.1f} | {p.speedup:.2f}x | {_fmt(acc)} | "
                          f"{_fmt(p.baseline.ttft_mean_s, '.3f')} / {_fmt(p.speculative.ttft_mean_s, '.3f')} | "
                          f"{_fmt(tpot_b, '.1f')} / {_fmt(tpot_s, '.1f')} | {same} |")
+    lines += ["", "## Server settings", "",
+              "Arguments draftline added to each engine's own server command (the EAGLE-3 server also gets the "
+              "speculative settings: method EAGLE3, the drafter, k).", "",
+              "| engine | version | hardware | target | drafter | prompt set | both servers | EAGLE-3 server only |",
+              "|" + "---|" * 8]
+    for r in (r for r in results if r.status != "skipped"):  # a skipped engine started no server
+        lines.append(f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | "
+                     f"{r.prompt_set} | {' '.join(r.server_args) or 'none'} | "
+                     f"{' '.join(r.speculative_server_args) or 'none'} |")
     lines += ["", "## Acceptance by draft position and parity with the reference decoder", "",
               "Parity compares accepted draft tokens per verification step (acceptance length minus the bonus "
               "token) of the engine with draftline's reference decoder on the same prompts, drafter and k.", "",

@@ -81,6 +81,26 @@ def test_full_vocabulary_exports_have_no_d2t(tmp_path):
 
 
 @pytest.mark.vllm
+def test_both_vllm_model_runners_read_the_aux_ids_of_the_vllm_export(tmp_path):
+    """vLLM 0.25's GPU model runner read the ids only at the config's top level and, finding none in an export that had
+    them only in eagle_config, fed the drafter the target's default layers (its H200 log: "Using Eagle3 auxiliary
+    layers from model"). Both runners' own readers, as installed here, must find the export's ids."""
+    from types import SimpleNamespace
+
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    dirs = export_drafter(source_drafter(tmp_path), DEMO_LLAMA, tmp_path / "export", formats=("vllm",))
+    # The draft config as vLLM builds it for method eagle3 (SpeculativeConfig wraps the loaded config).
+    draft = EAGLEConfig(get_config(str(dirs["vllm"]), trust_remote_code=False), method="eagle3", model_type="eagle")
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=draft))
+    assert get_eagle3_aux_layers_from_config(spec) == (2, 4, 5)  # the newer runner
+    assert GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec)) == (2, 4, 5)
+
+
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_real_vllm_loads_the_sglang_and_speculators_exports(tmp_path):
     """The vllm-format export is served in the end-to-end tests; here vLLM loads the other two formats."""

@@ -101,5 +101,8 @@ def test_captured_from_sglang_0_5_14_no_sglang_runs_here_log_shows_eagle3_prefil
     assert base == {"prefill_batches": 8, "prefill_batches_with_cuda_graph": 8}
     assert spec["prefill_batches"] == 8 and spec["prefill_batches_with_cuda_graph"] == 0
     assert spec["prefill_cuda_graph_off_log_line"].startswith("Disable prefill CUDA graph for EAGLE target on tc_piecewise")
+    # With the breakable prefill backend on the EAGLE-3 server, SGLang kept the target's prefill graph.
+    breakable = adapter.log_facts((CAPTURED / "server-log-eagle3-breakable.txt").read_text())
+    assert breakable == {"prefill_batches": 8, "prefill_batches_with_cuda_graph": 8}
     # Decode batches carry "cuda graph: True" too; they are not prefills.
     assert adapter.log_facts("Decode batch, #running-req: 1, cuda graph: True, gen throughput (token/s): 9") == {}

@@ -129,7 +129,9 @@ def test_report_names_every_number_and_says_plainly_when_sglang_was_skipped(tmp_
                          drafter_path="/d", prompt_set="eval_prompts.jsonl", num_speculative_tokens=3)
     md = report_markdown([ok, skipped])
     rows = [line for line in md.splitlines() if line.startswith("| vllm") or line.startswith("| sglang")]
-    assert len(rows) == 5  # vLLM: two concurrency rows and one parity row; SGLang: one row in each table
+    # vLLM: two concurrency rows, its server settings and its parity row; SGLang (skipped, no server): one row in
+    # the throughput and the parity table
+    assert len(rows) == 6
     for row in rows:
         for fact in ("tiny-llama", "CPU test (2 cores)", "eval_prompts.jsonl"):
             assert fact in row
@@ -273,8 +275,14 @@ def test_captured_sglang_0_5_14_logs_no_sglang_runs_here_report_names_eager_eagl
     assert "Disable prefill CUDA graph for EAGLE target" in finding and "--cuda-graph-backend-prefill breakable" in finding
     # With this run's own figures (session 4's saved run: 23.1 -> 24.3 ms at concurrency 1).
     assert "concurrency 1 in this run: 23.1 ms for the baseline, 24.3 ms with EAGLE-3" in finding
-    alike = sglang.model_copy(update={"server_log_facts": {"baseline": facts["baseline"], "eagle3": facts["baseline"]}})
-    assert engine_log_findings(alike) == []
+    assert "every EAGLE-3 prefill then ran as a graph" in finding
+    # An MLA target gets no advice SGLang 0.5.14 cannot follow: its breakable backend does not serve MLA.
+    [mla] = engine_log_findings(eager.model_copy(update={"target_architecture": "DeepseekV3ForCausalLM"}))
+    assert "DeepseekV3ForCausalLM uses MLA" in mla and "do not give `--cuda-graph-backend-prefill breakable`" in mla
+    # The run with the breakable backend on the EAGLE-3 server: its log shows every prefill graphed, so no finding.
+    breakable = adapter.log_facts((captured / "server-log-eagle3-breakable.txt").read_text())
+    assert engine_log_findings(sglang.model_copy(
+        update={"server_log_facts": {"baseline": facts["baseline"], "eagle3": breakable}})) == []
     md = report_markdown([eager])
     assert "### What the engine's log says: sglang 0.5.14" in md and "prefill batches" in md
 
@@ -323,3 +331,47 @@ def test_likely_causes_lead_with_the_layers_the_engine_says_it_used(tmp_path):
     same = result.model_copy(update={"server_log_facts": {"eagle3": {**facts, "aux_hidden_state_layers": trained}}})
     assert not any("log says" in c for c in likely_causes(same))
     assert engine_log_findings(same)[0].endswith(", the layers the drafter was trained on in vllm's convention.")
+
+
+def test_captured_vllm_0_25_log_no_vllm_gpu_runs_here_report_says_the_drafter_config_was_not_read(tmp_path):
+    """On an H200, vLLM 0.25's V2 model runner logged "Using Eagle3 auxiliary layers from model": it had not found the
+    ids of an export that kept them in eagle_config only, and used the target's defaults. They matched the trained
+    layers there only because draftline's default is vLLM's; the report must say so, and when they do not match, that
+    is the first likely cause. The log lines are from that run (tests/fixtures/vllm-0.25.0)."""
+    from draftline.engines.vllm import VllmAdapter
+    from draftline.evaluate import engine_log_findings, likely_causes
+
+    log = (Path(__file__).resolve().parent / "fixtures" / "vllm-0.25.0" / "server-log-eagle3.txt").read_text()
+    facts = VllmAdapter().log_facts(log)
+    assert facts == {"aux_hidden_state_layers": [2, 16, 29], "aux_hidden_state_layers_from": "model defaults"}
+    drafter = _drafter(tmp_path, "vllm")
+    lineage = json.loads((drafter / LINEAGE_FILE).read_text())
+
+    def result_trained_on(ids):
+        (drafter / LINEAGE_FILE).write_text(json.dumps({**lineage, "aux_layer_ids_vllm": ids}))
+        return EvalResult(run="r", engine="vllm", engine_version="0.25.0", status="ok", hardware="NVIDIA H200",
+                          target="t", target_path="t", drafter="d", drafter_path=str(drafter), prompt_set="p.jsonl",
+                          num_speculative_tokens=3, server_log_facts={"eagle3": facts})
+
+    [said] = engine_log_findings(result_trained_on([2, 16, 29]))
+    assert "the layers the drafter was trained on in vllm's convention, but only because those are also the target's " \
+           "defaults: vllm did not read the layer ids in the drafter's config" in said
+    assert "export the drafter again" in said
+    assert not any("log says" in c for c in likely_causes(result_trained_on([2, 16, 29])))
+    first = likely_causes(result_trained_on([3, 16, 28]))[0]
+    assert first.startswith("vllm's log says it fed the drafter the hidden states of layers (2, 16, 29) (from the "
+                            "model defaults), but the drafter was trained on layers (3, 16, 28)")
+    assert "did not read the layer ids in the drafter's config" in first
+
+
+def test_report_names_the_arguments_each_server_ran_with():
+    """Figures from two SGLang runs differ by a setting given to the EAGLE-3 server only; the report must show it."""
+    result = EvalResult(run="r", engine="sglang", engine_version="0.5.14", status="ok", hardware="NVIDIA H200",
+                        target="t", target_path="t", drafter="d", drafter_path="d", prompt_set="p.jsonl",
+                        num_speculative_tokens=3, server_args=["--attention-backend", "triton"],
+                        speculative_server_args=["--cuda-graph-backend-prefill", "breakable"])
+    md = report_markdown([result, result.model_copy(update={"engine": "vllm", "engine_version": "0.25.0",
+                                                            "server_args": [], "speculative_server_args": []})])
+    assert ("| sglang | 0.5.14 | NVIDIA H200 | t | d | p.jsonl | --attention-backend triton | "
+            "--cuda-graph-backend-prefill breakable |") in md
+    assert "| vllm | 0.25.0 | NVIDIA H200 | t | d | p.jsonl | none | none |" in md

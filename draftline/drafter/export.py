@@ -39,7 +39,8 @@ def check_target(model: Eagle3Drafter, target_dir) -> dict:
 def _speculators_config(model: Eagle3Drafter, target_dir, num_speculative_tokens: int) -> dict:
     cfg = model.config
     layer = model.eagle_config_json("vllm")
-    layer.pop("eagle_config")
+    for key in ("eagle_config", "eagle_aux_hidden_state_layer_ids"):  # the ids go at speculators' top level
+        layer.pop(key)
     for key in ("architectures", "draft_vocab_size", "target_hidden_size"):
         layer.pop(key)
     target_cfg = read_target_config(target_dir)
