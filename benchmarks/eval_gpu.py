@@ -52,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--speculative-args", default="", metavar="WORDS",
                    help="given to the EAGLE-3 server only, after --extra-args (shell words), e.g. "
                         "'--disable-overlap-schedule' for SGLang, which slows its baseline and, with a 1B target "
-                        "(not a 6.88B one), speeds its EAGLE-3")
+                        "(not a 6.88B one), speeds its EAGLE-3, or '--cuda-graph-backend-prefill breakable', which "
+                        "gives SGLang's EAGLE-3 target back its prefill CUDA graph (not for MLA targets)")
     p.add_argument("--extra-args", nargs=argparse.REMAINDER, default=None,
                    help="passed to the engine's server (vllm default on cuda: --gpu-memory-utilization 0.5, vLLM's "
                         "compile and CUDA graphs on, as served; on cpu also --enforce-eager. sglang default: "
