@@ -545,8 +545,8 @@ def report_markdown(results: list[EvalResult]) -> str:
                          f"{_fmt(p.baseline.ttft_mean_s, '.3f')} / {_fmt(p.speculative.ttft_mean_s, '.3f')} | "
                          f"{_fmt(tpot_b, '.1f')} / {_fmt(tpot_s, '.1f')} | {same} |")
     lines += ["", "## Server settings", "",
-              "Arguments draftline added to each engine's own server command (the EAGLE-3 server also gets the "
-              "speculative settings: method EAGLE3, the drafter, k).", "",
+              "Arguments from the evaluation config on top of draftline's launch command for each engine (the "
+              "EAGLE-3 server also gets the speculative settings: method EAGLE3, the drafter, k).", "",
               "| engine | version | hardware | target | drafter | prompt set | both servers | EAGLE-3 server only |",
               "|" + "---|" * 8]
     for r in (r for r in results if r.status != "skipped"):  # a skipped engine started no server
