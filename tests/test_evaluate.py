@@ -294,6 +294,11 @@ def test_captured_sglang_0_5_14_logs_no_sglang_runs_here_report_names_eager_eagl
      {"aux_hidden_state_layers": [1, 3, 4], "aux_hidden_state_layers_from": "drafter config"}),
     ("INFO [eagle3_utils.py:30] Using Eagle3 auxiliary layers from model: (2,)",
      {"aux_hidden_state_layers": [2], "aux_hidden_state_layers_from": "model defaults"}),
+    # Real vLLM 0.25.0 V2-runner lines from the H200 (benchmarks/results/vllm-aux-layers-h200/).
+    ("(EngineCore pid=842) INFO 12-01 16:49:28 [eagle3_utils.py:28] Using Eagle3 auxiliary layers from config: "
+     "(1, 3, 6)", {"aux_hidden_state_layers": [1, 3, 6], "aux_hidden_state_layers_from": "drafter config"}),
+    ("(EngineCore pid=1174) INFO 12-01 16:50:35 [eagle3_utils.py:31] Using Eagle3 auxiliary layers from model: "
+     "(2, 4, 5)", {"aux_hidden_state_layers": [2, 4, 5], "aux_hidden_state_layers_from": "model defaults"}),
     ("INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0)", {}),
 ])
 def test_vllm_log_lines_give_the_aux_layers_it_used(line, facts):
