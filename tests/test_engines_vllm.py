@@ -109,9 +109,22 @@ def test_preflight_refuses_exports_the_engine_would_misread(tmp_path):
     no_ids = _drafter(tmp_path, "vllm", draft_vocab=200)
     cfg = json.loads((no_ids / "config.json").read_text())
     cfg["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
     (no_ids / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="no eagle_aux_hidden_state_layer_ids"):
         check_drafter("vllm", no_ids, target)
+    # Ids in eagle_config only: vLLM's V2 runner would use the target's defaults (2, 4, 5) instead of these.
+    nested = _drafter(tmp_path, "vllm", draft_vocab=250)
+    cfg = json.loads((nested / "config.json").read_text())
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 6]
+    (nested / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"ids \[1, 3, 6\] are only in eagle_config, where vLLM's V2 model runner "
+                                          r"does not look, so vLLM would feed the drafter layers \[2, 4, 5\] instead"):
+        check_drafter("vllm", nested, target)
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]  # the fallback is these very layers: served
+    (nested / "config.json").write_text(json.dumps(cfg))
+    assert check_drafter("vllm", nested, target)["convention"] == "vllm"
     assert check_drafter("vllm", _drafter(tmp_path, "vllm", draft_vocab=150), target)["convention"] == "vllm"
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from draftline.config import EngineConfig
 from draftline.errors import ConfigError, EngineError
+from draftline.target import default_aux_layer_ids
 
 # The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
 MIN_COMPUTE_CAPABILITY = {"vllm": (7, 0), "sglang": (8, 0)}
@@ -156,6 +157,14 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path) -> dict:
         if bad:
             raise ConfigError(f"drafter {drafter_dir}: aux-layer ids {ids} do not fit a target with {layers} layers "
                               f"({bad} out of range); re-export the drafter for this target")
+        # vLLM's V2 model runner (its GPU default from 0.25) looks for the ids at the config's top level only and
+        # otherwise silently uses the target's defaults (seen on an H200, benchmarks/RESULTS.md session 11).
+        fallback = default_aux_layer_ids(layers)
+        if engine == "vllm" and not config.get("eagle_aux_hidden_state_layer_ids") and ids != fallback:
+            raise ConfigError(
+                f"drafter {drafter_dir}/config.json: its aux-layer ids {ids} are only in eagle_config, where vLLM's V2 "
+                f"model runner does not look, so vLLM would feed the drafter layers {fallback} instead; export it "
+                "again with draftline, or copy them to a top-level eagle_aux_hidden_state_layer_ids")
     vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
     if vocab and draft_vocab and draft_vocab < vocab and not _has_tensor(drafter_dir, "d2t"):
         raise ConfigError(f"drafter {drafter_dir}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but the "
