@@ -173,7 +173,8 @@ class EngineConfig(Strict):
     extra_args: list[str] = []  # given to both servers, baseline and EAGLE-3
     # Given to the EAGLE-3 server only, after extra_args: for settings that help one and hurt the other, e.g.
     # SGLang's --disable-overlap-schedule (benchmarks/RESULTS.md: the baseline always slower; EAGLE-3 faster with a
-    # 1B target, slower with a 6.88B one) or --cuda-graph-backend-prefill breakable (EAGLE-3's prefill graph back).
+    # 1B target, slower with a 6.88B one) or --cuda-graph-backend-prefill breakable (SGLang 0.5.14 keeps an EAGLE-3
+    # target's prefill CUDA graph only on that backend).
     speculative_extra_args: list[str] = []
     env: dict[str, str] = {}
     require_gpu: bool = False

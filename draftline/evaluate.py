@@ -21,6 +21,7 @@ from draftline.config import EngineConfig, EvalConfig
 from draftline.engines.base import Acceptance, EngineAdapter
 from draftline.engines.client import Prompt, RunMetrics, load_prompts, requests_for, round_robin, run_load
 from draftline.engines.launch import launch
+from draftline.engines.vllm import AUX_LAYERS_FROM_MODEL_DEFAULTS
 from draftline.engines.preflight import EngineUnavailable, aux_layer_ids, drafter_format, preflight
 from draftline.errors import ConfigError, EngineError
 
@@ -229,15 +230,15 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
     if not trained:
         return said + "; the drafter's lineage does not say which layers it was trained on", False
     # The drafter config named its layers, yet the engine fell back to the target's defaults: it never read them.
-    ignored = ("" if facts.get("aux_hidden_state_layers_from") != "model defaults" else
-               f"{result.engine} did not read the layer ids in the drafter's config (vLLM 0.25's GPU model runner "
-               "reads them only at the config's top level, where draftline's vLLM export now writes them too): export "
-               "the drafter again")
+    fallback_note = ("" if facts.get("aux_hidden_state_layers_from") != AUX_LAYERS_FROM_MODEL_DEFAULTS else
+                     f"{result.engine} did not read the layer ids in the drafter's config (vLLM 0.25's GPU model runner "
+                     "reads them only at the config's top level, where draftline's vLLM export now writes them too)")
     if list(used) == list(trained):
         return (said + f", the layers the drafter was trained on in {result.engine}'s convention"
-                + (", but only because those are also the target's defaults: " + ignored if ignored else "")), False
+                + (", but only because those are also the target's defaults: " + fallback_note + "; harmless here, "
+                   "but a drafter trained on other layers needs them at the top level" if fallback_note else "")), False
     return (said + f", but the drafter was trained on layers {tuple(trained)} in {result.engine}'s convention"
-            + (": " + ignored if ignored else "")), True
+            + (": " + fallback_note + "; export the drafter again" if fallback_note else "")), True
 
 
 def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Parity:
@@ -473,26 +474,40 @@ def sglang_prefill_graph_finding(r: EvalResult) -> list[str]:
                     "with EAGLE-3.")
     return [f"SGLang ran {s_graphs} of the EAGLE-3 server's {spec['prefill_batches']} prefill batches as CUDA graphs "
             f"against {b_graphs} of the baseline's {base['prefill_batches']}{said}: eager prefills can raise the time "
-            f"to first token.{ttft} {sglang_prefill_graph_remedy(r.target_architecture)}"]
+            f"to first token.{ttft} {sglang_prefill_graph_remedy(r)}"]
 
 
-# Architectures SGLang serves with multi-head latent attention (its use_mla_backend): DeepSeek-V2/V3 and Kimi-K2.
-MLA_ARCHITECTURE_PREFIXES = ("Deepseek", "Kimi")
-SGLANG_BREAKABLE_PREFILL = "--cuda-graph-backend-prefill breakable"
+# Target architectures SGLang 0.5.14 serves with multi-head latent attention (srt/configs/model_config.py; the
+# main ones): its breakable prefill backend does not serve them.
+SGLANG_MLA_ARCHITECTURES = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+    "KimiVLForConditionalGeneration", "KimiLinearForCausalLM", "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM",
+    "GlmMoeDsaForCausalLM", "LongcatFlashForCausalLM", "MistralLarge3ForCausalLM", "SarvamMLAForCausalLM",
+})
+SGLANG_BREAKABLE_PREFILL = ["--cuda-graph-backend-prefill", "breakable"]
 
 
-def sglang_prefill_graph_remedy(architecture: str | None) -> str:
+def _gives_breakable_prefill(args: list[str]) -> bool:
+    return "--cuda-graph-backend-prefill=breakable" in args or any(
+        args[i:i + 2] == SGLANG_BREAKABLE_PREFILL for i in range(len(args) - 1))
+
+
+def sglang_prefill_graph_remedy(r: EvalResult) -> str:
     """SGLang 0.5.14 keeps an EAGLE-3 target's prefill graph only on its breakable backend, which does not serve MLA."""
-    if architecture and architecture.startswith(MLA_ARCHITECTURE_PREFIXES):
+    flag = " ".join(SGLANG_BREAKABLE_PREFILL)
+    if _gives_breakable_prefill(r.speculative_server_args) or _gives_breakable_prefill(r.server_args):
+        return (f"The EAGLE-3 server was given `{flag}` and still prefilled without graphs: SGLang's log says why "
+                "(its lines on the prefill CUDA graph at startup).")
+    if r.target_architecture in SGLANG_MLA_ARCHITECTURES:
         return (f"SGLang 0.5.14 keeps an EAGLE-3 target's prefill graph only on its `breakable` backend, which it marks "
-                f"incompatible with MLA attention, and {architecture} uses MLA: expect eager prefills with EAGLE-3 on "
-                "this target (SGLang skips that check when the backend is given explicitly, so do not give "
-                f"`{SGLANG_BREAKABLE_PREFILL}` here).")
-    return (f"SGLang 0.5.14 keeps an EAGLE-3 target's prefill graph only on its `breakable` backend: give "
-            f"`{SGLANG_BREAKABLE_PREFILL}` to the EAGLE-3 server (speculative_extra_args). On an H200 with a 6.88B "
-            "Llama-shaped target, every EAGLE-3 prefill then ran as a graph, EAGLE-3's time to first token at "
-            "concurrency 1 fell from 53.7 to 27.1 ms, and the speedup rose from 1.40x to 1.49x at concurrency 1 and "
-            "from 0.89x to 1.17x at 8 (benchmarks/RESULTS.md, sessions 10 and 11).")
+                f"incompatible with MLA attention, and {r.target_architecture} uses MLA: expect eager prefills with "
+                "EAGLE-3 on this target (SGLang skips that check when the backend is given explicitly, so do not give "
+                f"`{flag}` here).")
+    return (f"SGLang 0.5.14 keeps an EAGLE-3 target's prefill graph only on its `breakable` backend: give `{flag}` to "
+            "the EAGLE-3 server (speculative_extra_args). On an H200 with a 6.88B Llama-shaped target, every EAGLE-3 "
+            "prefill then ran as a graph and EAGLE-3's time to first token at concurrency 1 fell from 53.7 to 27.1 ms; "
+            "the speedup was 1.49x at concurrency 1 and 1.17x at 8, against 1.40x and 0.89x in an earlier session "
+            "without it (another drafter trained the same way; benchmarks/RESULTS.md, sessions 10 and 11).")
 
 
 SGLANG_NO_OVERLAP = "--disable-overlap-schedule"
@@ -519,6 +534,12 @@ def sglang_overlap_finding(r: EvalResult) -> list[str]:
             "server only (speculative_extra_args)."]
 
 
+def _identity_cells(r: EvalResult) -> str:
+    """The first cells of every report row: what its figures belong to."""
+    return (f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | "
+            f"{r.prompt_set} ")
+
+
 def report_markdown(results: list[EvalResult]) -> str:
     lines = ["# Drafter evaluation", ""]
     when = max((r.finished_at or "" for r in results), default="")
@@ -530,8 +551,7 @@ def report_markdown(results: list[EvalResult]) -> str:
               "greedy outputs identical |",
               "|" + "---|" * 15]
     for r in results:
-        ident = f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | " \
-                f"{r.prompt_set} | {r.num_speculative_tokens} "
+        ident = _identity_cells(r) + f"| {r.num_speculative_tokens} "
         if r.status != "ok":
             lines.append(ident + f"| {_status(r)} |" + " |" * 7)
             continue
@@ -550,8 +570,7 @@ def report_markdown(results: list[EvalResult]) -> str:
               "| engine | version | hardware | target | drafter | prompt set | both servers | EAGLE-3 server only |",
               "|" + "---|" * 8]
     for r in (r for r in results if r.status != "skipped"):  # a skipped engine started no server
-        lines.append(f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | "
-                     f"{r.prompt_set} | {' '.join(r.server_args) or 'none'} | "
+        lines.append(_identity_cells(r) + f"| {' '.join(r.server_args) or 'none'} | "
                      f"{' '.join(r.speculative_server_args) or 'none'} |")
     lines += ["", "## Acceptance by draft position and parity with the reference decoder", "",
               "Parity compares accepted draft tokens per verification step (acceptance length minus the bonus "
@@ -560,8 +579,7 @@ def report_markdown(results: list[EvalResult]) -> str:
               "per-position acceptance | reference length | parity | verdict |",
               "|" + "---|" * 11]
     for r in results:
-        ident = f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | " \
-                f"{r.prompt_set} "
+        ident = _identity_cells(r)
         if r.status != "ok":
             lines.append(ident + f"| {_status(r)} | | | | |")
             continue

@@ -22,11 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_LLAMA = REPO / "assets" / "demo-llama"
 
 
-def source_drafter(tmp_path, draft_vocab=1024) -> Path:
+def source_drafter(tmp_path, draft_vocab=1024, aux_layer_ids=None) -> Path:
     """An (untrained) drafter for demo-llama in the training stage's layout: SGLang format plus draftline.json."""
     cfg, embed, _ = load_target_head(DEMO_LLAMA)
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(cfg, DrafterConfig(draft_vocab_size=draft_vocab))
+    model = Eagle3Drafter.from_target_config(cfg, DrafterConfig(draft_vocab_size=draft_vocab), aux_layer_ids)
     model.load_target_weights(embed)
     counts = torch.arange(cfg["vocab_size"]).flip(0) % 97  # any deterministic frequencies
     d2t, t2d, _ = build_vocab(counts, draft_vocab)
@@ -45,6 +45,10 @@ def test_each_format_carries_ids_in_its_engines_convention(tmp_path):
     assert vllm_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # inputs of layers 2, L//2, L-3
     assert sglang_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # outputs of the layers before
     assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    # vLLM's V2 model runner reads the ids only at the top level; SGLang and speculators have their own places.
+    assert vllm_cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert "eagle_aux_hidden_state_layer_ids" not in sglang_cfg
+    assert "eagle_aux_hidden_state_layer_ids" not in spec_cfg["transformer_layer_config"]
     assert spec_cfg["speculators_model_type"] == "eagle3" and spec_cfg["norm_before_residual"] is False
     assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == str(DEMO_LLAMA)
     for cfg in (vllm_cfg, sglang_cfg):
@@ -92,12 +96,14 @@ def test_both_vllm_model_runners_read_the_aux_ids_of_the_vllm_export(tmp_path):
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    dirs = export_drafter(source_drafter(tmp_path), DEMO_LLAMA, tmp_path / "export", formats=("vllm",))
+    # Not the demo target's default layers (2, 4, 5), which a reader that found nothing would fall back to.
+    dirs = export_drafter(source_drafter(tmp_path, aux_layer_ids=[1, 3, 6]), DEMO_LLAMA, tmp_path / "export",
+                          formats=("vllm",))
     # The draft config as vLLM builds it for method eagle3 (SpeculativeConfig wraps the loaded config).
     draft = EAGLEConfig(get_config(str(dirs["vllm"]), trust_remote_code=False), method="eagle3", model_type="eagle")
     spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=draft))
-    assert get_eagle3_aux_layers_from_config(spec) == (2, 4, 5)  # the newer runner
-    assert GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec)) == (2, 4, 5)
+    assert get_eagle3_aux_layers_from_config(spec) == (1, 3, 6)  # the V2 runner
+    assert GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec)) == (1, 3, 6)
 
 
 @pytest.mark.vllm

@@ -122,6 +122,11 @@ def test_preflight_refuses_exports_the_engine_would_misread(tmp_path):
     with pytest.raises(ConfigError, match=r"ids \[1, 3, 6\] are only in eagle_config, where vLLM's V2 model runner "
                                           r"does not look, so vLLM would feed the drafter layers \[2, 4, 5\] instead"):
         check_drafter("vllm", nested, target)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]  # two places that disagree: engines read one or the other
+    (nested / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"\[1, 3, 5\] at the top level and \[1, 3, 6\] in eagle_config disagree"):
+        check_drafter("vllm", nested, target)
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]  # the fallback is these very layers: served
     (nested / "config.json").write_text(json.dumps(cfg))
     assert check_drafter("vllm", nested, target)["convention"] == "vllm"

