@@ -230,15 +230,19 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
     if not trained:
         return said + "; the drafter's lineage does not say which layers it was trained on", False
     # The drafter config named its layers, yet the engine fell back to the target's defaults: it never read them.
-    fallback_note = ("" if facts.get("aux_hidden_state_layers_from") != AUX_LAYERS_FROM_MODEL_DEFAULTS else
-                     f"{result.engine} did not read the layer ids in the drafter's config (vLLM 0.25's GPU model runner "
-                     "reads them only at the config's top level, where draftline's vLLM export now writes them too)")
+    fell_back = facts.get("aux_hidden_state_layers_from") == AUX_LAYERS_FROM_MODEL_DEFAULTS
+    not_read = (f"{result.engine} did not read the layer ids in the drafter's config (vLLM 0.25's GPU model runner "
+                "reads them only at the config's top level, where draftline's vLLM export now writes them too)")
     if list(used) == list(trained):
-        return (said + f", the layers the drafter was trained on in {result.engine}'s convention"
-                + (", but only because those are also the target's defaults: " + fallback_note + "; harmless here, "
-                   "but a drafter trained on other layers needs them at the top level" if fallback_note else "")), False
-    return (said + f", but the drafter was trained on layers {tuple(trained)} in {result.engine}'s convention"
-            + (": " + fallback_note + "; export the drafter again" if fallback_note else "")), True
+        said += f", the layers the drafter was trained on in {result.engine}'s convention"
+        if fell_back:
+            said += (f", but only because those are also the target's defaults: {not_read}; harmless here, but a "
+                     "drafter trained on other layers needs them at the top level")
+        return said, False
+    said += f", but the drafter was trained on layers {tuple(trained)} in {result.engine}'s convention"
+    if fell_back:
+        said += f": {not_read}; export the drafter again"
+    return said, True
 
 
 def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Parity:
