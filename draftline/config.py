@@ -62,13 +62,43 @@ class TargetConfig(Strict):
         return self.name or Path(self.path.rstrip("/")).name
 
 
+class ServerSettings(Strict):
+    """How an engine server is started and supervised: shared by trace generation, extraction and evaluation."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    # None: derived from the work (the longest trace for extraction, traces.max_total_tokens for traces).
+    max_model_len: int | None = Field(None, ge=16)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # The engine's own flags, e.g. ["--gpu-memory-utilization", "0.9", "--quantization", "compressed-tensors",
+    # "--enable-expert-parallel"]; given to every server this section starts.
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    # Supervision of the flaky model load.
+    ready_timeout_s: float = Field(600.0, gt=0)
+    ready_timeout_s_per_gb: float = Field(120.0, ge=0)
+    no_progress_timeout_s: float = Field(300.0, gt=0)
+    first_request_timeout_s: float = Field(120.0, gt=0)
+    retries: int = Field(2, ge=0)
+    retry_backoff_s: float = Field(5.0, ge=0)
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets(cls, v):
+        for key in v:
+            if _SECRET_KEY.search(key):
+                raise ValueError(f"{key!r} looks like a secret; set it in the worker's environment, not in the config")
+        return v
+
+
 class TracesConfig(Strict):
     """Trace generation: the target answers the prompts so the drafter learns its own distribution."""
 
     prompts: str
     backend: Literal["transformers", "vllm"] = "transformers"
-    # With backend vllm: a running vLLM OpenAI server (e.g. http://127.0.0.1:8000/v1) instead of an offline engine.
+    # With backend vllm: a running vLLM OpenAI server (e.g. http://127.0.0.1:8000/v1) instead of one draftline starts.
     endpoint: str | None = None
+    # With backend vllm and no endpoint: the vLLM server draftline starts and supervises for this stage.
+    vllm: ServerSettings = ServerSettings()
     use_chat_template: bool = True
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -95,6 +125,14 @@ class TracesConfig(Strict):
 class ExtractConfig(Strict):
     """Hidden-state extraction: which layers, in which convention, how batches are formed and sharded."""
 
+    # transformers: hooks on the target loaded on one device. vllm: the target runs in a vLLM server (tensor and
+    # expert parallel, quantized kernels) whose extract_hidden_states method hands the states to draftline.
+    backend: Literal["transformers", "vllm"] = "transformers"
+    vllm: ServerSettings = ServerSettings()  # the server the vllm backend starts and supervises
+    # vllm backend: requests in flight at once, and the local folder where vLLM's side writes each request's states
+    # before they are assembled into shards (default: a fresh folder under /dev/shm when it exists, else the temp dir).
+    requests_in_flight: int = Field(64, ge=1)
+    spool_dir: str | None = None
     # Inputs of these layers, in vLLM's convention; None means the default (2, L//2, L-3).
     aux_layer_ids: list[int] | None = None
     batch_tokens: int = Field(4096, ge=16)
@@ -158,7 +196,7 @@ class ExportConfig(Strict):
     formats: list[Literal["vllm", "sglang", "speculators"]] = ["vllm", "sglang", "speculators"]
 
 
-class EngineConfig(Strict):
+class EngineConfig(ServerSettings):
     """One engine evaluation: how to launch it and how to load it."""
 
     engine: Literal["vllm", "sglang"]
@@ -167,24 +205,14 @@ class EngineConfig(Strict):
     # Requests per concurrency point, at least (the prompts repeat round-robin): a point of a few waves is noisy.
     # Default: every prompt once, and at least two requests per slot.
     requests_per_point: int | None = Field(None, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int = Field(2048, ge=16)
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    extra_args: list[str] = []  # given to both servers, baseline and EAGLE-3
-    # Given to the EAGLE-3 server only, after extra_args: for settings that help one and hurt the other, e.g.
-    # SGLang's --disable-overlap-schedule (benchmarks/RESULTS.md: the baseline always slower; EAGLE-3 faster with a
-    # 1B target, slower with a 6.88B one) or --cuda-graph-backend-prefill breakable (SGLang 0.5.14 keeps an EAGLE-3
-    # target's prefill CUDA graph only on that backend).
+    # Given to the EAGLE-3 server only, after extra_args (which go to both servers, baseline and EAGLE-3): for
+    # settings that help one and hurt the other, e.g. SGLang's --disable-overlap-schedule (benchmarks/RESULTS.md: the
+    # baseline always slower; EAGLE-3 faster with a 1B target, slower with a 6.88B one) or
+    # --cuda-graph-backend-prefill breakable (SGLang 0.5.14 keeps an EAGLE-3 target's prefill CUDA graph only on
+    # that backend).
     speculative_extra_args: list[str] = []
-    env: dict[str, str] = {}
     require_gpu: bool = False
-    # Supervision of the flaky model load.
-    ready_timeout_s: float = Field(600.0, gt=0)
-    ready_timeout_s_per_gb: float = Field(120.0, ge=0)
-    no_progress_timeout_s: float = Field(300.0, gt=0)
-    first_request_timeout_s: float = Field(120.0, gt=0)
-    retries: int = Field(2, ge=0)
-    retry_backoff_s: float = Field(5.0, ge=0)
 
     def server_args(self, speculative: bool) -> list[str]:
         """The arguments added to an engine server's own: extra_args, then for EAGLE-3 speculative_extra_args."""
@@ -195,14 +223,6 @@ class EngineConfig(Strict):
     def _positive(cls, v):
         if not v or any(c < 1 for c in v):
             raise ValueError(f"{v} must be a non-empty list of positive integers, e.g. [1, 8, 32]")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _no_secrets(cls, v):
-        for key in v:
-            if _SECRET_KEY.search(key):
-                raise ValueError(f"{key!r} looks like a secret; set it in the worker's environment, not in the config")
         return v
 
 

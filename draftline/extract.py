@@ -23,6 +23,9 @@ from draftline.target import (
 
 STAGE = "hidden"
 SUFFIX = ".safetensors"
+# What every shard's last_hidden_states hold, whichever backend made it: the final norm's output, what the
+# lm_head reads (vLLM hands over the last layer's output before the norm; its backend applies the norm).
+LAST_STATE = "final_norm_output"
 TRACES_STAGE = "traces"
 
 
@@ -38,7 +41,7 @@ class ShardPlan:
     sequences: int
 
 
-def _trace_entries(store, run: str):
+def trace_entries(store, run: str):
     manifest = store.read_manifest(f"{run}/{TRACES_STAGE}")
     if manifest is None:
         raise ConfigError(f"{store.uri(run + '/' + TRACES_STAGE)} has no manifest.json; run trace generation for run {run!r} first")
@@ -51,7 +54,7 @@ def _read_traces(store, key: str, expect=None) -> list[dict]:
 
 def plan_hidden_shards(cfg: ExtractConfig, store, run: str) -> list[ShardPlan]:
     """Group traces, in order, into shards of about cfg.tokens_per_shard tokens; cached in `<run>/hidden/_plan.json`."""
-    entries = _trace_entries(store, run)
+    entries = trace_entries(store, run)
     basis = spec_hash({"traces": [(e.key, e.sha256) for e in entries], "tokens_per_shard": cfg.tokens_per_shard})
     plan_key = f"{run}/{STAGE}/_plan.json"
     if store.exists(plan_key):
@@ -202,6 +205,8 @@ class HiddenStateExtractor:
         self.hidden_size = int(self.model.config.get_text_config().hidden_size)
         # A model handed over in memory (benchmarks) has no files to hash.
         self.fingerprint = target_fingerprint(self.target_dir) if self.target_dir else "in-memory"
+        self.dtype = str(self.model.dtype)
+        self.backend = "transformers"
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
@@ -318,14 +323,17 @@ class HiddenStateExtractor:
 
 # ---------------------------------------------------------------- shards
 
-def _shard_spec(extractor: HiddenStateExtractor, plan: ShardPlan, trace_sha: dict[str, str]) -> str:
-    return spec_hash({
-        "target": extractor.fingerprint, "aux": extractor.aux_layer_ids, "dtype": str(extractor.model.dtype),
-        "ranges": [(k, trace_sha[k], a, b) for k, a, b in plan.ranges],
-    })
+def shard_spec(source, plan: ShardPlan, trace_sha: dict[str, str]) -> str:
+    """What determines a shard's content: target, layers, dtype, the traces, and the backend when it is not the
+    default (so switching backends recomputes, while shards made before backends existed stay valid)."""
+    spec = {"target": source.fingerprint, "aux": source.aux_layer_ids, "dtype": source.dtype,
+            "ranges": [(k, trace_sha[k], a, b) for k, a, b in plan.ranges]}
+    if source.backend != "transformers":
+        spec["backend"] = source.backend
+    return spec_hash(spec)
 
 
-def _load_shard_traces(store, plan: ShardPlan, entries) -> list[dict]:
+def load_shard_traces(store, plan: ShardPlan, entries) -> list[dict]:
     out, cache = [], {}
     for key, a, b in plan.ranges:
         if key not in cache:
@@ -362,25 +370,29 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor | list[torch.Tensor]], me
     return [len(raw).to_bytes(8, "little"), raw] + parts
 
 
-def write_hidden_shard(store, run: str, plan: ShardPlan, spec: str, extractor: HiddenStateExtractor,
-                       traces: list[dict], host: HostShard) -> dict:
-    """Write one shard (contract D) into the store straight from the host buffers, then its completion record."""
+def write_hidden_shard(store, run: str, plan: ShardPlan, spec: str, source, traces: list[dict],
+                       host: HostShard) -> dict:
+    """Write one shard (contract D) into the store straight from the host buffers, then its completion record.
+
+    `source` (a HiddenStateExtractor or the vLLM backend's capture) names the layers, target and backend."""
     order = host.order
     ids = torch.tensor([t for i in order for t in traces[i]["input_ids"]], dtype=torch.int64)
     mask = torch.tensor([m for i in order for m in traces[i]["loss_mask"]], dtype=torch.uint8)
-    meta = {"aux_layer_ids": json.dumps(extractor.aux_layer_ids), "convention": VLLM,
-            "target_fingerprint": extractor.fingerprint, "hidden_size": str(extractor.hidden_size),
-            "trace_ids": json.dumps([traces[i]["id"] for i in order])}
+    meta = {"aux_layer_ids": json.dumps(source.aux_layer_ids), "convention": VLLM,
+            "target_fingerprint": source.fingerprint, "hidden_size": str(source.hidden_size),
+            "trace_ids": json.dumps([traces[i]["id"] for i in order]),
+            "last_hidden_state": LAST_STATE, "backend": source.backend}
     host.wait()
     tensors = {"input_ids": ids, "loss_mask": mask, "cu_seqlens": host.cu_seqlens,
                "aux_hidden_states": host.aux_blocks, "last_hidden_states": host.last_blocks}
     info = {"tokens": int(ids.numel()), "sequences": len(order), "loss_tokens": int(mask.sum()),
-            "aux_layer_ids": extractor.aux_layer_ids, "convention": VLLM, "target_fingerprint": extractor.fingerprint}
+            "aux_layer_ids": source.aux_layer_ids, "convention": VLLM, "target_fingerprint": source.fingerprint,
+            "backend": source.backend}
     publish_shard(store, run, STAGE, plan.index, SUFFIX, spec, info, chunks=safetensors_chunks(tensors, meta))
     return info
 
 
-def _check_traces(traces: list[dict], plan: ShardPlan) -> None:
+def check_traces(traces: list[dict], plan: ShardPlan) -> None:
     for t in traces:
         if len(t["input_ids"]) != len(t["loss_mask"]):
             raise ConfigError(f"trace {t.get('id')!r} has {len(t['input_ids'])} input_ids but {len(t['loss_mask'])} "
@@ -407,7 +419,7 @@ class _Stage:
         self.cfg, self.target_dir, self.store, self.run, self.dtype = cfg, str(target_dir), store, run, dtype
         # Cheap checks first: bad layer ids fail before traces are read or weights loaded.
         validate_aux_layer_ids(cfg.aux_layer_ids, num_layers(self.target_dir))
-        self.entries = {e.key: e for e in _trace_entries(store, run)}
+        self.entries = {e.key: e for e in trace_entries(store, run)}
         self.trace_sha = {k: e.sha256 for k, e in self.entries.items()}
         self.plans = plan_hidden_shards(cfg, store, run)
         if model is not None:
@@ -416,12 +428,15 @@ class _Stage:
             self.extractor = _cached_extractor(self.target_dir, tuple(cfg.aux_layer_ids or ()), cfg.device, dtype)
 
     def done(self, plan: ShardPlan):
-        return finished_shard(self.store, self.run, STAGE, plan.index, _shard_spec(self.extractor, plan, self.trace_sha))
+        return finished_shard(self.store, self.run, STAGE, plan.index, shard_spec(self.extractor, plan, self.trace_sha))
 
 
 def extract_shard(cfg: ExtractConfig, target_dir: str | Path, store, run: str, shard_index: int,
                   dtype: str = "bfloat16", _stage: _Stage | None = None) -> dict:
     """Extract hidden-state shard `shard_index` of run `run` unless it is already published intact; returns its info."""
+    if cfg.backend != "transformers":
+        raise ConfigError(f"extract.backend={cfg.backend!r} extracts a whole stage through one engine server; call "
+                          "extract_hidden_states, not extract_shard")
     stage = _stage or _Stage(cfg, target_dir, store, run, dtype)
     if not 0 <= shard_index < len(stage.plans):
         raise ConfigError(f"hidden-state shard {shard_index} does not exist; run {run!r} has {len(stage.plans)} shards")
@@ -429,11 +444,11 @@ def extract_shard(cfg: ExtractConfig, target_dir: str | Path, store, run: str, s
     record = stage.done(plan)
     if record is not None:
         return {**record.metadata, "computed": False}
-    traces = _load_shard_traces(store, plan, stage.entries)
-    _check_traces(traces, plan)
+    traces = load_shard_traces(store, plan, stage.entries)
+    check_traces(traces, plan)
     host = stage.extractor.extract([t["input_ids"] for t in traces], cfg.batch_tokens, shard=plan.index)
     try:
-        spec = _shard_spec(stage.extractor, plan, stage.trace_sha)
+        spec = shard_spec(stage.extractor, plan, stage.trace_sha)
         return {**write_hidden_shard(store, run, plan, spec, stage.extractor, traces, host), "computed": True}
     finally:
         host.release()
@@ -503,19 +518,25 @@ def run_overlapped(extractor: HiddenStateExtractor, jobs: Iterable, write: Calla
 
 def extract_hidden_states(cfg: ExtractConfig, target_dir: str | Path, store, run: str, dtype: str = "bfloat16",
                           model=None) -> dict:
-    """The whole stage: every unfinished shard (writes overlap the next shard's forward), then the manifest."""
+    """The whole stage: every unfinished shard (writes overlap the next shard's forward), then the manifest.
+
+    With extract.backend vllm the target runs in a supervised vLLM server instead (draftline.extract_vllm)."""
+    if cfg.backend == "vllm":
+        from draftline.extract_vllm import extract_with_vllm
+
+        return extract_with_vllm(cfg, target_dir, store, run, dtype)
     stage = _Stage(cfg, target_dir, store, run, dtype, model=model)
     t0 = time.perf_counter()
 
     def jobs():
         for plan in stage.plans:
             if stage.done(plan) is None:
-                traces = _load_shard_traces(store, plan, stage.entries)
-                _check_traces(traces, plan)
+                traces = load_shard_traces(store, plan, stage.entries)
+                check_traces(traces, plan)
                 yield plan, traces
 
     def write(plan, traces, host):
-        spec = _shard_spec(stage.extractor, plan, stage.trace_sha)
+        spec = shard_spec(stage.extractor, plan, stage.trace_sha)
         write_hidden_shard(store, run, plan, spec, stage.extractor, traces, host)
 
     computed = run_overlapped(stage.extractor, jobs(), write, cfg.batch_tokens, writer_threads=cfg.writer_threads,
@@ -526,4 +547,4 @@ def extract_hidden_states(cfg: ExtractConfig, target_dir: str | Path, store, run
     return {"shards": len(stage.plans), "computed_shards": computed, "tokens_computed": tokens,
             "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
             "aux_layer_ids": stage.extractor.aux_layer_ids, "convention": VLLM,
-            "target_fingerprint": stage.extractor.fingerprint}
+            "target_fingerprint": stage.extractor.fingerprint, "backend": "transformers"}

@@ -210,6 +210,62 @@ def capture_hidden_states(
             h.remove()
 
 
+def target_weight_map(path: str | Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name of a checkpoint (its index when it has one), read without loading weights."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    weight_map = {}
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            weight_map.update({k: f.name for k in fh.keys()})
+    if not weight_map:
+        raise ConfigError(f"target {root} has no *.safetensors weights; save it with save_pretrained(safe_serialization=True)")
+    return weight_map
+
+
+def read_target_tensor(path: str | Path, name: str, weight_map: dict[str, str] | None = None) -> torch.Tensor:
+    """One tensor of a checkpoint, read from its safetensors file alone."""
+    from safetensors import safe_open
+
+    weight_map = weight_map if weight_map is not None else target_weight_map(path)
+    with safe_open(str(Path(path) / weight_map[name]), "pt") as fh:
+        return fh.get_tensor(name)
+
+
+# Text models whose final norm is RMSNorm with a plain weight (HF: weight * (x / rms(x)) cast back to x's dtype).
+_RMS_NORM_TYPES = {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+                   "kimi_k2"}
+
+
+def final_norm_of(path: str | Path) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's final norm as a function, from its checkpoint: what turns the last layer's output into what
+    the lm_head reads. The one definition used where an engine hands over the output before the norm."""
+    cfg = read_target_config(path)
+    text = cfg.get("text_config", cfg)
+    kind = text.get("model_type")
+    if kind not in _RMS_NORM_TYPES:
+        raise ConfigError(f"target {path}: model_type {kind!r} has a final norm draftline cannot apply by itself "
+                          f"(it knows {sorted(_RMS_NORM_TYPES)}); use extract.backend: transformers")
+    weight_map = target_weight_map(path)
+    names = sorted((k for k in weight_map if k.endswith("model.norm.weight") and "layers." not in k and "mtp" not in k),
+                   key=len)
+    if not names:
+        raise ConfigError(f"target {path}: no final norm weight (*model.norm.weight) in its safetensors files")
+    weight = read_target_tensor(path, names[0], weight_map)
+    eps = float(text.get("rms_norm_eps", 1e-6))
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight.to(x.dtype) * xf.to(x.dtype)
+
+    return norm
+
+
 def _safetensors_header(path: Path) -> bytes:
     with path.open("rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))

@@ -4,9 +4,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -181,65 +178,45 @@ def _generate_transformers(cfg: TracesConfig, target_dir: str, prompt_ids: list[
     return out  # type: ignore[return-value]
 
 
-def _generate_vllm_offline(cfg: TracesConfig, target_dir: str, prompt_ids: list[list[int]], seeds: list[int],
-                           budgets: list[int], dtype: str) -> list[list[int]]:
-    """Run vllm.LLM in a child process: vLLM spawns its engine and must own the process's __main__."""
-    request = {
-        "model": str(target_dir), "dtype": dtype, "max_model_len": _length_limit(cfg, str(target_dir)),
-        "temperature": cfg.temperature, "top_p": cfg.top_p, "prompts": prompt_ids, "seeds": seeds, "budgets": budgets,
-    }
-    with tempfile.TemporaryDirectory(prefix="draftline-vllm-") as tmp:
-        req, res, log = (Path(tmp) / n for n in ("request.json", "result.json", "vllm.log"))
-        req.write_text(json.dumps(request))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-        with log.open("wb") as logf:
-            proc = subprocess.run([sys.executable, "-m", "draftline.traces", "vllm-worker", str(req), str(res)],
-                                  stdout=logf, stderr=subprocess.STDOUT, env=env)
-        if proc.returncode != 0 or not res.is_file():
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-            raise EngineError(f"vLLM trace generation for {target_dir} exited with code {proc.returncode}", tail)
-        return json.loads(res.read_text())["outputs"]
+def _generate_vllm_server(cfg: TracesConfig, target_dir: str, prompt_ids: list[list[int]], seeds: list[int],
+                          budgets: list[int], dtype: str) -> list[list[int]]:
+    """Start a supervised vLLM server with traces.vllm's settings (tensor parallelism, quantization, ...), answer
+    every prompt through it, stop it."""
+    from draftline.engines.launch import launch
+    from draftline.engines.vllm import generation_server_spec
+    from draftline.extract_vllm import check_devices
+
+    settings = cfg.vllm if cfg.vllm.dtype != "auto" else cfg.vllm.model_copy(update={"dtype": dtype})
+    check_devices(settings, "traces.vllm")
+    limit = _length_limit(cfg, target_dir)
+    spec = generation_server_spec(settings, Path(target_dir), settings.max_model_len or limit)
+    with tempfile.TemporaryDirectory(prefix="draftline-traces-") as logs:
+        with launch(spec, settings, logs) as server:
+            return _generate_vllm_at(server.base_url + "/v1", cfg, prompt_ids, seeds, budgets)
 
 
-def _vllm_worker(request_path: str, result_path: str) -> None:
-    from vllm import LLM, SamplingParams
-
-    r = json.loads(Path(request_path).read_text())
-    import torch
-
-    # On CPU graph capture buys nothing and costs start-up time; on GPU let vLLM capture graphs.
-    llm = LLM(model=r["model"], dtype=r["dtype"], max_model_len=r["max_model_len"], seed=0,
-              enforce_eager=not torch.cuda.is_available())
-    params = [
-        SamplingParams(temperature=r["temperature"], top_p=r["top_p"], max_tokens=b, seed=s, skip_special_tokens=False)
-        for s, b in zip(r["seeds"], r["budgets"])
-    ]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in r["prompts"]], params, use_tqdm=False)
-    Path(result_path).write_text(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs]}))
-
-
-def _generate_vllm_endpoint(cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],
-                            budgets: list[int]) -> list[list[int]]:
+def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],
+                      budgets: list[int]) -> list[list[int]]:
     """Ask a running vLLM OpenAI server (/v1/completions with token-id prompts) and read back the token ids."""
     import httpx
 
-    base = cfg.endpoint.rstrip("/")
+    base = endpoint.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     with httpx.Client(timeout=600.0) as client:
         try:
             model = client.get(f"{base}/models").json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-            raise EngineError(f"traces.endpoint {cfg.endpoint} does not answer /v1/models like a vLLM server ({exc})") from None
+            raise EngineError(f"{endpoint} does not answer /v1/models like a vLLM server ({exc})") from None
 
         def one(i: int) -> list[int]:
             body = {"model": model, "prompt": prompt_ids[i], "max_tokens": budgets[i], "temperature": cfg.temperature,
                     "top_p": cfg.top_p, "seed": seeds[i], "return_token_ids": True, "skip_special_tokens": False}
             resp = client.post(f"{base}/completions", json=body)
             if resp.status_code != 200:
-                raise EngineError(f"traces.endpoint {cfg.endpoint} answered HTTP {resp.status_code}: {resp.text[:300]}")
+                raise EngineError(f"{endpoint} answered HTTP {resp.status_code}: {resp.text[:300]}")
             choice = resp.json()["choices"][0]
             if choice.get("token_ids") is None:
-                raise EngineError(f"traces.endpoint {cfg.endpoint} returned no token_ids; it must be vLLM >= 0.10.2")
+                raise EngineError(f"{endpoint} returned no token_ids; it must be vLLM >= 0.10.2")
             return list(choice["token_ids"])
 
         with ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
@@ -252,7 +229,8 @@ def _shard_spec(cfg: TracesConfig, target_dir: str, prompts: list[dict], dtype: 
     from draftline.target import target_fingerprint
 
     # How and where the work runs, not what it produces: changing them keeps finished shards.
-    knobs = cfg.model_dump(exclude={"prompts", "max_prompts", "traces_per_shard", "batch_size", "endpoint", "device"})
+    knobs = cfg.model_dump(exclude={"prompts", "max_prompts", "traces_per_shard", "batch_size", "endpoint", "device",
+                                    "vllm"})
     return spec_hash({"cfg": knobs, "target": target_fingerprint(target_dir), "dtype": dtype, "prompts": prompts})
 
 
@@ -295,9 +273,9 @@ def _generate(cfg, target_dir, mine, dtype, device) -> tuple[list, list]:
     elif cfg.backend == "transformers":
         responses = _generate_transformers(cfg, target_dir, ids, seeds, budgets, dtype, device)
     elif cfg.endpoint:
-        responses = _generate_vllm_endpoint(cfg, ids, seeds, budgets)
+        responses = _generate_vllm_at(cfg.endpoint, cfg, ids, seeds, budgets)
     else:
-        responses = _generate_vllm_offline(cfg, target_dir, ids, seeds, budgets, dtype)
+        responses = _generate_vllm_server(cfg, target_dir, ids, seeds, budgets, dtype)
     eos = _eos_ids(target_dir, tok)
     full: list = [None] * len(mine)
     resp: list = [None] * len(mine)
@@ -392,7 +370,7 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
         if finished_shard(store, run, STAGE, i, spec) is None:
             pending.append((i, mine, spec))
     if cfg.backend == "vllm" and not cfg.endpoint and len(pending) > 1:
-        # Starting vLLM costs a minute: answer all pending shards in one engine, then split them back.
+        # Starting vLLM costs a minute: answer all pending shards through one server, then split them back.
         everything = [p for _, mine, _ in pending for p in mine]
         (pids, resp), tok = _generate(cfg, target_dir, everything, dtype, device)
         at = 0
@@ -422,10 +400,3 @@ def read_trace_shard(store, key: str) -> list[dict]:
 def iter_traces(store, run: str) -> Iterator[dict]:
     for key in trace_shard_keys(store, run):
         yield from read_trace_shard(store, key)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "vllm-worker":
-        _vllm_worker(sys.argv[2], sys.argv[3])
-    else:
-        sys.exit("usage: python -m draftline.traces vllm-worker REQUEST.json RESULT.json")

@@ -43,6 +43,12 @@ def generate_traces(config: PipelineConfig) -> dict:
 @flow(name="extract-hidden-states", log_prints=True)
 def extract_hidden_states(config: PipelineConfig) -> str:
     """The target re-reads every trace; aux and last hidden states land in <store>/<run>/hidden/."""
+    if extract_tasks.uses_engine(config):
+        stage = extract_tasks.extract_stage(config)
+        publish_table(f"{config.run}-extraction",
+                      [{k: v for k, v in stage.items() if not isinstance(v, (dict, list))}],
+                      f"hidden-state extraction of run {config.run} through vLLM")
+        return stage["manifest"]
     shards = _shard_by_shard(config, "extraction", extract_tasks.extract_shard, extract_tasks.shard_count(config))
     publish_table(f"{config.run}-extraction",
                   [{k: v for k, v in s.items() if not isinstance(v, (dict, list))} for s in shards],

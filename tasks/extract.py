@@ -1,4 +1,5 @@
-"""Prefect tasks for hidden-state extraction: one task per shard, then the stage manifest."""
+"""Prefect tasks for hidden-state extraction: one task per shard (transformers), or one per stage when a vLLM server
+reads every shard, then the stage manifest."""
 from __future__ import annotations
 
 from prefect import task
@@ -15,12 +16,26 @@ def extract_shard(config: PipelineConfig, shard_index: int) -> dict:
                                  shard_index, dtype=config.target.dtype)
 
 
+@task(name="extract-stage", cache_policy=CACHED, persist_result=True, **transient_retries())
+def extract_stage(config: PipelineConfig) -> dict:
+    """Every pending shard through one supervised vLLM server (a start costs minutes; finished shards are skipped);
+    the result names the stage manifest's URI under "manifest"."""
+    store = store_at(config.store.root)
+    result = extract.extract_hidden_states(config.extract, config.target.path, store, config.run,
+                                           dtype=config.target.dtype)
+    return {**result, "manifest": store.uri(f"{config.run}/{extract.STAGE}/manifest.json")}
+
+
 @task(name="extract-manifest", cache_policy=CACHED, persist_result=True, **transient_retries())
 def extract_manifest(config: PipelineConfig, shard_results: list[dict]) -> str:
     """Write the stage manifest once every shard exists; returns its store URI."""
     store = store_at(config.store.root)
     extract.finalize_hidden_states(store, config.run, len(shard_results))
     return store.uri(f"{config.run}/{extract.STAGE}/manifest.json")
+
+
+def uses_engine(config: PipelineConfig) -> bool:
+    return config.extract.backend == "vllm"
 
 
 def shard_count(config: PipelineConfig) -> int:

