@@ -2,6 +2,7 @@
 
 GPU (H200):  python benchmarks/extract.py --compile --writer-threads 6 --writer-sweep 3,8  (torch + transformers only)
 CPU smoke:   python benchmarks/extract.py --cpu      (the same measurements on a tiny random Llama, seconds)
+vLLM:        python benchmarks/extract.py --backend vllm [--target-shape 8b | --cpu]  (benchmarks/extract_vllm.py)
 
 The full extraction runs first, with --writer-threads shard writers, paced (at most
 HiddenStateExtractor.max_queued_batches batches queued on the device) and unpaced, with a timeline of its last run;
@@ -483,7 +484,28 @@ def main() -> None:
     ap.add_argument("--max-batches-in-flight", type=int, default=None, help="host batch buffers at most (extract.max_batches_in_flight)")
     ap.add_argument("--workdir", default=None, help="folder on the disk to measure (default: the temp dir)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/extract-<hw>.json)")
+    ap.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                    help="vllm: the vLLM backend against the transformers backend side by side (benchmarks/extract_vllm.py)")
+    ap.add_argument("--target-shape", choices=["1b", "8b"], default="1b", help="--backend vllm: the inflated demo shape")
+    ap.add_argument("--sequences", type=int, default=None, help="--backend vllm: traces (128; --cpu: 24)")
+    ap.add_argument("--requests-in-flight", type=int, default=64, help="--backend vllm: extract.requests_in_flight")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="--backend vllm: one vLLM flag or value (repeat), e.g. --server-arg=--enforce-eager")
     args = ap.parse_args()
+    if args.backend == "vllm":
+        from benchmarks.extract_vllm import bench_vllm
+
+        if args.disk_probe_bytes is None:
+            args.disk_probe_bytes = 4 << 30
+        result = bench_vllm(args)
+        name = "cpu" if args.cpu else f"h200-{args.target_shape}"
+        out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"extract-vllm-{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"extraction through vLLM against transformers ({result['hardware']})")
+        print_table(result)
+        print(f"wrote {out}")
+        return
     sizes = (dict(seq_len=64, batch_tokens=256, tokens_per_shard=256, shards=3, naive_samples=2,
                   disk_probe_bytes=64 << 20) if args.cpu else
              dict(seq_len=2048, batch_tokens=16384, tokens_per_shard=65536, shards=8, naive_samples=16,

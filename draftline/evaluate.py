@@ -26,6 +26,9 @@ from draftline.engines.preflight import EngineUnavailable, aux_layer_ids, drafte
 from draftline.errors import ConfigError, EngineError
 
 SCHEMA = "draftline-eval/1"
+# The verdict when the engine's own log names other aux layers than the drafter was trained on: it stands whatever
+# the parity says, because on small targets neighbouring layers cost only a few percent of acceptance.
+AUX_IDS_FAULT = "integration: aux-layer ids"
 # Below this many accepted draft tokens per step the reference drafter is too weak for a ratio to mean anything.
 MIN_REFERENCE_ACCEPTED = 0.02
 
@@ -56,6 +59,8 @@ class Parity(BaseModel):
     threshold: float
     integration_suspected: bool
     verdict: str
+    # A fault the engine's own log proves (AUX_IDS_FAULT), whatever the parity value; None when there is none.
+    integration_fault: str | None = None
     likely_causes: list[str] = []
     engine_per_position: list[float] | None = None
     reference_per_position: list[float] | None = None
@@ -276,7 +281,15 @@ def with_parity(result: EvalResult, reference: Any, threshold: float,
     """The result with parity against the reference filled in (unchanged when the engine did not run)."""
     if result.status != "ok" or result.acceptance is None or result.acceptance.mean_acceptance_length is None:
         return result
-    updated = result.model_copy(update={"parity": compute_parity(result.acceptance, reference, threshold)})
+    parity = compute_parity(result.acceptance, reference, threshold)
+    logged = logged_aux_layers(result)
+    if logged and logged[1]:
+        seen = "" if parity.value is None else (
+            f" (parity {parity.value:.2f}: " + ("low as well)" if parity.value < threshold else
+                                                "acceptance alone would not show it)"))
+        parity = parity.model_copy(update={"integration_suspected": True, "integration_fault": AUX_IDS_FAULT,
+                                           "verdict": f"{AUX_IDS_FAULT}: {logged[0]}{seen}"})
+    updated = result.model_copy(update={"parity": parity})
     if updated.parity.integration_suspected:
         updated.parity.likely_causes = likely_causes(updated, engine_cfg)
     return updated
@@ -549,6 +562,10 @@ def report_markdown(results: list[EvalResult]) -> str:
     when = max((r.finished_at or "" for r in results), default="")
     lines += [f"Generated {when or _now()} by draftline. Every row names the engine, engine version, hardware, "
               "target, drafter and prompt set its numbers belong to.", ""]
+    for r in results:  # a fault the engine's own log proves comes before any figure
+        if r.parity and r.parity.integration_fault:
+            lines += [f"**{r.parity.integration_fault.capitalize()} ({r.engine} {r.engine_version or ''}).** "
+                      f"{r.parity.verdict.split(': ', 2)[-1]}", ""]
     lines += ["## Throughput and acceptance", "",
               "| engine | version | hardware | target | drafter | prompt set | k | concurrency | baseline tok/s | "
               "EAGLE-3 tok/s | speedup | mean acceptance length | TTFT base / spec (s) | TPOT base / spec (ms) | "

@@ -8,7 +8,7 @@ import re
 import shutil
 import tempfile
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -201,6 +201,7 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
     plans = plan_hidden_shards(cfg, store, run)
     pending = [p for p in plans if finished_shard(store, run, STAGE, p.index, shard_spec(source, p, trace_sha)) is None]
     t0 = time.perf_counter()
+    timing: dict = {}
     if pending:
         check_architecture(target_dir)
         jobs = []
@@ -211,17 +212,20 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
         longest = max(len(t["input_ids"]) for _, traces in jobs for t in traces)
         settings = cfg.vllm if cfg.vllm.dtype != "auto" else cfg.vllm.model_copy(update={"dtype": dtype})
         _run_server(settings, target_dir, aux_ids + [depth], _max_model_len(settings, longest, target_dir), cfg,
-                    store, run, source, trace_sha, jobs, norm, log_dir, say)
+                    store, run, source, trace_sha, jobs, norm, log_dir, say, timing)
     finalize_hidden_states(store, run, len(plans))
     elapsed = time.perf_counter() - t0
     tokens = sum(p.tokens for p in pending)
+    # tokens_per_s counts the capture alone (first request to last shard written); the engine start is apart.
+    capture = timing.get("capture_s")
     return {"shards": len(plans), "computed_shards": [p.index for p in pending], "tokens_computed": tokens,
-            "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if pending and elapsed > 0 else None,
+            "seconds": round(elapsed, 3), **timing,
+            "tokens_per_s": round(tokens / capture, 1) if capture else None,
             "aux_layer_ids": aux_ids, "convention": VLLM, "target_fingerprint": source.fingerprint, "backend": BACKEND}
 
 
 def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run, source, trace_sha, jobs, norm,
-                log_dir, say) -> None:
+                log_dir, say, timing: dict) -> None:
     from draftline.engines.launch import launch
     from draftline.engines.vllm import capture_server_spec
 
@@ -231,32 +235,52 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
     try:
         spec = capture_server_spec(settings, Path(target_dir), layer_ids, spool, max_model_len)
         say(f"starting vLLM to capture layers {layer_ids} of {target_dir} (tensor parallel {settings.tensor_parallel_size})")
+        started = time.perf_counter()
         with launch(spec, settings, logs, store=store, log_key_prefix=f"{run}/{STAGE}/logs") as server:
+            timing["engine_start_s"] = round(time.perf_counter() - started, 3)
+            say(f"vLLM ready after {timing['engine_start_s']:.0f} s")
             client = SpoolClient(server.base_url, spool, workers=cfg.requests_in_flight)
+            started = time.perf_counter()
             try:
                 _capture_shards(client, jobs, cfg, store, run, source, trace_sha, norm, say)
             finally:
                 client.close()
+            timing["capture_s"] = round(time.perf_counter() - started, 3)
     finally:
         shutil.rmtree(spool, ignore_errors=True)
 
 
 def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sha, norm, say) -> None:
-    """Requests of the next shard run in the server while this one is assembled and written."""
+    """Requests of the next shard run in the server while earlier shards are assembled and written by
+    extract.writer_threads writers (several fsync'd files at once keep the disk busier than one)."""
 
     def submit(i):
         plan, traces = jobs[i]
         return [client.submit(f"s{plan.index:05d}-{j:06d}", t["input_ids"]) for j, t in enumerate(traces)]
 
-    futures = submit(0)
-    for i, (plan, traces) in enumerate(jobs):
-        t0 = time.perf_counter()
-        upcoming = submit(i + 1) if i + 1 < len(jobs) else None
-        states = [f.result() for f in futures]
+    def write(plan, traces, states, t0):
         lengths = [len(t["input_ids"]) for t in traces]
         order = [k for batch in length_buckets(lengths, cfg.batch_tokens) for k in batch]
-        host = assemble_shard(states, order, norm)
-        write_hidden_shard(store, run, plan, shard_spec(source, plan, trace_sha), source, traces, host)
+        write_hidden_shard(store, run, plan, shard_spec(source, plan, trace_sha), source, traces,
+                           assemble_shard(states, order, norm))
         say(f"hidden-state shard {plan.index} written: {plan.tokens} tokens, {plan.sequences} sequences "
-            f"({plan.tokens / max(time.perf_counter() - t0, 1e-9):.0f} tokens/s)")
-        futures = upcoming
+            f"({time.perf_counter() - t0:.1f} s from its first request)")
+
+    writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="draftline-shard-writer")
+    writes: list[Future] = []
+    try:
+        futures, started = submit(0), time.perf_counter()
+        for i, (plan, traces) in enumerate(jobs):
+            upcoming = submit(i + 1) if i + 1 < len(jobs) else None
+            states = [f.result() for f in futures]
+            while sum(not w.done() for w in writes) >= cfg.writer_threads:
+                wait([w for w in writes if not w.done()], return_when=FIRST_COMPLETED)
+            for w in writes:
+                if w.done() and w.exception() is not None:
+                    raise w.exception()
+            writes.append(writers.submit(write, plan, traces, states, started))
+            futures, started = upcoming, time.perf_counter()
+        for w in writes:
+            w.result()
+    finally:
+        writers.shutdown(wait=True, cancel_futures=True)

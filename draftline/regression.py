@@ -24,8 +24,9 @@ from draftline.evaluate import EvalResult
 SCHEMA = "draftline-regression/1"
 EVENT_NAME = "draftline.regression.detected"
 
-CauseKind = Literal["integration", "drafter-or-target", "engine-performance", "engine-failure", "unexplained"]
+CauseKind = Literal["aux-layer-ids", "integration", "drafter-or-target", "engine-performance", "engine-failure", "unexplained"]
 CAUSE_TITLES: dict[str, str] = {
+    "aux-layer-ids": "integration: aux-layer ids",
     "integration": "parity drop: integration (engine or export)",
     "drafter-or-target": "reference drop: the drafter or the target changed",
     "engine-performance": "throughput-only drop: engine performance",
@@ -66,6 +67,7 @@ class Figures(BaseModel):
     throughput: dict[int, float] = {}  # EAGLE-3 output tokens per second, by concurrency
     baseline_throughput: dict[int, float] = {}  # without the drafter, by concurrency
     likely_causes: list[str] = []  # from the evaluation's parity check
+    integration_fault: str | None = None  # the parity verdict when the engine's log proved a fault (aux-layer ids)
 
 
 def lineage_name(lineage: dict[str, Any] | None, fallback: str) -> str:
@@ -97,6 +99,8 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
         throughput={p.concurrency: p.speculative.output_tokens_per_s for p in result.points},
         baseline_throughput={p.concurrency: p.baseline.output_tokens_per_s for p in result.points},
         likely_causes=list(parity.likely_causes) if parity else [],
+        integration_fault=(parity.verdict.removeprefix(f"{parity.integration_fault}: ")
+                           if parity and parity.integration_fault else None),
     )
 
 
@@ -194,7 +198,7 @@ class EngineVerdict(BaseModel):
         parts = [x.sentence() for x in primary]
         if follow:
             parts.append("with it " + ", ".join(x.short() for x in follow))
-        text = f"{who} regressed ({title}): " + "; ".join(parts)
+        text = f"{who} regressed ({title})" + (": " + "; ".join(parts) if parts else "")
         if self.causes:
             text += ". Why: " + " | ".join(c.explanation for c in self.causes)
         return text
@@ -380,6 +384,10 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
             + (f"; it last worked on {good[-1].recorded_at} with {good[-1].figures.engine_version}" if good else "")
         ))]
         return verdict
+    if current.integration_fault:
+        # The engine's own log shows it fed the drafter other layers than it was trained on: a fault tonight,
+        # with or without a history to compare with and whatever the acceptance did.
+        verdict.causes.append(Cause(kind="aux-layer-ids", explanation=current.integration_fault))
     comparable = [r for r in good if _comparable(current, r.figures)]
     if len(comparable) < len(good):
         verdict.notes.append(f"{len(good) - len(comparable)} good run(s) used another prompt set or k and are not "
@@ -415,12 +423,13 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
                                  f"({current.hardware})")
         if last.figures.engine_version != current.engine_version:
             verdict.notes.append(f"engine version changed: {last.figures.engine_version} -> {current.engine_version}")
-    elif not verdict.findings:
+    elif not verdict.findings and not verdict.causes:
         verdict.status = "baseline"
         return verdict
     if verdict.findings:
+        verdict.causes += classify(verdict)
+    if verdict.causes:
         verdict.status = "regressed"
-        verdict.causes = classify(verdict)
     return verdict
 
 

@@ -30,6 +30,17 @@ def test_demo_config_is_valid_and_fills_defaults():
     assert cfg.train.step_weight_decay == 0.8  # a default not written in the file
 
 
+def test_the_kimi_example_runs_every_target_stage_in_an_engine_on_8_gpus():
+    from draftline.extract_vllm import check_devices, devices_needed
+
+    cfg = load_config(ROOT / "configs" / "kimi-k2.5.yaml")
+    assert cfg.traces.backend == cfg.extract.backend == "vllm"
+    assert cfg.traces.vllm == cfg.extract.vllm and devices_needed(cfg.extract.vllm) == 8
+    assert {e.tensor_parallel_size for e in cfg.eval.engines} == {8}
+    with pytest.raises(ConfigError, match="asks for 8 GPUs .* this worker sees 1"):
+        check_devices(cfg.extract.vllm, "extract.vllm", visible=1)
+
+
 def test_misspelt_key_is_named_with_a_suggestion():
     data = demo_data()
     data["train"]["ttt_stepz"] = data["train"].pop("ttt_steps")

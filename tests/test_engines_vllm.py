@@ -346,4 +346,11 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     assert served.log_facts["aux_hidden_state_layers"] == [i - 1 for i in trained]
     assert flagged.parity.likely_causes[0].startswith(
         f"vllm's log says it fed the drafter the hidden states of layers {tuple(i - 1 for i in trained)}")
+    # ... and that proof is the verdict itself, in the final table's note and the report's first lines.
+    assert flagged.parity.integration_fault == "integration: aux-layer ids"
+    assert flagged.parity.verdict.startswith("integration: aux-layer ids: vllm's log says it fed the drafter")
+    from draftline.evaluate import report_markdown
+
+    head = report_markdown([flagged]).split("## Throughput and acceptance")[0]
+    assert "**Integration: aux-layer ids (vllm" in head
     assert _engine_processes(str(trained_demo.target_dir)) == []

@@ -342,6 +342,39 @@ def test_likely_causes_lead_with_the_layers_the_engine_says_it_used(tmp_path):
     assert engine_log_findings(same)[0].endswith(", the layers the drafter was trained on in vllm's convention.")
 
 
+def test_layers_the_engine_logs_against_the_trained_ones_are_the_verdict_whatever_the_parity(tmp_path):
+    """On small targets a neighbouring layer costs a few percent of acceptance, so parity can read 1.10 with the
+    wrong layers; the engine's own log is the verdict then, in the table, the report's first lines and the nightly."""
+    from draftline.config import RegressionConfig
+    from draftline.engines.preflight import aux_layer_ids
+    from draftline.evaluate import report_markdown, with_parity
+    from draftline.regression import figures_of, judge
+
+    drafter = _drafter(tmp_path, "vllm")
+    trained = list(aux_layer_ids(json.loads((drafter / "config.json").read_text())))
+    lineage = json.loads((drafter / LINEAGE_FILE).read_text())
+    (drafter / LINEAGE_FILE).write_text(json.dumps({**lineage, "aux_layer_ids_vllm": trained}))
+    result = _result(drafter, accepted_pp=(0.6, 0.3, 0.2))
+    reference = {"mean_acceptance_length": 2.0, "per_position_acceptance": [0.5, 0.3, 0.2]}  # parity 1.1
+    logged = {"aux_hidden_state_layers": [i - 1 for i in trained], "aux_hidden_state_layers_from": "drafter config"}
+    wrong = with_parity(result.model_copy(update={"server_log_facts": {"eagle3": logged}}), reference, 0.8)
+    assert wrong.parity.value > 1.0, wrong.parity.value  # acceptance alone says all is well
+    assert wrong.parity.integration_suspected and wrong.parity.integration_fault == "integration: aux-layer ids"
+    assert wrong.parity.verdict.startswith("integration: aux-layer ids: vllm's log says it fed the drafter the "
+                                           f"hidden states of layers {tuple(i - 1 for i in trained)}")
+    assert "acceptance alone would not show it" in wrong.parity.verdict
+    first_lines = report_markdown([wrong]).split("## Throughput")[0]
+    assert "**Integration: aux-layer ids (vllm 0.32.0).** vllm's log says" in first_lines
+    tonight = judge(figures_of(wrong), [], RegressionConfig())
+    assert tonight.status == "regressed" and [c.kind for c in tonight.causes] == ["aux-layer-ids"]
+    assert "integration: aux-layer ids" in tonight.message()
+    right = with_parity(result.model_copy(update={"server_log_facts": {"eagle3": {**logged,
+                                                                                   "aux_hidden_state_layers": trained}}}),
+                        reference, 0.8)
+    assert right.parity.integration_fault is None and not right.parity.integration_suspected
+    assert judge(figures_of(right), [], RegressionConfig()).status == "baseline"
+
+
 def test_captured_vllm_0_25_log_no_vllm_gpu_runs_here_report_says_the_drafter_config_was_not_read(tmp_path):
     """On an H200, vLLM 0.25's V2 model runner logged "Using Eagle3 auxiliary layers from model": it had not found the
     ids of an export that kept them in eagle_config only, and used the target's defaults. They matched the trained

@@ -152,6 +152,7 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             stream = torch.cuda.Stream(rows.device)
             stream.wait_stream(torch.cuda.current_stream(rows.device))
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            rows.record_stream(stream)  # keep the gathered rows alive until the side stream has read them
             with torch.cuda.stream(stream):
                 host.copy_(rows, non_blocking=True)
                 copied = torch.cuda.Event()
