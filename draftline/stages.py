@@ -60,6 +60,11 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
     eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
                              config.run)
+    return engine_result_key(config, engine)
+
+
+def engine_result_key(config: PipelineConfig, engine: EngineConfig) -> str:
+    """Where an engine's EvalResult lives; a failed evaluation writes its row there too, before it raises."""
     return f"{config.run}/{EVAL_STAGE}/{engine.engine}/result.json"
 
 
@@ -92,6 +97,8 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
     engines = {e.engine: e for e in config.eval.engines}
     results = []
     for key in result_keys:
+        if not store.exists(key):  # an evaluation that failed before it could write its row
+            continue
         result = eval_lib.EvalResult.model_validate_json(store.get_bytes(key))
         if result.status == "ok" and result.acceptance is not None:
             result = eval_lib.with_parity(result, reference_summary, config.eval.parity_threshold,
@@ -124,6 +131,13 @@ def summary_rows(results: list, reference_summary: dict) -> list[dict[str, Any]]
                          "speedup": round(p.speedup, 3), "parity": round(parity, 3) if parity is not None else None,
                          "note": note})
     return rows
+
+
+def report_location(config: PipelineConfig) -> str | None:
+    """The store URI of the run's evaluation report, when one was written."""
+    store = open_store(config.store.root)
+    key = f"{config.run}/{EVAL_STAGE}/report/report.md"
+    return store.uri(key) if store.exists(key) else None
 
 
 def print_summary(config: PipelineConfig, report: dict[str, Any], elapsed_s: float | None = None) -> None:

@@ -33,7 +33,7 @@ def _engine_deployment_run(config: PipelineConfig, engine: EngineConfig, exports
                           transient=False)
     # The child wrote its EvalResult to the store; the parent reads it there, so no result storage needs to be
     # shared between the engine's worker and this one (Kubernetes pods share none).
-    return f"{config.run}/eval/{engine.engine}/result.json"
+    return eval_tasks.result_key(config, engine)
 
 
 @flow(name="evaluate", log_prints=True)
@@ -44,10 +44,24 @@ def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: Engin
     machine that also serves an engine both timings would measure the contention.
     """
     reference = eval_tasks.reference_acceptance(config, exports)
+    engines = config.eval.engines
     if engine_runs == "deployments":
-        with ThreadPoolExecutor(max_workers=len(config.eval.engines) or 1) as pool:
-            result_keys = list(pool.map(lambda e: _engine_deployment_run(config, e, exports), config.eval.engines))
+        def one(engine: EngineConfig) -> BaseException | None:
+            try:
+                _engine_deployment_run(config, engine, exports)
+            except EngineError as exc:
+                return exc
+            return None
+
+        with ThreadPoolExecutor(max_workers=len(engines) or 1) as pool:
+            failures = list(pool.map(one, engines))
     else:
-        futures = [eval_tasks.evaluate_engine.submit(config, e, exports) for e in config.eval.engines]
-        result_keys = [f.result() for f in futures]
-    return eval_tasks.report(config, result_keys, reference)
+        futures = [eval_tasks.evaluate_engine.submit(config, e, exports) for e in engines]
+        failures = [f.result(raise_on_failure=False) for f in futures]
+        failures = [x if isinstance(x, BaseException) else None for x in failures]
+    # The report carries every engine, a failed one with its root cause; then the run fails with that cause.
+    rendered = eval_tasks.report(config, [eval_tasks.result_key(config, e) for e in engines], reference)
+    for failure in failures:
+        if failure is not None:
+            raise failure
+    return rendered

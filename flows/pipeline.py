@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftline.cli import load_with_overrides
     from draftline.config import parse_config
     from draftline.errors import DraftlineError
-    from draftline.stages import print_summary
+    from draftline.stages import print_summary, report_location
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("config", nargs="?", help="pipeline config (YAML), e.g. configs/demo.yaml")
@@ -48,7 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftline: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    result = pipeline(config)
+    try:
+        result = pipeline(config)
+    except DraftlineError as exc:
+        print(f"draftline: {str(exc).splitlines()[0]}", file=sys.stderr)
+        report = report_location(config)
+        if report:
+            print(f"draftline: the report, with the failed engine's row, is at {report}", file=sys.stderr)
+        return 1
     print_summary(config, result["report"], elapsed_s=time.monotonic() - started)
     return 0
 

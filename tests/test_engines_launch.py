@@ -110,6 +110,27 @@ def test_server_that_keeps_exiting_fails_with_its_log_tail_after_all_retries(tmp
     _assert_all_gone(tmp_path)
 
 
+def test_a_load_that_fails_with_the_engines_own_error_is_not_retried_and_names_it(tmp_path):
+    """A ValueError in the engine's log (it refuses its input) fails the same way on every load: one attempt, the
+    root-cause line in the error's first line (not the wrapper after it), and not transient for the task's retries."""
+    sleeps: list[float] = []
+    with pytest.raises(EngineError) as info:
+        launch(_spec("fatal", tmp_path), _cfg(retries=2), tmp_path / "logs", sleep=sleeps.append)
+    first_line = str(info.value).split("\n")[0]
+    assert "after 1 attempt(s)" in first_line and sleeps == []
+    assert "ValueError: head size 72 is not supported by this attention backend" in first_line
+    assert not info.value.transient
+    assert not (tmp_path / "logs" / "fake-fatal-attempt2.log").exists()
+    _assert_all_gone(tmp_path)
+
+
+def test_a_load_that_fails_twice_the_same_way_is_not_tried_a_third_time(tmp_path):
+    with pytest.raises(EngineError) as info:
+        launch(_spec("crash", tmp_path), _cfg(retries=4), tmp_path / "logs", sleep=lambda s: None)
+    assert "after 2 attempt(s)" in str(info.value) and not info.value.transient
+    _assert_all_gone(tmp_path)
+
+
 def test_server_that_hangs_silently_in_load_is_killed_by_the_watchdog(tmp_path):
     start = time.monotonic()
     with pytest.raises(EngineError) as info:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -79,6 +80,34 @@ def checkpoint_size(*paths: str | os.PathLike | None) -> int:
 
 def ready_timeout(cfg: ServerSettings, checkpoint_bytes: int) -> float:
     return cfg.ready_timeout_s + cfg.ready_timeout_s_per_gb * checkpoint_bytes / 1e9
+
+
+# An exception line as Python prints it, after any process prefix ("(EngineCore pid=12) ValueError: ...").
+_EXCEPTION_LINE = re.compile(r"(?:^|\)\s)((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.+)$")
+# Wrappers that only point at the real error printed before them.
+_WRAPPERS = ("See root cause above", "Engine core initialization failed", "Worker failed with error",
+             "died unexpectedly", "exited with")
+# Exception types that say a load will fail the same way every time: bad input or an unsupported combination.
+_DETERMINISTIC = ("ValueError", "ValidationError", "NotImplementedError", "TypeError", "KeyError", "AttributeError", "AssertionError",
+                  "ImportError", "ModuleNotFoundError", "FileNotFoundError", "OSError", "ConfigError")
+
+
+def root_cause(log_text: str) -> tuple[str, bool] | None:
+    """The engine's own sentence on why it failed (the last exception line of its log that is not a wrapper around an
+    earlier one) and whether that kind of error repeats on every attempt; None when the log names no exception."""
+    found, detail = None, ""
+    lines = log_text.replace("\r", "\n").splitlines()
+    for n, line in enumerate(lines):
+        m = _EXCEPTION_LINE.search(line.strip())
+        if m and not any(w in m.group(2) for w in _WRAPPERS):
+            found, detail = m, ""
+            # pydantic's "1 validation error for X" gives the reason on the next, indented line
+            if re.match(r"\d+ validation errors? for ", m.group(2)) and n + 1 < len(lines):
+                detail = " " + lines[n + 1].strip().split(" [type=", 1)[0]
+    if found is None:
+        return None
+    kind = found.group(1).rsplit(".", 1)[-1]
+    return f"{kind}: {found.group(2).strip()}{detail}", kind in _DETERMINISTIC
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -227,7 +256,10 @@ def _wait_ready(server: EngineServer, cfg: ServerSettings) -> None:
             now = time.monotonic()
             code = server.proc.poll()
             if code is not None:
-                raise EngineError(f"{spec.name} exited with status {code} while loading", log_tail(server.log_path))
+                cause = root_cause(server.log_path.read_text(errors="replace")) if server.log_path.exists() else None
+                raise EngineError(f"{spec.name} exited with status {code} while loading"
+                                  + (f": {cause[0]}" if cause else ""), log_tail(server.log_path),
+                                  transient=not (cause and cause[1]))
             try:
                 if client.get(url).status_code == 200:
                     return
@@ -271,9 +303,12 @@ def launch(spec: ServerSpec, cfg: ServerSettings, log_dir: str | os.PathLike, st
         except EngineError as exc:
             _upload_log(store, log_key, log_path)
             errors.append(str(exc).split("\n", 1)[0])
+            if len(errors) > 1 and errors[-1] == errors[-2]:
+                exc.transient = False  # the same failure twice: a third load would only fail the same way again
             if not exc.transient or attempt == attempts - 1:
                 summary = "; ".join(f"attempt {i + 1}: {e}" for i, e in enumerate(errors))
-                raise EngineError(f"{spec.name} failed to start after {attempt + 1} attempt(s): {summary}",
+                why = "" if exc.transient else " (not retried further: the engine's own error repeats on every load)"
+                raise EngineError(f"{spec.name} failed to start after {attempt + 1} attempt(s){why}: {summary}",
                                   exc.log_tail, transient=exc.transient) from exc
             delay = backoff_delay(attempt, cfg.retry_backoff_s, rng)
             print(f"draftline: {spec.name} attempt {attempt + 1} failed ({errors[-1]}); retrying in {delay:.1f} s",
