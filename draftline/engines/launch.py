@@ -103,7 +103,8 @@ def root_cause(log_text: str) -> tuple[str, bool] | None:
             found, detail = m, ""
             # pydantic's "1 validation error for X" gives the reason on the next, indented line
             if re.match(r"\d+ validation errors? for ", m.group(2)) and n + 1 < len(lines):
-                detail = " " + lines[n + 1].strip().split(" [type=", 1)[0]
+                nxt = re.sub(r"^\([^)]*pid=\d+\)\s*", "", lines[n + 1].strip())
+                detail = " " + nxt.split(" [type=", 1)[0]
     if found is None:
         return None
     kind = found.group(1).rsplit(".", 1)[-1]

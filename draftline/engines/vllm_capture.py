@@ -68,6 +68,7 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending: dict[str, _Save] = {}
         # worker side
         self._cache: torch.Tensor | None = None
+        self._token_axis = 2
         self._rank0 = True
         self._writers = ThreadPoolExecutor(max_workers=int(extra.get("writer_threads", 4)),
                                            thread_name_prefix="draftline-spool")
@@ -125,6 +126,13 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"expected one cache-only hidden-state layer, found {len(layers)}; start vLLM with "
                              "speculative method extract_hidden_states")
         self._cache = kv_caches[layers[0]]
+        # [blocks, states, block_size, hidden] in vLLM 0.32's layout, [blocks, block_size, states, hidden] in 0.25's.
+        states = len(getattr(self._vllm_config.speculative_config.draft_model_config.hf_config,
+                             "eagle_aux_hidden_state_layer_ids", []) or [])
+        shape = tuple(self._cache.shape)
+        if len(shape) != 4 or states not in (shape[1], shape[2]) or shape[1] == shape[2]:
+            raise ValueError(f"cannot read {states} captured states from a cache of shape {shape}")
+        self._token_axis = 2 if shape[1] == states else 1
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         return None
@@ -140,11 +148,13 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _rows(self, save: _Save) -> torch.Tensor:
         """The request's rows of the cache-only layer, [tokens, states, hidden], still on the device."""
-        block_size = self._cache.shape[2]
+        block_size = self._cache.shape[self._token_axis]
         blocks = torch.tensor(save.block_ids, dtype=torch.long)
         slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[: len(save.token_ids)]
         slots = slots.to(self._cache.device)
-        return self._cache[slots // block_size, :, slots % block_size]
+        if self._token_axis == 2:
+            return self._cache[slots // block_size, :, slots % block_size]
+        return self._cache[slots // block_size, slots % block_size]
 
     def _start_save(self, save: _Save) -> None:
         rows = self._rows(save)
@@ -189,7 +199,15 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
-        return "LBNHC"  # each token's states together: [blocks, states, block_size, hidden] reads by slot
+        """Each token's states together; the name of that layout changed between vLLM versions ("NHD" in 0.25,
+        "LBNHC" in 0.32), so ask the installed vLLM's own hidden-states connector for it."""
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+                ExampleHiddenStatesConnector,
+            )
+        except ImportError:
+            return None
+        return ExampleHiddenStatesConnector.get_required_kvcache_layout(vllm_config)
 
 
 def _write(path: str, states: torch.Tensor, tokens: torch.Tensor, copied) -> None:
