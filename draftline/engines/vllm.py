@@ -123,7 +123,8 @@ def capture_server_spec(cfg: ServerSettings, target_dir: Path, layer_ids: list[i
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
     transfer = {"kv_connector": CAPTURE_CONNECTOR, "kv_connector_module_path": CAPTURE_MODULE,
-                "kv_role": "kv_producer", "kv_connector_extra_config": {"spool_dir": str(spool_dir)}}
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"spool_dir": str(spool_dir), "writer_threads": 8}}
 
     def argv(port: int) -> list[str]:
         return (server_argv(cfg, target_dir, served_name, port, max_model_len)
