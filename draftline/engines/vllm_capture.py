@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,26 +54,6 @@ class _Meta(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
 
 
-class _PinnedBuffers:
-    """Pinned host buffers reused across requests: pinning costs milliseconds per MB, and a fresh buffer per request
-    would stall the engine's step loop, which is where the copies are started."""
-
-    def __init__(self):
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
-            if fitting:
-                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-
 class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     """Store-only connector: nothing is ever loaded; finished requests' hidden states go to the spool folder."""
 
@@ -90,11 +69,9 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._cache: torch.Tensor | None = None
         self._token_axis = 2
-        self._stream = None  # the side stream of device-to-host copies (CUDA only)
         self._rank0 = True
         self._writers = ThreadPoolExecutor(max_workers=int(extra.get("writer_threads", 4)),
                                            thread_name_prefix="draftline-spool")
-        self._pinned = _PinnedBuffers()
         self._copies: dict[str, Any] = {}  # req_id -> CUDA event of its device-to-host copy, or None when done
         self._writes: list[Future] = []
         self._finished: set[str] = set()
@@ -181,14 +158,10 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _start_save(self, save: _Save) -> None:
         rows = self._rows(save)
-        buf = None
         if rows.is_cuda:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(rows.device)
-            stream = self._stream
+            stream = torch.cuda.Stream(rows.device)
             stream.wait_stream(torch.cuda.current_stream(rows.device))
-            buf = self._pinned.take(rows.numel() * rows.element_size())
-            host = buf[: rows.numel() * rows.element_size()].view(rows.dtype).view(rows.shape)
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             rows.record_stream(stream)  # keep the gathered rows alive until the side stream has read them
             with torch.cuda.stream(stream):
                 host.copy_(rows, non_blocking=True)
@@ -198,15 +171,7 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             host, copied = rows.clone(), None
         self._copies[save.req_id] = copied
         tokens = torch.tensor(save.token_ids, dtype=torch.int64)
-
-        def write_then_free():
-            try:
-                _write(save.path, host, tokens, copied)
-            finally:
-                if buf is not None:
-                    self._pinned.give(buf)
-
-        self._writes.append(self._writers.submit(write_then_free))
+        self._writes.append(self._writers.submit(_write, save.path, host, tokens, copied))
 
     def get_finished(self, finished_req_ids: set[str]):
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
