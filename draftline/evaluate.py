@@ -22,7 +22,9 @@ from draftline.engines.base import Acceptance, EngineAdapter
 from draftline.engines.client import Prompt, RunMetrics, load_prompts, requests_for, round_robin, run_load
 from draftline.engines.launch import launch
 from draftline.engines.vllm import AUX_LAYERS_FROM_MODEL_DEFAULTS
-from draftline.engines.preflight import EngineUnavailable, aux_layer_ids, drafter_format, preflight
+from draftline.engines.preflight import (
+    EngineUnavailable, aux_layer_ids, drafter_format, preflight, trained_layer_ids,
+)
 from draftline.errors import ConfigError, EngineError
 
 SCHEMA = "draftline-eval/1"
@@ -83,6 +85,8 @@ class EvalResult(BaseModel):
     drafter: str
     drafter_path: str
     drafter_lineage: dict[str, Any] = {}
+    # The layers the training run fed the drafter (vLLM convention), from its record, when the caller knew it.
+    trained_aux_layer_ids: list[int] | None = None
     prompt_set: str
     prompt_set_sha256: str | None = None
     num_prompts: int = 0
@@ -229,7 +233,8 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
     if lineage is None:
         drafter_dir = Path(result.drafter_path)
         lineage = drafter_format(drafter_dir)[1] if (drafter_dir / "config.json").is_file() else {}
-    trained = lineage.get(f"aux_layer_ids_{result.engine}")
+    # The training record first: an edited lineage must not vouch for the layers it names.
+    trained, _ = trained_layer_ids(result.engine, lineage, result.trained_aux_layer_ids)
     said = (f"{result.engine}'s log says it fed the drafter the hidden states of layers {tuple(used)} (from the "
             f"{facts.get('aux_hidden_state_layers_from', 'its settings')})")
     if not trained:
@@ -361,13 +366,15 @@ def _put_json(store, key: str, data: dict) -> None:
 
 def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path, prompts_path: str | Path,
                     eval_cfg: EvalConfig, store, run: str, reference: Any = None,
-                    log_dir: str | Path | None = None) -> EvalResult:
+                    log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None) -> EvalResult:
     """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency; result JSON in the store.
 
     An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
     gives a "failed" result in the store and raises EngineError. With `reference` (draftline.decode's
     acceptance summary on the same prompts and k), parity is filled in; compute the reference on the trained
     checkpoint itself, not on this engine's export, or an export bug (wrong aux-layer ids) hides in both.
+    `trained_aux_layer_ids` (vLLM convention, from the training record) is what the export and the engine's log are
+    checked against; without it, the export's own lineage.
     """
     target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), Path(prompts_path)
     adapter = adapter_for(cfg.engine)
@@ -384,9 +391,10 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         sampling={"temperature": eval_cfg.temperature, "max_new_tokens": eval_cfg.max_new_tokens},
         num_speculative_tokens=cfg.num_speculative_tokens, server_args=list(cfg.extra_args),
         speculative_server_args=list(cfg.speculative_extra_args), started_at=_now(),
+        trained_aux_layer_ids=trained_aux_layer_ids,
     )
     try:
-        facts = preflight(cfg, target_dir, drafter_dir)
+        facts = preflight(cfg, target_dir, drafter_dir, trained_aux_layer_ids)
     except EngineUnavailable as exc:
         result = result.model_copy(update={"status": "skipped", "reason": str(exc).split("\n")[0],
                                            "finished_at": _now()})

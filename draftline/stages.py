@@ -59,8 +59,22 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
     eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
-                             config.run)
+                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store))
     return engine_result_key(config, engine)
+
+
+def trained_aux_layer_ids(config: PipelineConfig, store: Store) -> list[int] | None:
+    """The aux layers the run's training fed the drafter (vLLM convention), from its metrics.json: the one record
+    every export and engine log is checked against."""
+    key = f"{config.run}/train/metrics.json"
+    if not store.exists(key):
+        return None
+    record = json.loads(store.get_bytes(key))
+    if record.get("convention", "vllm") != "vllm":
+        raise ConfigError(f"{store.uri(key)} records aux-layer ids in the {record.get('convention')!r} convention; "
+                          "draftline's training writes vLLM's, so rerun the training stage")
+    ids = record.get("aux_layer_ids")
+    return [int(i) for i in ids] if ids else None
 
 
 def engine_result_key(config: PipelineConfig, engine: EngineConfig) -> str:

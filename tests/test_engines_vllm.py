@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,8 @@ from draftline.engines.vllm import (
     ACCEPTED_PER_POS, acceptance_from_counters, command, parse_prometheus, spec_counters,
 )
 from draftline.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
 
 K = 3
 MAX_NEW_TOKENS = 32
@@ -131,6 +134,35 @@ def test_preflight_refuses_exports_the_engine_would_misread(tmp_path):
     (nested / "config.json").write_text(json.dumps(cfg))
     assert check_drafter("vllm", nested, target)["convention"] == "vllm"
     assert check_drafter("vllm", _drafter(tmp_path, "vllm", draft_vocab=150), target)["convention"] == "vllm"
+
+
+def test_preflight_checks_the_exports_ids_against_its_lineage_and_the_training_record(tmp_path):
+    """One source of truth for the trained layers: the training record, then the export's lineage. An export whose
+    config names other layers is refused with each value named, and advice for ids vLLM would not read is computed
+    from that truth in vLLM's convention, never copied from a file of another convention."""
+    from tests.fixtures.demo_targets import write_untrained_drafter
+
+    target = REPO / "assets" / "demo-llama"
+    export = write_untrained_drafter(target, tmp_path / "d")  # a real vLLM export, trained layers (2, 4, 5)
+    assert check_drafter("vllm", export, target, trained_vllm_ids=[2, 4, 5])["aux_layer_ids_vllm"] == [2, 4, 5]
+    cfg = json.loads((export / "config.json").read_text())
+    shifted = {**cfg, "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+               "eagle_config": {**cfg["eagle_config"], "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+    (export / "config.json").write_text(json.dumps(shifted))
+    with pytest.raises(ConfigError, match=r"its config.json \(what vllm reads\) says \[1, 3, 4\]; its draftline.json "
+                                          r"says \[2, 4, 5\], all in vllm's convention\); trust its draftline.json"):
+        check_drafter("vllm", export, target)
+    # An SGLang export (ids in SGLang's convention, eagle_config only) without its lineage, handed to vLLM.
+    (export / "draftline.json").unlink()
+    sglang_like = {k: v for k, v in cfg.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    sglang_like["eagle_config"] = {**cfg["eagle_config"], "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
+    (export / "config.json").write_text(json.dumps(sglang_like))
+    with pytest.raises(ConfigError, match=r"the training record says \[2, 4, 5\]"):
+        check_drafter("vllm", export, target, trained_vllm_ids=[2, 4, 5])
+    with pytest.raises(ConfigError) as info:
+        check_drafter("vllm", export, target)
+    assert "nothing here says in which convention they were written, so do not copy them" in str(info.value)
+    assert "copy them to a top-level" not in str(info.value)
 
 
 def test_preflight_refuses_a_missing_gpu_in_one_sentence():
@@ -330,7 +362,10 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     good, _ = vllm_eval
     cfg = _engine_cfg([1])
     eval_cfg = EvalConfig(prompts=str(trained_demo.eval_prompts), max_new_tokens=MAX_NEW_TOKENS, engines=[cfg])
-    check_drafter("vllm", trained_demo.drafter_wrong_ids, trained_demo.target_dir)  # preflight cannot see it
+    # Preflight sees it now: the export's config names other layers than its own lineage (the test below has the
+    # sentence). Serve it anyway, as an export without a lineage would be, to see what the engine's log says.
+    with pytest.raises(ConfigError, match="its aux-layer ids disagree"):
+        check_drafter("vllm", trained_demo.drafter_wrong_ids, trained_demo.target_dir)
     served = measure(VllmAdapter(), cfg, trained_demo.target_dir, trained_demo.drafter_wrong_ids,
                      load_prompts(trained_demo.eval_prompts), eval_cfg, tmp_path, None, None)
     wrong = good.model_copy(update={"drafter": "drafter-wrong-ids", "drafter_path": str(trained_demo.drafter_wrong_ids),
@@ -353,4 +388,21 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
 
     head = report_markdown([flagged]).split("## Throughput and acceptance")[0]
     assert "**Integration: aux-layer ids (vllm" in head
+    # The lineage edited to claim the served layers too: only the training record still knows the truth, and the
+    # engine's log is judged against it.
+    edited = tmp_path / "edited-lineage"
+    shutil.copytree(trained_demo.drafter_wrong_ids, edited)
+    lineage = json.loads((edited / "draftline.json").read_text())
+    (edited / "draftline.json").write_text(json.dumps({**lineage, "aux_layer_ids_vllm": [i - 1 for i in trained],
+                                                       "aux_layer_ids": [i - 1 for i in trained]}))
+    check_drafter("vllm", edited, trained_demo.target_dir)  # config and lineage agree with each other
+    with pytest.raises(ConfigError, match=rf"the training record says \[{', '.join(map(str, trained))}\]"):
+        check_drafter("vllm", edited, trained_demo.target_dir, trained_vllm_ids=trained)
+    claimed = wrong.model_copy(update={"drafter_path": str(edited)})
+    believed = with_parity(EvalResult.model_validate(claimed.model_dump()), reference, 0.8, cfg)
+    assert believed.parity.integration_fault is None  # the edited lineage vouches for the served layers
+    recorded = claimed.model_copy(update={"trained_aux_layer_ids": trained})
+    judged = with_parity(EvalResult.model_validate(recorded.model_dump()), reference, 0.8, cfg)
+    assert judged.parity.integration_fault == "integration: aux-layer ids", judged.parity.verdict
+    assert f"trained on layers {tuple(trained)}" in judged.parity.verdict
     assert _engine_processes(str(trained_demo.target_dir)) == []

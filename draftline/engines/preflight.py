@@ -129,8 +129,42 @@ def aux_layer_ids(config: dict) -> list[int] | None:
     return None
 
 
-def check_drafter(engine: str, drafter_dir: Path, target_dir: Path) -> dict:
-    """The export must be for this engine (its aux-id convention), carry explicit ids, and a d2t when needed."""
+def trained_layer_ids(engine: str, lineage: dict, trained_vllm_ids: list[int] | None) -> tuple[list[int] | None, str]:
+    """The layers the weights were trained on, in `engine`'s convention, and where that comes from: the training
+    record when given (it wrote the weights), else the export's draftline.json; (None, "") when neither says."""
+    from draftline.target import to_convention
+
+    if trained_vllm_ids:
+        return to_convention(trained_vllm_ids, ENGINE_CONVENTION[engine]), "the training record"
+    if lineage.get("aux_layer_ids_vllm"):
+        return to_convention(lineage["aux_layer_ids_vllm"], ENGINE_CONVENTION[engine]), "its draftline.json"
+    return None, ""
+
+
+def check_aux_ids_agree(engine: str, drafter_dir: Path, config_ids: list[int], lineage: dict,
+                        trained_vllm_ids: list[int] | None) -> None:
+    """The ids the engine will read (config.json), the export's lineage and the training record must name the same
+    layers; otherwise one sentence naming each value and which to trust (the record: it produced the weights)."""
+    from draftline.target import to_convention
+
+    want = ENGINE_CONVENTION[engine]
+    claims = {f"its config.json (what {engine} reads)": list(config_ids)}
+    if lineage.get("aux_layer_ids_vllm"):
+        claims["its draftline.json"] = to_convention(lineage["aux_layer_ids_vllm"], want)
+    if trained_vllm_ids:
+        claims["the training record"] = to_convention(trained_vllm_ids, want)
+    if len({tuple(v) for v in claims.values()}) <= 1:
+        return
+    trusted, source = trained_layer_ids(engine, lineage, trained_vllm_ids)
+    said = "; ".join(f"{where} says {ids}" for where, ids in claims.items())
+    raise ConfigError(f"drafter {drafter_dir}: its aux-layer ids disagree ({said}, all in {engine}'s convention); "
+                      f"trust {source}, which names the layers the weights were trained on ({trusted}): export the "
+                      "trained drafter again with draftline instead of editing the files")
+
+
+def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm_ids: list[int] | None = None) -> dict:
+    """The export must be for this engine (its aux-id convention), carry explicit ids that agree with its lineage and
+    the training record (`trained_vllm_ids`, vLLM convention, when known), and a d2t when needed."""
     config, lineage = drafter_format(drafter_dir)
     convention = lineage.get("convention")
     fmt = lineage.get("format") or lineage.get("engine")
@@ -151,6 +185,7 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path) -> dict:
                           "silently fall back to its default layers, so re-export with explicit ids")
     from draftline.target import default_aux_layer_ids, num_layers  # imports torch: only when checking
 
+    check_aux_ids_agree(engine, drafter_dir, ids, lineage, trained_vllm_ids)
     top_level = config.get("eagle_aux_hidden_state_layer_ids")
     if top_level and list(top_level) != ids:
         raise ConfigError(f"drafter {drafter_dir}/config.json: eagle_aux_hidden_state_layer_ids {list(top_level)} at the "
@@ -170,10 +205,16 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path) -> dict:
         # otherwise silently uses the target's defaults (seen on an H200, benchmarks/RESULTS.md session 11).
         fallback = default_aux_layer_ids(layers)
         if engine == "vllm" and not top_level and ids != fallback:
+            trusted, source = trained_layer_ids(engine, lineage, trained_vllm_ids)
+            # Advice in vLLM's convention from what trained the weights, never the ids as found: an SGLang export's
+            # eagle_config holds SGLang-convention ids, one layer off for vLLM.
+            fix = (f"set a top-level eagle_aux_hidden_state_layer_ids to {trusted} (the trained layers per {source}, "
+                   "in vLLM's convention)" if trusted else
+                   "nothing here says in which convention they were written, so do not copy them")
             raise ConfigError(
                 f"drafter {drafter_dir}/config.json: its aux-layer ids {ids} are only in eagle_config, where vLLM's V2 "
                 f"model runner does not look, so vLLM would feed the drafter layers {fallback} instead; export it "
-                "again with draftline, or copy them to a top-level eagle_aux_hidden_state_layer_ids")
+                f"again with draftline, or {fix}")
     vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
     if vocab and draft_vocab and draft_vocab < vocab and not _has_tensor(drafter_dir, "d2t"):
         raise ConfigError(f"drafter {drafter_dir}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but the "
@@ -191,10 +232,12 @@ def _has_tensor(drafter_dir: Path, name: str) -> bool:
     return False
 
 
-def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path | None) -> dict:
+def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path | None,
+              trained_vllm_ids: list[int] | None = None) -> dict:
     """Run every check; return what was learnt (engine version, GPU, target architecture, drafter lineage)."""
     version = check_installed(cfg.engine)
     gpu = check_gpu(cfg)
     arch = check_architecture(cfg.engine, version, Path(target_dir))
-    lineage = check_drafter(cfg.engine, Path(drafter_dir), Path(target_dir)) if drafter_dir is not None else {}
+    lineage = (check_drafter(cfg.engine, Path(drafter_dir), Path(target_dir), trained_vllm_ids)
+               if drafter_dir is not None else {})
     return {"engine_version": version, "gpu": gpu, "architecture": arch, "drafter_lineage": lineage}
