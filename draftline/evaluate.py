@@ -23,7 +23,7 @@ from draftline.engines.client import Prompt, RunMetrics, load_prompts, requests_
 from draftline.engines.launch import launch
 from draftline.engines.vllm import AUX_LAYERS_FROM_MODEL_DEFAULTS
 from draftline.engines.preflight import (
-    EngineUnavailable, aux_layer_ids, drafter_format, preflight, trained_layer_ids,
+    AuxLayerIdsError, EngineUnavailable, aux_layer_ids, drafter_format, preflight, trained_layer_ids,
 )
 from draftline.errors import ConfigError, EngineError
 
@@ -97,6 +97,8 @@ class EvalResult(BaseModel):
     points: list[ConcurrencyPoint] = []
     acceptance: Acceptance | None = None  # over all concurrency levels
     parity: Parity | None = None
+    # A fault found before any server started (AUX_IDS_FAULT when preflight refused the export's aux-layer ids).
+    fault: str | None = None
     # Per server ("baseline", "eagle3"): what its own log said about how it ran (EngineAdapter.log_facts).
     server_log_facts: dict[str, dict[str, Any]] = {}
     started_at: str | None = None
@@ -400,6 +402,12 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
                                            "finished_at": _now()})
         _put_json(store, f"{prefix}/result.json", result.model_dump(mode="json"))
         return result
+    except ConfigError as exc:  # the row is written first, so the report and the nightly show why
+        fault = AUX_IDS_FAULT if isinstance(exc, AuxLayerIdsError) else None
+        failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0], "fault": fault,
+                                           "finished_at": _now()})
+        _put_json(store, f"{prefix}/result.json", failed.model_dump(mode="json"))
+        raise
     result.engine_version = facts["engine_version"]
     result.target_architecture = facts["architecture"]
     if facts["gpu"]:
@@ -570,10 +578,13 @@ def report_markdown(results: list[EvalResult]) -> str:
     when = max((r.finished_at or "" for r in results), default="")
     lines += [f"Generated {when or _now()} by draftline. Every row names the engine, engine version, hardware, "
               "target, drafter and prompt set its numbers belong to.", ""]
-    for r in results:  # a fault the engine's own log proves comes before any figure
+    for r in results:  # a fault the engine's log or preflight proves comes before any figure
         if r.parity and r.parity.integration_fault:
             lines += [f"**{r.parity.integration_fault.capitalize()} ({r.engine} {r.engine_version or ''}).** "
                       f"{r.parity.verdict.split(': ', 2)[-1]}", ""]
+        elif r.fault:
+            lines += [f"**{r.fault.capitalize()} ({r.engine} {r.engine_version or ''}), refused before serving.** "
+                      f"{r.reason}", ""]
     lines += ["## Throughput and acceptance", "",
               "| engine | version | hardware | target | drafter | prompt set | k | concurrency | baseline tok/s | "
               "EAGLE-3 tok/s | speedup | mean acceptance length | TTFT base / spec (s) | TPOT base / spec (ms) | "

@@ -100,7 +100,8 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
         baseline_throughput={p.concurrency: p.baseline.output_tokens_per_s for p in result.points},
         likely_causes=list(parity.likely_causes) if parity else [],
         integration_fault=(parity.verdict.removeprefix(f"{parity.integration_fault}: ")
-                           if parity and parity.integration_fault else None),
+                           if parity and parity.integration_fault else
+                           result.reason if result.fault == "integration: aux-layer ids" else None),
     )
 
 
@@ -377,6 +378,10 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
         verdict.status = "skipped"
         return verdict
     good = [r for r in history if r.good]
+    if current.status == "failed" and current.integration_fault:
+        verdict.status = "failed"  # refused before serving: the export names other layers than were trained
+        verdict.causes = [Cause(kind="aux-layer-ids", explanation=current.integration_fault)]
+        return verdict
     if current.status == "failed":
         verdict.status = "failed"
         verdict.causes = [Cause(kind="engine-failure", explanation=(

@@ -373,6 +373,13 @@ def test_layers_the_engine_logs_against_the_trained_ones_are_the_verdict_whateve
                         reference, 0.8)
     assert right.parity.integration_fault is None and not right.parity.integration_suspected
     assert judge(figures_of(right), [], RegressionConfig()).status == "baseline"
+    # An export preflight refused for its aux-layer ids: a failed row with that fault, the same cause tonight.
+    refused = result.model_copy(update={"status": "failed", "fault": "integration: aux-layer ids", "acceptance": None,
+                                        "points": [], "reason": "drafter d: its aux-layer ids disagree (...)"})
+    night = judge(figures_of(refused), [], RegressionConfig())
+    assert night.status == "failed" and [c.kind for c in night.causes] == ["aux-layer-ids"]
+    assert "integration: aux-layer ids" in night.message() and "its aux-layer ids disagree" in night.message()
+    assert "**Integration: aux-layer ids (vllm 0.32.0), refused before serving.**" in report_markdown([refused])
 
 
 def test_captured_vllm_0_25_log_no_vllm_gpu_runs_here_report_says_the_drafter_config_was_not_read(tmp_path):

@@ -21,6 +21,10 @@ ENGINE_CONVENTION = {"vllm": "vllm", "sglang": "sglang"}
 ENGINE_FORMATS = {"vllm": {"vllm", "speculators"}, "sglang": {"sglang"}}
 
 
+class AuxLayerIdsError(ConfigError):
+    """An export whose aux-layer ids the engine would read as other layers than the drafter was trained on."""
+
+
 class EngineUnavailable(EngineError):
     """The engine is not installed in this environment; evaluation skips it instead of failing."""
 
@@ -157,7 +161,7 @@ def check_aux_ids_agree(engine: str, drafter_dir: Path, config_ids: list[int], l
         return
     trusted, source = trained_layer_ids(engine, lineage, trained_vllm_ids)
     said = "; ".join(f"{where} says {ids}" for where, ids in claims.items())
-    raise ConfigError(f"drafter {drafter_dir}: its aux-layer ids disagree ({said}, all in {engine}'s convention); "
+    raise AuxLayerIdsError(f"drafter {drafter_dir}: its aux-layer ids disagree ({said}, all in {engine}'s convention); "
                       f"trust {source}, which names the layers the weights were trained on ({trusted}): export the "
                       "trained drafter again with draftline instead of editing the files")
 
@@ -170,7 +174,7 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
     fmt = lineage.get("format") or lineage.get("engine")
     want = ENGINE_CONVENTION[engine]
     if convention is not None and convention != want:
-        raise ConfigError(
+        raise AuxLayerIdsError(
             f"drafter {drafter_dir}: draftline.json says its aux-layer ids are in the {convention!r} convention but "
             f"{engine} reads them in the {want!r} one (one layer off); pass the {engine} export of this drafter"
         )
@@ -181,14 +185,14 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
         return lineage  # speculators format: vLLM reads its own layout; ids are checked by the export's tests
     ids = aux_layer_ids(config)
     if not ids:
-        raise ConfigError(f"drafter {drafter_dir}/config.json: no eagle_aux_hidden_state_layer_ids; the engine would "
+        raise AuxLayerIdsError(f"drafter {drafter_dir}/config.json: no eagle_aux_hidden_state_layer_ids; the engine would "
                           "silently fall back to its default layers, so re-export with explicit ids")
     from draftline.target import default_aux_layer_ids, num_layers  # imports torch: only when checking
 
     check_aux_ids_agree(engine, drafter_dir, ids, lineage, trained_vllm_ids)
     top_level = config.get("eagle_aux_hidden_state_layer_ids")
     if top_level and list(top_level) != ids:
-        raise ConfigError(f"drafter {drafter_dir}/config.json: eagle_aux_hidden_state_layer_ids {list(top_level)} at the "
+        raise AuxLayerIdsError(f"drafter {drafter_dir}/config.json: eagle_aux_hidden_state_layer_ids {list(top_level)} at the "
                           f"top level and {ids} in eagle_config disagree, and engines read one or the other; make "
                           "them equal")
     try:
@@ -199,7 +203,7 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
         lo = 0 if want == "vllm" else -1
         bad = [i for i in ids if not lo <= i < layers]
         if bad:
-            raise ConfigError(f"drafter {drafter_dir}: aux-layer ids {ids} do not fit a target with {layers} layers "
+            raise AuxLayerIdsError(f"drafter {drafter_dir}: aux-layer ids {ids} do not fit a target with {layers} layers "
                               f"({bad} out of range); re-export the drafter for this target")
         # vLLM's V2 model runner (its GPU default from 0.25) looks for the ids at the config's top level only and
         # otherwise silently uses the target's defaults (seen on an H200, benchmarks/RESULTS.md session 11).
@@ -211,7 +215,7 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
             fix = (f"set a top-level eagle_aux_hidden_state_layer_ids to {trusted} (the trained layers per {source}, "
                    "in vLLM's convention)" if trusted else
                    "nothing here says in which convention they were written, so do not copy them")
-            raise ConfigError(
+            raise AuxLayerIdsError(
                 f"drafter {drafter_dir}/config.json: its aux-layer ids {ids} are only in eagle_config, where vLLM's V2 "
                 f"model runner does not look, so vLLM would feed the drafter layers {fallback} instead; export it "
                 f"again with draftline, or {fix}")
