@@ -232,9 +232,10 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
     used = facts.get("aux_hidden_state_layers")
     if not used:
         return None
-    if lineage is None:
+    if lineage is None:  # the row's own copy first: the report may be written where the drafter's files are not
         drafter_dir = Path(result.drafter_path)
-        lineage = drafter_format(drafter_dir)[1] if (drafter_dir / "config.json").is_file() else {}
+        lineage = result.drafter_lineage or (
+            drafter_format(drafter_dir)[1] if (drafter_dir / "config.json").is_file() else {})
     # The training record first: an edited lineage must not vouch for the layers it names.
     trained, _ = trained_layer_ids(result.engine, lineage, result.trained_aux_layer_ids)
     said = (f"{result.engine}'s log says it fed the drafter the hidden states of layers {tuple(used)} (from the "
@@ -245,7 +246,7 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
     fell_back = facts.get("aux_hidden_state_layers_from") == AUX_LAYERS_FROM_MODEL_DEFAULTS
     not_read = (f"{result.engine} did not read the layer ids in the drafter's config (vLLM 0.25's GPU model runner "
                 "reads them only at the config's top level, where draftline's vLLM export now writes them too)")
-    if list(used) == list(trained):
+    if sorted(used) == sorted(trained):  # vLLM sorts the ids it is given
         said += f", the layers the drafter was trained on in {result.engine}'s convention"
         if fell_back:
             said += (f", but only because those are also the target's defaults: {not_read}; harmless here, but a "

@@ -123,9 +123,14 @@ class SpoolClient:
 
         body = {"model": self.served_name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
                 "kv_transfer_params": {"draftline_key": key}}
-        resp = self.http.post(f"{self.base_url}/v1/completions", json=body)
+        try:
+            resp = self.http.post(f"{self.base_url}/v1/completions", json=body)
+        except httpx.HTTPError as exc:  # the server died or hung mid-stage: a restart may get further
+            raise EngineError(f"vLLM stopped answering capture request {key} ({type(exc).__name__}: {exc}); "
+                              "finished shards are kept and a rerun resumes after them", transient=True) from exc
         if resp.status_code != 200:
-            raise EngineError(f"vLLM refused capture request {key} with HTTP {resp.status_code}: {resp.text[:300]}")
+            raise EngineError(f"vLLM refused capture request {key} with HTTP {resp.status_code}: {resp.text[:300]}",
+                              transient=resp.status_code >= 500)
         path = spool_path(str(self.spool_dir), key)
         deadline = time.monotonic() + self.wait_s
         while not os.path.exists(path):
@@ -194,8 +199,9 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
     check_devices(cfg.vllm, "extract.vllm")
     norm = final_norm_of(target_dir)
     text = read_target_config(target_dir)
+    settings = cfg.vllm if cfg.vllm.dtype != "auto" else cfg.vllm.model_copy(update={"dtype": dtype})
     source = CapturedTarget(target_fingerprint(target_dir), aux_ids, int(text.get("text_config", text)["hidden_size"]),
-                            f"torch.{dtype}")
+                            f"torch.{settings.dtype}")
     entries = {e.key: e for e in trace_entries(store, run)}
     trace_sha = {k: e.sha256 for k, e in entries.items()}
     plans = plan_hidden_shards(cfg, store, run)
@@ -210,7 +216,6 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
             check_traces(traces, plan)
             jobs.append((plan, traces))
         longest = max(len(t["input_ids"]) for _, traces in jobs for t in traces)
-        settings = cfg.vllm if cfg.vllm.dtype != "auto" else cfg.vllm.model_copy(update={"dtype": dtype})
         _run_server(settings, target_dir, aux_ids + [depth], _max_model_len(settings, longest, target_dir), cfg,
                     store, run, source, trace_sha, jobs, norm, log_dir, say, timing)
     finalize_hidden_states(store, run, len(plans))
@@ -231,7 +236,8 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
 
     spool = Path(tempfile.mkdtemp(prefix=f"draftline-spool-{re.sub(r'[^A-Za-z0-9_.-]', '_', run)}-",
                                   dir=_spool_root(cfg)))
-    logs = Path(log_dir) if log_dir else spool.parent / (spool.name + "-logs")
+    # The server's log goes to the store (<run>/hidden/logs); the local copy lives as long as the stage.
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="draftline-capture-logs-"))
     try:
         spec = capture_server_spec(settings, Path(target_dir), layer_ids, spool, max_model_len)
         say(f"starting vLLM to capture layers {layer_ids} of {target_dir} (tensor parallel {settings.tensor_parallel_size})")
@@ -248,6 +254,8 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
             timing["capture_s"] = round(time.perf_counter() - started, 3)
     finally:
         shutil.rmtree(spool, ignore_errors=True)
+        if not log_dir:
+            shutil.rmtree(logs, ignore_errors=True)
 
 
 def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sha, norm, say) -> None:

@@ -60,8 +60,13 @@ def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: Engin
         failures = [f.result(raise_on_failure=False) for f in futures]
         failures = [x if isinstance(x, BaseException) else None for x in failures]
     # The report carries every engine, a failed one with its root cause; then the run fails with that cause.
-    rendered = eval_tasks.report(config, [eval_tasks.result_key(config, e) for e in engines], reference)
-    for failure in failures:
+    failure = next((f for f in failures if f is not None), None)
+    try:
+        rendered = eval_tasks.report(config, [eval_tasks.result_key(config, e) for e in engines], reference)
+    except Exception:
         if failure is not None:
-            raise failure
+            raise failure  # no report (no engine left a row): the engine's own error is the news
+        raise
+    if failure is not None:
+        raise failure
     return rendered

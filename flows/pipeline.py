@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftline.cli import load_with_overrides
     from draftline.config import parse_config
-    from draftline.errors import DraftlineError
+    from draftline.engines.preflight import AuxLayerIdsError
+    from draftline.errors import DraftlineError, EngineError
     from draftline.stages import print_summary, report_location
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         result = pipeline(config)
     except DraftlineError as exc:
         print(f"draftline: {str(exc).splitlines()[0]}", file=sys.stderr)
-        report = report_location(config)
+        # Only an engine's failure comes after the report is rewritten with its row; other stages leave it as it was.
+        report = report_location(config) if isinstance(exc, (EngineError, AuxLayerIdsError)) else None
         if report:
             print(f"draftline: the report, with the failed engine's row, is at {report}", file=sys.stderr)
         return 1

@@ -189,3 +189,51 @@ def test_traces_longer_than_the_configured_model_length_are_refused_before_vllm_
     with pytest.raises(ConfigError, match=r"extract\.vllm\.max_model_len=16 but the longest trace has \d+ tokens"):
         extract_hidden_states(cfg, target_dirs["llama"], store, "long")
     assert time.monotonic() - t0 < 30, "the check must come before any engine start"
+
+
+def test_the_capture_client_names_what_went_wrong_with_a_request_s_states(tmp_path):
+    """Against a small HTTP server that answers completions (tests/misbehaving_server.py, no vLLM): the connector's
+    error file, states of other tokens, states that never arrive and a dead server each give one EngineError."""
+    from safetensors.torch import save_file
+
+    from draftline.engines.launch import launch
+    from draftline.engines.vllm_capture import error_path, spool_path
+    from draftline.errors import EngineError
+    from draftline.extract_vllm import SpoolClient
+    from tests.test_engines_launch import _cfg, _spec
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    with launch(_spec("ok", tmp_path), _cfg(), tmp_path / "logs") as server:
+        client = SpoolClient(server.base_url, spool, workers=2, wait_s=1.0)
+        try:
+            Path(error_path(spool_path(str(spool), "k1"))).write_text("OSError: No space left on device")
+            with pytest.raises(EngineError, match="could not write .*No space left on device"):
+                client.capture("k1", [1, 2])
+            save_file({"hidden_states": torch.zeros(2, 4, 8, dtype=torch.bfloat16),
+                       "token_ids": torch.tensor([9, 9])}, spool_path(str(spool), "k2"))
+            with pytest.raises(EngineError, match="belong to other tokens"):
+                client.capture("k2", [1, 2])
+            with pytest.raises(EngineError, match="never reached") as info:
+                client.capture("k3", [1, 2])
+            assert info.value.transient
+        finally:
+            client.close()
+    dead = SpoolClient(server.base_url, spool, workers=1)
+    try:
+        with pytest.raises(EngineError, match="stopped answering capture request k4") as info:
+            dead.capture("k4", [1])
+        assert info.value.transient
+    finally:
+        dead.close()
+
+
+def test_engine_errors_that_pass_with_the_moment_are_retried_and_input_errors_are_not():
+    from draftline.engines.launch import root_cause
+
+    assert root_cause("(EngineCore pid=3) ValueError: Free memory on device (9.1/139.8 GiB) on startup is less "
+                      "than desired GPU memory utilization")[1] is False
+    assert root_cause("OSError: [Errno 98] Address already in use")[1] is False
+    assert root_cause("(EngineCore pid=3) ValueError: head size 72 is not supported") == (
+        "ValueError: head size 72 is not supported", True)
+    assert root_cause("loading weights\nno exception here") is None

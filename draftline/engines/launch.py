@@ -88,8 +88,11 @@ _EXCEPTION_LINE = re.compile(r"(?:^|\)\s)((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error
 _WRAPPERS = ("See root cause above", "Engine core initialization failed", "Worker failed with error",
              "died unexpectedly", "exited with")
 # Exception types that say a load will fail the same way every time: bad input or an unsupported combination.
-_DETERMINISTIC = ("ValueError", "ValidationError", "NotImplementedError", "TypeError", "KeyError", "AttributeError", "AssertionError",
-                  "ImportError", "ModuleNotFoundError", "FileNotFoundError", "OSError", "ConfigError")
+_DETERMINISTIC = ("ValueError", "ValidationError", "NotImplementedError", "TypeError", "KeyError", "AttributeError",
+                  "AssertionError", "ImportError", "ModuleNotFoundError", "FileNotFoundError", "OSError", "ConfigError")
+# ... except these messages, which come from the machine's state at that moment and clear on a later start: memory
+# still held by a server that just stopped, a port taken between choosing it and binding it.
+_PASSING = ("Free memory on device", "out of memory", "Address already in use", "Errno 98", "Connection refused")
 
 
 def root_cause(log_text: str) -> tuple[str, bool] | None:
@@ -108,7 +111,8 @@ def root_cause(log_text: str) -> tuple[str, bool] | None:
     if found is None:
         return None
     kind = found.group(1).rsplit(".", 1)[-1]
-    return f"{kind}: {found.group(2).strip()}{detail}", kind in _DETERMINISTIC
+    message = f"{kind}: {found.group(2).strip()}{detail}"
+    return message, kind in _DETERMINISTIC and not any(p in message for p in _PASSING)
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -304,11 +308,12 @@ def launch(spec: ServerSpec, cfg: ServerSettings, log_dir: str | os.PathLike, st
         except EngineError as exc:
             _upload_log(store, log_key, log_path)
             errors.append(str(exc).split("\n", 1)[0])
-            if len(errors) > 1 and errors[-1] == errors[-2]:
+            why = "" if exc.transient else " (not retried: the engine refused its input, which a new load would not change)"
+            if exc.transient and len(errors) > 1 and errors[-1] == errors[-2]:
                 exc.transient = False  # the same failure twice: a third load would only fail the same way again
+                why = " (not retried further: the same failure twice)"
             if not exc.transient or attempt == attempts - 1:
                 summary = "; ".join(f"attempt {i + 1}: {e}" for i, e in enumerate(errors))
-                why = "" if exc.transient else " (not retried further: the engine's own error repeats on every load)"
                 raise EngineError(f"{spec.name} failed to start after {attempt + 1} attempt(s){why}: {summary}",
                                   exc.log_tail, transient=exc.transient) from exc
             delay = backoff_delay(attempt, cfg.retry_backoff_s, rng)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from vllm.config import get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.logger import init_logger
 
 try:  # SupportsHMA lets vLLM keep the hidden-state cache in its own KV group next to the target's attention
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -29,6 +30,7 @@ except ImportError:  # older vLLM: no hybrid allocator interface
     class SupportsHMA:  # type: ignore[no-redef]
         pass
 
+logger = init_logger(__name__)
 KEY_PARAM = "draftline_key"
 PATH_PARAM = "draftline_path"
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -103,7 +105,11 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         key = (getattr(request, "kv_transfer_params", None) or {}).get(KEY_PARAM)
         if key is None or request.prompt_token_ids is None:
             return False, None
-        path = spool_path(self.spool_dir, str(key))
+        try:
+            path = spool_path(self.spool_dir, str(key))
+        except ValueError as exc:  # never let a client's bad key stop the engine: the client times out instead
+            logger.warning("draftline capture: %s; request %s not captured", exc, request.request_id)
+            return False, None
         self._pending[request.request_id] = _Save(request.request_id, path, list(request.prompt_token_ids),
                                                   list(block_ids))
         return True, {PATH_PARAM: path}
@@ -183,8 +189,8 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         sent = set()
         for req_id in list(self._finished):
             if req_id not in self._copies:
-                if not self._rank0:
-                    self._finished.discard(req_id)
+                # Not captured (untagged, or another rank): its save, if any, arrived with this very step's metadata.
+                self._finished.discard(req_id)
                 continue
             event = self._copies[req_id]
             if event is not None and not event.query():
