@@ -370,7 +370,9 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
                      load_prompts(trained_demo.eval_prompts), eval_cfg, tmp_path, None, None)
     wrong = good.model_copy(update={"drafter": "drafter-wrong-ids", "drafter_path": str(trained_demo.drafter_wrong_ids),
                                     "acceptance": combine_acceptance([a for _, a, _ in served.runs]), "parity": None,
-                                    "server_log_facts": {"eagle3": served.log_facts}})
+                                    "server_log_facts": {"eagle3": served.log_facts},
+                                    "drafter_lineage": json.loads((trained_demo.drafter_wrong_ids
+                                                                   / "draftline.json").read_text())})
     flagged = with_parity(EvalResult.model_validate(wrong.model_dump()), reference, 0.8, cfg)
     print(f"right ids: {good.parity.verdict}; wrong ids: {flagged.parity.verdict}")
     assert flagged.parity.integration_suspected, flagged.parity.verdict
@@ -398,7 +400,8 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     check_drafter("vllm", edited, trained_demo.target_dir)  # config and lineage agree with each other
     with pytest.raises(ConfigError, match=rf"the training record says \[{', '.join(map(str, trained))}\]"):
         check_drafter("vllm", edited, trained_demo.target_dir, trained_vllm_ids=trained)
-    claimed = wrong.model_copy(update={"drafter_path": str(edited)})
+    claimed = wrong.model_copy(update={"drafter_path": str(edited),
+                                       "drafter_lineage": json.loads((edited / "draftline.json").read_text())})
     believed = with_parity(EvalResult.model_validate(claimed.model_dump()), reference, 0.8, cfg)
     assert believed.parity.integration_fault is None  # the edited lineage vouches for the served layers
     recorded = claimed.model_copy(update={"trained_aux_layer_ids": trained})
