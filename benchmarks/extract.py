@@ -468,6 +468,16 @@ def print_table(result: dict) -> None:
         print(f"  {k:<{width}}  {v}")
 
 
+def write_result(result: dict, out: str | None, default_name: str, title: str) -> None:
+    """The JSON (at `out`, else benchmarks/results/`default_name`) and the printed table."""
+    path = Path(out) if out else REPO / "benchmarks" / "results" / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{title} ({result['hardware']})")
+    print_table(result)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="smoke run on the CPU: a tiny random Llama, small sizes (seconds)")
@@ -499,12 +509,7 @@ def main() -> None:
             args.disk_probe_bytes = 4 << 30
         result = bench_vllm(args)
         name = "cpu" if args.cpu else f"h200-{args.target_shape}"
-        out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"extract-vllm-{name}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"extraction through vLLM against transformers ({result['hardware']})")
-        print_table(result)
-        print(f"wrote {out}")
+        write_result(result, args.out, f"extract-vllm-{name}.json", "extraction through vLLM against transformers")
         return
     sizes = (dict(seq_len=64, batch_tokens=256, tokens_per_shard=256, shards=3, naive_samples=2,
                   disk_probe_bytes=64 << 20) if args.cpu else
@@ -517,12 +522,7 @@ def main() -> None:
         sys.exit("no CUDA device: run with --cpu for a smoke run")
     result = bench(args)
     hw = "cpu" if args.cpu else "".join(c for c in result["hardware"].lower().split()[-1] if c.isalnum())
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"extract-{hw}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"hidden-state extraction benchmark ({result['hardware']})")
-    print_table(result)
-    print(f"wrote {out}")
+    write_result(result, args.out, f"extract-{hw}.json", "hidden-state extraction benchmark")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,10 @@ class ServerSettings(Strict):
                 raise ValueError(f"{key!r} looks like a secret; set it in the worker's environment, not in the config")
         return v
 
+    def resolved(self, target_dtype: str) -> "ServerSettings":
+        """These settings with dtype "auto" replaced by the target's dtype (what the stage's shards record)."""
+        return self if self.dtype != "auto" else self.model_copy(update={"dtype": target_dtype})
+
 
 class TracesConfig(Strict):
     """Trace generation: the target answers the prompts so the drafter learns its own distribution."""

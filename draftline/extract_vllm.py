@@ -73,27 +73,23 @@ def check_devices(settings: ServerSettings, field: str, visible: int | None = No
 
 
 def check_architecture(target_dir: str | Path) -> str:
-    """Ask the installed vLLM's model registry whether the target's class can hand over aux hidden states;
-    returns the architecture, or raises one sentence naming the fix."""
-    cfg = read_target_config(target_dir)
-    archs = cfg.get("architectures") or []
-    if not archs:
-        raise ConfigError(f"target {target_dir}/config.json names no architectures; vLLM cannot pick a model class")
+    """Ask the installed vLLM's model registry (preflight's lookup) whether the target's class can hand over aux
+    hidden states; returns the architecture, or raises one sentence naming the fix."""
+    from draftline.engines.preflight import target_architecture, vllm_supports_eagle3
+
+    arch = target_architecture(Path(target_dir))
     try:
-        from vllm.model_executor.models import ModelRegistry
-        from vllm.model_executor.models.interfaces import supports_eagle3
+        supported = vllm_supports_eagle3(arch)
     except ImportError:
         raise ConfigError("extract.backend is vllm but vllm is not installed in this environment; run the stage on a "
                           "worker of the engine's pool (gpu-vllm) or use extract.backend: transformers") from None
-    load = getattr(ModelRegistry, "_try_load_model_cls", None)
-    model_cls = load(archs[0]) if load else None
-    if load is not None and model_cls is None:
-        raise ConfigError(f"target architecture {archs[0]!r} is not in this vLLM's model registry; use "
+    if supported is None:
+        raise ConfigError(f"target architecture {arch!r} is not in this vLLM's model registry; use "
                           "extract.backend: transformers or a vLLM that serves it")
-    if model_cls is not None and not supports_eagle3(model_cls):
-        raise ConfigError(f"vLLM's {model_cls.__name__} does not implement SupportsEagle3, so it cannot hand over aux "
-                          "hidden states; use extract.backend: transformers for this target")
-    return archs[0]
+    if not supported:
+        raise ConfigError(f"vLLM's {arch} does not implement SupportsEagle3, so it cannot hand over aux hidden "
+                          "states; use extract.backend: transformers for this target")
+    return arch
 
 
 # ---------------------------------------------------------------- requests
@@ -199,7 +195,7 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
     check_devices(cfg.vllm, "extract.vllm")
     norm = final_norm_of(target_dir)
     text = read_target_config(target_dir)
-    settings = cfg.vllm if cfg.vllm.dtype != "auto" else cfg.vllm.model_copy(update={"dtype": dtype})
+    settings = cfg.vllm.resolved(dtype)
     source = CapturedTarget(target_fingerprint(target_dir), aux_ids, int(text.get("text_config", text)["hidden_size"]),
                             f"torch.{settings.dtype}")
     entries = {e.key: e for e in trace_entries(store, run)}

@@ -186,7 +186,7 @@ def _generate_vllm_server(cfg: TracesConfig, target_dir: str, prompt_ids: list[l
     from draftline.engines.vllm import generation_server_spec
     from draftline.extract_vllm import check_devices
 
-    settings = cfg.vllm if cfg.vllm.dtype != "auto" else cfg.vllm.model_copy(update={"dtype": dtype})
+    settings = cfg.vllm.resolved(dtype)
     check_devices(settings, "traces.vllm")
     limit = _length_limit(cfg, target_dir)
     spec = generation_server_spec(settings, Path(target_dir), settings.max_model_len or limit)
