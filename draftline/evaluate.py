@@ -23,7 +23,7 @@ from draftline.engines.client import Prompt, RunMetrics, load_prompts, requests_
 from draftline.engines.launch import launch
 from draftline.engines.vllm import AUX_LAYERS_FROM_MODEL_DEFAULTS
 from draftline.engines.preflight import (
-    AuxLayerIdsError, EngineUnavailable, aux_layer_ids, drafter_format, preflight, trained_layer_ids,
+    AuxLayerIdsError, EngineUnavailable, aux_layer_ids, drafter_format, engine_convention, preflight, trained_layer_ids,
 )
 from draftline.errors import ConfigError, EngineError
 
@@ -188,7 +188,7 @@ def likely_causes(result: EvalResult, engine_cfg: EngineConfig | None = None) ->
         causes.append("the drafter config has no eagle_aux_hidden_state_layer_ids, so the engine guessed its "
                       "default layers")
     convention = lineage.get("convention")
-    expected = {"vllm": "vllm", "sglang": "sglang"}.get(result.engine)
+    expected = engine_convention(result.engine, Path(result.target_path))
     if convention and convention != expected:
         causes.append(f"aux-layer ids are in the {convention!r} convention but {result.engine} reads "
                       f"{expected!r} ones: the drafter sees hidden states one layer off")
@@ -237,7 +237,7 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
         lineage = result.drafter_lineage or (
             drafter_format(drafter_dir)[1] if (drafter_dir / "config.json").is_file() else {})
     # The training record first: an edited lineage must not vouch for the layers it names.
-    trained, _ = trained_layer_ids(result.engine, lineage, result.trained_aux_layer_ids)
+    trained, _ = trained_layer_ids(result.engine, lineage, result.trained_aux_layer_ids, Path(result.target_path))
     said = (f"{result.engine}'s log says it fed the drafter the hidden states of layers {tuple(used)} (from the "
             f"{facts.get('aux_hidden_state_layers_from', 'its settings')})")
     if not trained:

@@ -16,9 +16,14 @@ from draftline.errors import ConfigError
 #   vLLM id k   = the INPUT of decoder layer k   (= the output of layer k-1; k=0 is the embedding output)
 #   SGLang id k = the OUTPUT of decoder layer k  (SGLang adds +1 internally to reach the same tensor)
 # So the same physical tensor has sglang_id = vllm_id - 1. Everything in draftline stores vLLM ids.
+# SGLang's DeepSeek-V2/V3 model (which Kimi-K2.5 delegates to) adds the +1 only when the first id is 1 and reads any
+# other list as vLLM ids (0.5.14, models/deepseek_v2.py set_eagle3_layers_to_capture): the "sglang-deepseek" convention.
 VLLM = "vllm"
 SGLANG = "sglang"
-CONVENTIONS = (VLLM, SGLANG)
+SGLANG_DEEPSEEK = "sglang-deepseek"
+CONVENTIONS = (VLLM, SGLANG, SGLANG_DEEPSEEK)
+# Text-model types SGLang serves with its DeepSeek-V2 class (kimi_k2 is its alias for deepseek_v3).
+SGLANG_DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Above this many bytes of weights the fingerprint hashes safetensors headers instead of every byte.
@@ -49,21 +54,46 @@ def sglang_to_vllm(ids: list[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
+def sglang_convention(target_cfg: dict) -> str:
+    """How SGLang reads aux ids for this target: "sglang-deepseek" for DeepSeek-V2/V3 text models (Kimi-K2.5's
+    included), "sglang" (always +1) for the others."""
+    text = target_cfg.get("text_config", target_cfg)
+    return SGLANG_DEEPSEEK if text.get("model_type") in SGLANG_DEEPSEEK_MODEL_TYPES else SGLANG
+
+
+def reader_convention(reader: str, target_cfg: dict) -> str:
+    """The convention an engine ("vllm", "sglang") or export format ("speculators" too) reads aux ids in."""
+    return sglang_convention(target_cfg) if reader == SGLANG else VLLM
+
+
 def to_convention(vllm_ids: list[int], convention: str) -> list[int]:
-    """Express vLLM-convention ids in `convention` ("vllm" or "sglang")."""
+    """Express vLLM-convention ids in `convention` (one of CONVENTIONS)."""
+    ids = [int(i) for i in vllm_ids]
     if convention == VLLM:
-        return [int(i) for i in vllm_ids]
+        return ids
     if convention == SGLANG:
-        return vllm_to_sglang(vllm_ids)
+        return vllm_to_sglang(ids)
+    if convention == SGLANG_DEEPSEEK:
+        # Lists SGLang's DeepSeek model reads with +1 (first id 1) work in every SGLang; others only in >= 0.5.14.
+        if ids and ids[0] == 2:
+            return vllm_to_sglang(ids)
+        if ids and ids[0] == 1:
+            raise ConfigError(f"aux-layer ids {ids} (vLLM convention) cannot be written for SGLang's DeepSeek-V3 "
+                              "models, which read a first id of 1 as layer 2 and 0 as the embeddings; choose a first "
+                              "aux layer other than 1 in extract.aux_layer_ids")
+        return ids
     raise ConfigError(f"layer-id convention {convention!r} is unknown; use one of {list(CONVENTIONS)}")
 
 
 def from_convention(ids: list[int], convention: str) -> list[int]:
     """Turn ids written in `convention` into vLLM-convention ids."""
+    ids = [int(i) for i in ids]
     if convention == VLLM:
-        return [int(i) for i in ids]
+        return ids
     if convention == SGLANG:
         return sglang_to_vllm(ids)
+    if convention == SGLANG_DEEPSEEK:
+        return sglang_to_vllm(ids) if ids and ids[0] == 1 else ids
     raise ConfigError(f"layer-id convention {convention!r} is unknown; use one of {list(CONVENTIONS)}")
 
 
@@ -125,7 +155,7 @@ def _weight_files(root: Path) -> list[Path]:
 
 def load_target(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu"):
     """Load (model, tokenizer) from a transformers checkpoint directory, in eval mode on `device`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     root = Path(path)
     read_target_config(root)
@@ -140,7 +170,7 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "bfloat16", device:
             "use a supported architecture such as LlamaForCausalLM or DeepseekV3ForCausalLM"
         ) from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(root, dtype=torch_dtype)
+        model = _auto_class(config).from_pretrained(root, dtype=torch_dtype)
     except ValueError as exc:
         raise ConfigError(
             f"target {root}: architecture {getattr(config, 'architectures', None)} cannot be loaded as a causal LM "
@@ -155,11 +185,25 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "bfloat16", device:
     return model, tokenizer
 
 
+def _auto_class(config):
+    """AutoModelForCausalLM, or for a multimodal wrapper around a text model (Kimi-K2.5: `text_config`, the language
+    model under `model.language_model`) the image-text-to-text class, whose forward on text alone is the text model's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    wrapper = (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+               and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and hasattr(config, "text_config"))
+    return AutoModelForImageTextToText if wrapper else AutoModelForCausalLM
+
+
 def decoder_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack (embeddings, layers, final norm) without the lm_head."""
+    """The decoder stack (embeddings, layers, final norm) without the lm_head; a wrapper's language model."""
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "layers"):
         return inner
+    language = getattr(inner, "language_model", None)
+    if language is not None and hasattr(language, "layers"):
+        return language
     if hasattr(model, "layers"):
         return model
     raise ConfigError(

@@ -51,3 +51,5 @@ PY
   echo "$stamp" > .venv/.draftline-stamp
 fi
 wait "$server_venv"
+# demo-kimi's language-model weights are derived from demo-deepseek's (kept out of git; SHA256SUMS pins them).
+.venv/bin/python -m draftline.demo.kimi >/dev/null

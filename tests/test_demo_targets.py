@@ -26,7 +26,9 @@ def read_jsonl(path: Path) -> list[dict]:
 # ---- files and budget --------------------------------------------------------------------------------------
 
 def test_assets_fit_the_size_budget():
-    files = [p for p in ASSETS.rglob("*") if p.is_file()]
+    # demo-kimi's language-model file is derived at setup from demo-deepseek's and kept out of git (.gitignore).
+    derived = ASSETS / "demo-kimi" / "model-language.safetensors"
+    files = [p for p in ASSETS.rglob("*") if p.is_file() and p != derived]
     assert sum(p.stat().st_size for p in files) <= 40e6
     assert max(p.stat().st_size for p in files) < 16 * MIB
 

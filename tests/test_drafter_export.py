@@ -20,11 +20,24 @@ from draftline.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_LLAMA = REPO / "assets" / "demo-llama"
+DEMO_DEEPSEEK = REPO / "assets" / "demo-deepseek"
+DEMO_KIMI = REPO / "assets" / "demo-kimi"
 
 
-def source_drafter(tmp_path, draft_vocab=1024, aux_layer_ids=None) -> Path:
-    """An (untrained) drafter for demo-llama in the training stage's layout: SGLang format plus draftline.json."""
-    cfg, embed, _ = load_target_head(DEMO_LLAMA)
+def sglang_0_5_14_layers_to_capture(target_cfg: dict, ids: list[int]) -> list[int]:
+    """What SGLang 0.5.14 does with eagle_aux_hidden_state_layer_ids before capturing the input of each layer
+    (models/llama.py and models/deepseek_v2.py, set_eagle3_layers_to_capture; Kimi-K2.5 delegates to the latter).
+    Transcribed from SGLang's source for these tests: SGLang itself cannot run on this machine, so this is a check
+    against its documented rule, not a run of SGLang."""
+    text = target_cfg.get("text_config", target_cfg)
+    if text["model_type"] in ("deepseek_v2", "deepseek_v3"):
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
+    return [i + 1 for i in ids]
+
+
+def source_drafter(tmp_path, draft_vocab=1024, aux_layer_ids=None, target=DEMO_LLAMA) -> Path:
+    """An (untrained) drafter for a demo target in the training stage's layout: SGLang format plus draftline.json."""
+    cfg, embed, _ = load_target_head(target)
     torch.manual_seed(0)
     model = Eagle3Drafter.from_target_config(cfg, DrafterConfig(draft_vocab_size=draft_vocab), aux_layer_ids)
     model.load_target_weights(embed)
@@ -133,3 +146,28 @@ def test_real_vllm_loads_the_sglang_and_speculators_exports(tmp_path):
         result = json.loads(line.split(" ", 1)[1])
         print(result)
         assert result["tokens"] == 24 and result["drafts"] > 0
+
+
+@pytest.mark.parametrize("target", [DEMO_LLAMA, DEMO_DEEPSEEK, DEMO_KIMI], ids=lambda p: p.name)
+@pytest.mark.parametrize("aux_ids", [[2, 4, 5], [3, 4, 5], [4, 5, 6]])
+def test_the_sglang_export_makes_sglang_capture_the_trained_layers(tmp_path, target, aux_ids):
+    """Not run against SGLang (it cannot run here): checked against SGLang 0.5.14's rule for reading the ids, which
+    differs between its Llama and DeepSeek-V3 models; a plain "minus one" export feeds a DeepSeek target's drafter the
+    wrong layers whenever the first aux layer is not 2."""
+    dirs = export_drafter(source_drafter(tmp_path, aux_layer_ids=aux_ids, target=target), target, tmp_path / "export",
+                          formats=("sglang",))
+    written = json.loads((dirs["sglang"] / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    target_cfg = json.loads((target / "config.json").read_text())
+    assert sglang_0_5_14_layers_to_capture(target_cfg, written) == aux_ids
+    lineage = json.loads((dirs["sglang"] / "draftline.json").read_text())
+    assert lineage["aux_layer_ids_vllm"] == aux_ids and lineage["aux_layer_ids"] == written
+    # draftline reads its own export back to the trained layers, and the engine preflight accepts it for SGLang.
+    assert Eagle3Drafter.from_pretrained(dirs["sglang"]).config.aux_layer_ids == aux_ids
+    from draftline.engines.preflight import check_drafter
+    assert check_drafter("sglang", dirs["sglang"], target, trained_vllm_ids=aux_ids)["convention"] == lineage["convention"]
+
+
+def test_a_first_aux_layer_sglang_cannot_express_for_deepseek_targets_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(ConfigError, match=r"first aux layer other than 1 in extract.aux_layer_ids"):
+        export_drafter(source_drafter(tmp_path, aux_layer_ids=[1, 4, 5], target=DEMO_DEEPSEEK), DEMO_DEEPSEEK,
+                       tmp_path / "export", formats=("sglang",))

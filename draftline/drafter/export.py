@@ -11,11 +11,9 @@ from safetensors.torch import save_file
 
 from draftline.drafter.model import LINEAGE_FILE, WEIGHTS_FILE, Eagle3Drafter, check_aux_ids
 from draftline.errors import ConfigError
-from draftline.target import num_layers, read_target_config, target_fingerprint, to_convention
+from draftline.target import num_layers, read_target_config, reader_convention, target_fingerprint, to_convention
 
 FORMATS = ("vllm", "sglang", "speculators")
-# The layer-id convention each format is read in: SGLang adds one to every id, vLLM and speculators do not.
-CONVENTION = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm"}
 
 
 def check_target(model: Eagle3Drafter, target_dir) -> dict:
@@ -72,7 +70,7 @@ def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: d
         raise ConfigError(f"export format {fmt!r} is unknown; use one of {list(FORMATS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    convention = CONVENTION[fmt]
+    convention = reader_convention(fmt, read_target_config(target_dir))
     if fmt == "speculators":
         config = _speculators_config(model, target_dir, num_speculative_tokens)
         tensors = model.export_tensors(include_embeddings)
@@ -88,9 +86,6 @@ def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: d
               "draft_vocab_size": model.config.draft_vocab_size, "target_hidden_size": model.config.target_hidden_size,
               "has_d2t": model.config.draft_vocab_size < model.config.vocab_size,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if fmt == "sglang" and ids and ids[0] != 1:
-        record["note"] = ("newer SGLang adds one to the ids only when the first id is 1; check the captured layers "
-                          "when the first aux id differs from the default")
     (out / LINEAGE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return out
 
@@ -141,7 +136,7 @@ def _code_version() -> str:
     return code_version()
 
 
-__all__ = ["FORMATS", "CONVENTION", "export_drafter", "export_from_store", "write_format", "check_target"]
+__all__ = ["FORMATS", "export_drafter", "export_from_store", "write_format", "check_target"]
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftline.drafter.export CONFIG.yaml`: export the run's trained drafter in every configured format."""

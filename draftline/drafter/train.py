@@ -23,7 +23,7 @@ from torch import nn
 from draftline.config import DrafterConfig, TrainConfig
 from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_keys, pack_rows, rank_rows,
                                     read_shard_metadata, split_shards)
-from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.model import LINEAGE_FILE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids, config_for_target
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan  # noqa: F401  (acceptance_length is re-exported)
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.errors import ConfigError
@@ -102,7 +102,9 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-_CADENCE_FIELDS = {"val_every", "checkpoint_every", "log_every", "num_threads", "device", "keep_checkpoints"}
+# Not part of what is trained: cadence, and where (processes split each global batch, they do not change it).
+_CADENCE_FIELDS = {"val_every", "checkpoint_every", "log_every", "num_threads", "device", "keep_checkpoints",
+                   "processes"}
 
 
 def run_fingerprint(drafter_cfg: DrafterConfig, cfg: TrainConfig, aux_ids, data_keys) -> str:
@@ -163,18 +165,57 @@ def prepare_vocab(store, prefix: str, train_keys: list[str], vocab_size: int, dr
     return saved["d2t"], saved["t2d"], report
 
 
-def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bool) -> dict:
-    """Copy weights from an existing SGLang/EAGLE drafter dir; its vocabulary replaces ours unless `remap`."""
-    old = Eagle3Drafter.from_pretrained(source, embed_tokens=embed)
+# The head's layer shape a warm start takes from its source (a public drafter's heads, MLP width and RoPE), unless
+# the drafter: section sets it; hidden size and vocabulary come from the target and must match the source's.
+WARM_START_SHAPE = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+
+def warm_start_config(source: str, target_cfg: dict, drafter_cfg: DrafterConfig, aux_ids: list[int]) -> Eagle3Config:
+    """This run's head for a warm start: the target's sizes and this run's aux ids, the source's layer shape."""
+    from dataclasses import replace
+
+    cfg_path = Path(source) / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"train.warm_start={source} has no config.json; point it at a drafter directory in the "
+                          "SGLang/EAGLE format")
+    theirs = json.loads(cfg_path.read_text())
+    for name in WARM_START_SHAPE:
+        ours = getattr(drafter_cfg, name)
+        if ours is not None and theirs.get(name) is not None and ours != theirs[name]:
+            raise ConfigError(f"drafter.{name}={ours} but the warm start {source} has {theirs[name]}; remove "
+                              f"drafter.{name} to take the warm start's, or train from scratch")
+    shaped = drafter_cfg.model_copy(update={n: drafter_cfg_value(drafter_cfg, theirs, n) for n in WARM_START_SHAPE})
+    cfg = config_for_target(target_cfg, shaped, aux_ids)
+    return replace(cfg, head_dim=int(theirs.get("head_dim") or cfg.head_dim),
+                   rms_norm_eps=float(theirs.get("rms_norm_eps", cfg.rms_norm_eps)),
+                   rope_theta=float(theirs.get("rope_theta") or (theirs.get("rope_parameters") or {}).get(
+                       "rope_theta", cfg.rope_theta)),
+                   max_position_embeddings=int(theirs.get("max_position_embeddings", cfg.max_position_embeddings)))
+
+
+def drafter_cfg_value(drafter_cfg: DrafterConfig, source_cfg: dict, name: str):
+    ours = getattr(drafter_cfg, name)
+    return ours if ours is not None else source_cfg.get(name)
+
+
+def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bool, target_cfg: dict) -> dict:
+    """Copy weights from an existing SGLang/EAGLE drafter dir; its vocabulary replaces ours unless `remap`. A drafter
+    without draftline.json has its ids read as SGLang reads them for this target; one that names no ids (many public
+    drafters) starts this run's layers, and the record says so."""
+    from draftline.target import sglang_convention
+
+    old = Eagle3Drafter.from_pretrained(source, convention=sglang_convention(target_cfg), embed_tokens=embed,
+                                        assume_aux_layer_ids=model.config.aux_layer_ids)
     ours, theirs = model.config, old.config
+    named = config_aux_layer_ids(json.loads((Path(source) / "config.json").read_text())) is not None
     for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                 "vocab_size"):
+                 "head_dim", "vocab_size"):
         if getattr(ours, name) != getattr(theirs, name):
             raise ConfigError(
                 f"warm start {source} has {name}={getattr(theirs, name)} but this drafter needs {getattr(ours, name)}; "
                 "start from a drafter made for the same target, or train from scratch"
             )
-    if sorted(theirs.aux_layer_ids) != sorted(ours.aux_layer_ids):
+    if named and sorted(theirs.aux_layer_ids) != sorted(ours.aux_layer_ids):
         raise ConfigError(
             f"warm start {source} reads aux layers {theirs.aux_layer_ids} (vLLM convention) but the hidden states were "
             f"extracted at {ours.aux_layer_ids}; extract with extract.aux_layer_ids={theirs.aux_layer_ids}"
@@ -186,18 +227,21 @@ def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bo
             f"warm start {source} has draft_vocab_size={theirs.draft_vocab_size} but drafter.draft_vocab_size="
             f"{ours.draft_vocab_size}; set them equal, or set train.warm_start_remap_vocab=true to map lm_head rows by token"
         )
+    record = {"source": str(source),
+              "aux_layer_ids": (f"as trained here, {ours.aux_layer_ids}" if named else
+                                f"not named by the source; its weights start this run's layers {ours.aux_layer_ids}")}
     with torch.no_grad():
         if not remap:
             model.set_vocab(old.d2t, old.t2d)
             model.lm_head.weight.copy_(old.lm_head.weight)
-            return {"source": str(source), "vocab": "kept from the warm start", "rows_copied": theirs.draft_vocab_size}
+            return {**record, "vocab": "kept from the warm start", "rows_copied": theirs.draft_vocab_size}
         # Remap: rows of tokens both vocabularies share are copied; the others keep their fresh initialisation.
         old_row = torch.full((ours.vocab_size,), -1, dtype=torch.long)
         old_row[old.draft_token_ids] = torch.arange(theirs.draft_vocab_size)
         src = old_row[model.draft_token_ids.cpu()]
         hit = src >= 0
         model.lm_head.weight[hit] = old.lm_head.weight[src[hit]].to(model.lm_head.weight.dtype)
-    return {"source": str(source), "vocab": "remapped to this run's", "rows_copied": int(hit.sum())}
+    return {**record, "vocab": "remapped to this run's", "rows_copied": int(hit.sum())}
 
 
 def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None = None,
@@ -225,12 +269,13 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
 
     target_cfg, embed, head = load_target_head(target_dir)
     torch.manual_seed(cfg.seed)
-    model = Eagle3Drafter.from_target_config(target_cfg, drafter_cfg, aux_ids)
+    model = (Eagle3Drafter(warm_start_config(cfg.warm_start, target_cfg, drafter_cfg, aux_ids)) if cfg.warm_start
+             else Eagle3Drafter.from_target_config(target_cfg, drafter_cfg, aux_ids))
     model.load_target_weights(embed)
     d2t, t2d, vocab_report = prepare_vocab(store, prefix, train_keys, model.config.vocab_size,
                                            model.config.draft_vocab_size, d)
     model.set_vocab(d2t, t2d)
-    warm = warm_start(model, cfg.warm_start, embed, cfg.warm_start_remap_vocab) if cfg.warm_start else None
+    warm = warm_start(model, cfg.warm_start, embed, cfg.warm_start_remap_vocab, target_cfg) if cfg.warm_start else None
     if d.main:
         log.info(vocab_report.message)
     model.to(device)
@@ -394,11 +439,12 @@ def weights_digest(model: nn.Module) -> str:
 
 def publish_drafter(store, prefix: str, model: Eagle3Drafter, summary: dict, target_dir, run: str) -> None:
     """The trained head in the SGLang/EAGLE layout at `<prefix>/drafter/`, with a lineage file."""
-    from draftline.target import target_fingerprint
+    from draftline.target import read_target_config, sglang_convention, target_fingerprint
 
     with tempfile.TemporaryDirectory(prefix="draftline-drafter-") as tmp:
-        model.save_pretrained(tmp, convention="sglang")
-        lineage = {"convention": "sglang", "format": "sglang", "target": str(target_dir),
+        convention = sglang_convention(read_target_config(target_dir))
+        model.save_pretrained(tmp, convention=convention)
+        lineage = {"convention": convention, "format": "sglang", "target": str(target_dir),
                    "target_fingerprint": target_fingerprint(target_dir), "run": run,
                    "training": {k: summary[k] for k in ("steps", "fingerprint", "world_size", "warm_start")},
                    "data": {"train_shards": summary["train_shards"], "val_shards": summary["val_shards"]},

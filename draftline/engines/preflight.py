@@ -15,8 +15,6 @@ from draftline.errors import ConfigError, EngineError
 
 # The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
 MIN_COMPUTE_CAPABILITY = {"vllm": (7, 0), "sglang": (8, 0)}
-# Convention of aux-layer ids each engine reads: vLLM "input of layer k", SGLang "output of layer k" (FACTS.md).
-ENGINE_CONVENTION = {"vllm": "vllm", "sglang": "sglang"}
 # Export formats each engine loads (the speculators format carries vLLM-convention ids).
 ENGINE_FORMATS = {"vllm": {"vllm", "speculators"}, "sglang": {"sglang"}}
 
@@ -133,25 +131,36 @@ def aux_layer_ids(config: dict) -> list[int] | None:
     return None
 
 
-def trained_layer_ids(engine: str, lineage: dict, trained_vllm_ids: list[int] | None) -> tuple[list[int] | None, str]:
+def engine_convention(engine: str, target_dir: Path | None) -> str:
+    """The convention `engine` reads aux ids in for this target (SGLang's depends on the target's family)."""
+    from draftline.target import reader_convention
+
+    cfg_path = Path(target_dir) / "config.json" if target_dir is not None else None
+    target_cfg = json.loads(cfg_path.read_text()) if cfg_path is not None and cfg_path.is_file() else {}
+    return reader_convention(engine, target_cfg)
+
+
+def trained_layer_ids(engine: str, lineage: dict, trained_vllm_ids: list[int] | None,
+                      target_dir: Path | None = None) -> tuple[list[int] | None, str]:
     """The layers the weights were trained on, in `engine`'s convention, and where that comes from: the training
     record when given (it wrote the weights), else the export's draftline.json; (None, "") when neither says."""
     from draftline.target import to_convention
 
+    want = engine_convention(engine, target_dir)
     if trained_vllm_ids:
-        return to_convention(trained_vllm_ids, ENGINE_CONVENTION[engine]), "the training record"
+        return to_convention(trained_vllm_ids, want), "the training record"
     if lineage.get("aux_layer_ids_vllm"):
-        return to_convention(lineage["aux_layer_ids_vllm"], ENGINE_CONVENTION[engine]), "its draftline.json"
+        return to_convention(lineage["aux_layer_ids_vllm"], want), "its draftline.json"
     return None, ""
 
 
 def check_aux_ids_agree(engine: str, drafter_dir: Path, config_ids: list[int], lineage: dict,
-                        trained_vllm_ids: list[int] | None) -> None:
+                        trained_vllm_ids: list[int] | None, target_dir: Path | None = None) -> None:
     """The ids the engine will read (config.json), the export's lineage and the training record must name the same
     layers; otherwise one sentence naming each value and which to trust (the record: it produced the weights)."""
     from draftline.target import to_convention
 
-    want = ENGINE_CONVENTION[engine]
+    want = engine_convention(engine, target_dir)
     claims = {f"its config.json (what {engine} reads)": list(config_ids)}
     if lineage.get("aux_layer_ids_vllm"):
         claims["its draftline.json"] = to_convention(lineage["aux_layer_ids_vllm"], want)
@@ -159,7 +168,7 @@ def check_aux_ids_agree(engine: str, drafter_dir: Path, config_ids: list[int], l
         claims["the training record"] = to_convention(trained_vllm_ids, want)
     if len({tuple(sorted(v)) for v in claims.values()}) <= 1:  # engines sort the ids they read
         return
-    trusted, source = trained_layer_ids(engine, lineage, trained_vllm_ids)
+    trusted, source = trained_layer_ids(engine, lineage, trained_vllm_ids, target_dir)
     said = "; ".join(f"{where} says {ids}" for where, ids in claims.items())
     raise AuxLayerIdsError(f"drafter {drafter_dir}: its aux-layer ids disagree ({said}, all in {engine}'s convention); "
                       f"trust {source}, which names the layers the weights were trained on ({trusted}): export the "
@@ -172,7 +181,7 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
     config, lineage = drafter_format(drafter_dir)
     convention = lineage.get("convention")
     fmt = lineage.get("format") or lineage.get("engine")
-    want = ENGINE_CONVENTION[engine]
+    want = engine_convention(engine, target_dir)
     if convention is not None and convention != want:
         raise AuxLayerIdsError(
             f"drafter {drafter_dir}: draftline.json says its aux-layer ids are in the {convention!r} convention but "
@@ -189,7 +198,7 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
                           "silently fall back to its default layers, so re-export with explicit ids")
     from draftline.target import default_aux_layer_ids, num_layers  # imports torch: only when checking
 
-    check_aux_ids_agree(engine, drafter_dir, ids, lineage, trained_vllm_ids)
+    check_aux_ids_agree(engine, drafter_dir, ids, lineage, trained_vllm_ids, target_dir)
     top_level = config.get("eagle_aux_hidden_state_layer_ids")
     if top_level and list(top_level) != ids:
         raise AuxLayerIdsError(f"drafter {drafter_dir}/config.json: eagle_aux_hidden_state_layer_ids {list(top_level)} at the "
@@ -200,16 +209,16 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
     except ConfigError:
         layers = None  # a config without a layer count: the engine's own load says more
     if layers is not None:
-        lo = 0 if want == "vllm" else -1
+        lo = -1 if want == "sglang" else 0  # only plain SGLang ids start one below vLLM's
         bad = [i for i in ids if not lo <= i < layers]
         if bad:
             raise AuxLayerIdsError(f"drafter {drafter_dir}: aux-layer ids {ids} do not fit a target with {layers} layers "
                               f"({bad} out of range); re-export the drafter for this target")
         # vLLM's V2 model runner (its GPU default from 0.25) looks for the ids at the config's top level only and
-        # otherwise silently uses the target's defaults (seen on an H200, benchmarks/RESULTS.md session 11).
+        # otherwise silently uses the target's defaults (seen on an H200 with vLLM 0.25.0).
         fallback = default_aux_layer_ids(layers)
         if engine == "vllm" and not top_level and ids != fallback:
-            trusted, source = trained_layer_ids(engine, lineage, trained_vllm_ids)
+            trusted, source = trained_layer_ids(engine, lineage, trained_vllm_ids, target_dir)
             # Advice in vLLM's convention from what trained the weights, never the ids as found: an SGLang export's
             # eagle_config holds SGLang-convention ids, one layer off for vLLM.
             fix = (f"set a top-level eagle_aux_hidden_state_layer_ids to {trusted} (the trained layers per {source}, "

@@ -1,0 +1,243 @@
+"""Build assets/demo-kimi: a Kimi-K2.5 (KimiK25ForConditionalGeneration) whose language model is demo-deepseek's.
+
+  python -m draftline.demo.kimi [--check]     (writes what is missing or stale; --check only verifies)
+
+The checkpoint is laid out like moonshotai's Kimi-K2.5 on disk, which is the layout both transformers (through its
+conversion mapping) and vLLM (natively) read: `language_model.model.layers.*` and `language_model.lm_head.weight`
+for the DeepSeek-V3 text model, `vision_tower.encoder.blocks.*` with a fused `wqkv` for the MoonViT tower, and
+`mm_projector.proj.{0,2}` for the projector. The language model's tensors are demo-deepseek's trained tensors under
+those names, with the vocabulary grown by Kimi's media tokens; the vision tower is tiny and seeded-random (traces
+are text, so it never shapes a token).
+
+The language-model file (16 MB) is derived here rather than kept in git, so assets/ stays within 40 MB in the
+repository: `make venv` runs this module, and SHA256SUMS pins the derived bytes, so every machine gets the same file.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCE = REPO / "assets" / "demo-deepseek"
+OUT = REPO / "assets" / "demo-kimi"
+
+LANGUAGE_FILE = "model-language.safetensors"  # derived from demo-deepseek, not in git
+VISION_FILE = "model-vision.safetensors"
+# Kimi-K2.5's media tokens, then reserved ones up to a multiple of 8 (the real vocabulary is padded the same way).
+MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+                "<|kimi_k25_video_placeholder|>")
+RESERVED_TOKENS = ("<|reserved_token_0|>", "<|reserved_token_1|>", "<|reserved_token_2|>")
+MEDIA_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+# MoonViT at its smallest: one block of width 32; patches of 14 as in Kimi-K2.5, merged 2 x 2 before the projector.
+VISION = dict(patch_size=14, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, num_attention_heads=2,
+              num_hidden_layers=1, hidden_size=32, intermediate_size=64, merge_kernel_size=[2, 2],
+              hidden_act="gelu_pytorch_tanh")
+VISION_SEED = 0
+# The demo's chat format (what demo-deepseek was trained on), taught to render image parts as Kimi's placeholder.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('chat roles must be system, user or assistant, not ' + message['role']) -}}"
+    "{%- endif -%}"
+    "{{- '<|' + message['role'] + '|>' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] in ['image', 'image_url'] -%}{{- '" + MEDIA_PLACEHOLDER + "' -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+# MoonViT's image preprocessing (vLLM's Kimi-K2.5 processor reads `media_proc_cfg`), with a small patch budget.
+PREPROCESSOR = {"media_proc_cfg": {
+    "in_patch_limit": 256, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 64,
+    "in_patch_limit_each_frame": 256, "in_patch_limit_video": None, "sample_fps": 2.0,
+    "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_config(source: Path) -> dict:
+    return json.loads((source / "config.json").read_text())
+
+
+def text_config(source: Path, vocab_size: int) -> dict:
+    text = {k: v for k, v in source_config(source).items() if k not in ("architectures", "transformers_version", "dtype")}
+    text["vocab_size"] = vocab_size
+    return text
+
+
+def build_tokenizer(source: Path, out: Path) -> dict[str, int]:
+    """demo-deepseek's tokenizer plus Kimi's media tokens (ids after the demo's 4096); returns their ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    base = tok.get_vocab_size()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MEDIA_TOKENS + RESERVED_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in MEDIA_TOKENS + RESERVED_TOKENS}
+    assert sorted(ids.values()) == list(range(base, base + len(ids))), ids
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    for t, i in ids.items():
+        config["added_tokens_decoder"][str(i)] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                                  "single_word": False, "special": True}
+    config["chat_template"] = CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text((source / "special_tokens_map.json").read_text())
+    return ids
+
+
+def kimi_config(source: Path, ids: dict[str, int], vocab_size: int) -> dict:
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text_config(source, vocab_size),
+        "vision_config": {"model_type": "kimi_k25_vision", **VISION},
+        "projection_hidden_size": VISION["hidden_size"],
+        "projection_layer_norm_eps": 1e-5,
+        "image_token_id": ids["<|media_pad|>"],
+        "video_token_id": ids["<|kimi_k25_video_placeholder|>"],
+        "vision_start_token_id": ids["<|media_begin|>"],
+        "vision_end_token_id": ids["<|media_end|>"],
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "bos_token_id": source_config(source)["bos_token_id"],
+        "eos_token_id": source_config(source)["eos_token_id"],
+        "pad_token_id": source_config(source)["pad_token_id"],
+    }
+
+
+def language_tensors(source: Path, vocab_size: int) -> dict[str, torch.Tensor]:
+    """demo-deepseek's tensors under Kimi's names; the new vocabulary rows are zeros (text never holds those tokens,
+    and zeros need no arithmetic, so every machine derives the same bytes)."""
+    out = {}
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            t = f.get_tensor(key)
+            if key in ("model.embed_tokens.weight", "lm_head.weight"):
+                t = torch.cat([t, t.new_zeros(vocab_size - t.shape[0], t.shape[1])]).contiguous()
+            out[f"language_model.{key}"] = t
+    return out
+
+
+def vision_tensors(text_hidden: int) -> dict[str, torch.Tensor]:
+    """A seeded MoonViT tower and projector with the key names and shapes of Kimi-K2.5's checkpoint."""
+    g = torch.Generator().manual_seed(VISION_SEED)
+    d, i, p = VISION["hidden_size"], VISION["intermediate_size"], VISION["patch_size"]
+    merged = d * VISION["merge_kernel_size"][0] * VISION["merge_kernel_size"][1]
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    t = {"vision_tower.patch_embed.proj.weight": rand(d, 3, p, p), "vision_tower.patch_embed.proj.bias": rand(d),
+         "vision_tower.patch_embed.pos_emb.weight": rand(VISION["pos_emb_height"], VISION["pos_emb_width"], d)}
+    for b in range(VISION["num_hidden_layers"]):
+        pre = f"vision_tower.encoder.blocks.{b}"
+        for norm in ("norm0", "norm1"):
+            t[f"{pre}.{norm}.weight"] = torch.ones(d, dtype=torch.bfloat16)
+            t[f"{pre}.{norm}.bias"] = torch.zeros(d, dtype=torch.bfloat16)
+        t.update({f"{pre}.wqkv.weight": rand(3 * d, d), f"{pre}.wqkv.bias": rand(3 * d),
+                  f"{pre}.wo.weight": rand(d, d), f"{pre}.wo.bias": rand(d),
+                  f"{pre}.mlp.fc0.weight": rand(i, d), f"{pre}.mlp.fc0.bias": rand(i),
+                  f"{pre}.mlp.fc1.weight": rand(d, i), f"{pre}.mlp.fc1.bias": rand(d)})
+    t.update({"vision_tower.encoder.final_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+              "vision_tower.encoder.final_layernorm.bias": torch.zeros(d, dtype=torch.bfloat16),
+              "mm_projector.pre_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+              "mm_projector.pre_norm.bias": torch.zeros(d, dtype=torch.bfloat16),
+              "mm_projector.proj.0.weight": rand(merged, merged), "mm_projector.proj.0.bias": rand(merged),
+              "mm_projector.proj.2.weight": rand(text_hidden, merged), "mm_projector.proj.2.bias": rand(text_hidden)})
+    return t
+
+
+def write_index(out: Path, files: dict[str, dict[str, torch.Tensor]]) -> None:
+    weight_map = {k: name for name, tensors in files.items() for k in sorted(tensors)}
+    size = sum(t.numel() * t.element_size() for tensors in files.values() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=1) + "\n")
+
+
+def build(source: Path = SOURCE, out: Path = OUT) -> Path:
+    """Write every file of demo-kimi (the language-model file last, so SHA256SUMS covers it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    ids = build_tokenizer(source, out)
+    vocab_size = source_config(source)["vocab_size"] + len(ids)
+    config = kimi_config(source, ids, vocab_size)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text((source / "generation_config.json").read_text())
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+    language = language_tensors(source, vocab_size)
+    vision = vision_tensors(config["text_config"]["hidden_size"])
+    save_file(vision, str(out / VISION_FILE), metadata={"format": "pt"})
+    save_file(language, str(out / LANGUAGE_FILE), metadata={"format": "pt"})
+    write_index(out, {LANGUAGE_FILE: language, VISION_FILE: vision})
+    lineage = {"name": "demo-kimi", "built_by": "python -m draftline.demo.kimi (draftline/demo/kimi.py)",
+               "language_model": {"from": "demo-deepseek", "source_sha256": sha256_file(source / "model.safetensors"),
+                                  "training": json.loads((source / "training.json").read_text())["training"]},
+               "vision_tower": {"weights": "random", "seed": VISION_SEED}}
+    (out / "training.json").write_text(json.dumps(lineage, indent=1) + "\n")
+    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "SHA256SUMS")
+    (out / "SHA256SUMS").write_text("".join(f"{sha256_file(p)}  {p.name}\n" for p in files))
+    return out
+
+
+def mismatches(out: Path = OUT) -> list[str]:
+    """Files of demo-kimi that are missing or differ from SHA256SUMS."""
+    sums = out / "SHA256SUMS"
+    if not sums.exists():
+        return ["SHA256SUMS"]
+    bad = []
+    for line in sums.read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        path = out / name
+        if not path.exists() or sha256_file(path) != digest:
+            bad.append(name)
+    return bad
+
+
+def ensure(source: Path = SOURCE, out: Path = OUT) -> Path:
+    """Derive the language-model file when it is missing; refuse when the result is not the pinned one."""
+    if mismatches(out) == [LANGUAGE_FILE]:
+        language = language_tensors(source, json.loads((out / "config.json").read_text())["text_config"]["vocab_size"])
+        save_file(language, str(out / LANGUAGE_FILE), metadata={"format": "pt"})
+    bad = mismatches(out)
+    if bad:
+        raise SystemExit(f"assets/demo-kimi: {', '.join(bad)} differ from SHA256SUMS; "
+                         "rebuild with `python -m draftline.demo.kimi --rebuild` and commit the result")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rebuild", action="store_true", help="write every file again (after demo-deepseek changed)")
+    parser.add_argument("--check", action="store_true", help="only verify the files against SHA256SUMS")
+    args = parser.parse_args(argv)
+    if args.rebuild:
+        print(f"wrote {build()}")
+        return 0
+    if args.check:
+        bad = mismatches()
+        print("demo-kimi: ok" if not bad else f"demo-kimi: {', '.join(bad)} missing or changed")
+        return 1 if bad else 0
+    ensure()
+    print(f"demo-kimi: ready at {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
