@@ -9,7 +9,8 @@ import torch
 
 from draftline.demo import kimi
 from draftline.drafter.train import load_target_head
-from draftline.engines.preflight import check_architecture
+from draftline.engines.preflight import check_architecture, check_drafter_target_fields
+from draftline.errors import ConfigError
 from draftline.target import decoder_layers, load_target, num_layers, sglang_convention
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -81,3 +82,17 @@ def test_draftline_reads_the_wrapper_as_its_text_model():
     model, tokenizer = load_target(KIMI, "float32")
     assert len(decoder_layers(model)) == 8 and len(tokenizer) == 4104
     assert check_architecture("vllm", "0.32.0", KIMI) == "KimiK25ForConditionalGeneration"  # EAGLE-3 declared
+
+
+def test_a_kimi_config_without_the_field_vllms_drafter_loader_reads_is_refused_before_any_server(tmp_path):
+    """vLLM 0.32 reads media_placeholder_token_id from a KimiK25ForConditionalGeneration target when it attaches an
+    EAGLE-3 drafter and dies at load without it (seen here); Kimi-K2.5's own config.json carries it."""
+    arch = "KimiK25ForConditionalGeneration"
+    check_drafter_target_fields("vllm", arch, KIMI)
+    config = json.loads((KIMI / "config.json").read_text())
+    del config["media_placeholder_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"has no media_placeholder_token_id, which vLLM reads from a "
+                                          r"KimiK25ForConditionalGeneration target when it loads an EAGLE-3 drafter; "
+                                          r"add it .* \(this config's image_token_id is 4099\)"):
+        check_drafter_target_fields("vllm", arch, tmp_path)

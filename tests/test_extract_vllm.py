@@ -236,4 +236,10 @@ def test_engine_errors_that_pass_with_the_moment_are_retried_and_input_errors_ar
     assert root_cause("OSError: [Errno 98] Address already in use")[1] is False
     assert root_cause("(EngineCore pid=3) ValueError: head size 72 is not supported") == (
         "ValueError: head size 72 is not supported", True)
+    # vLLM's worker processes print their traceback behind a logger prefix; the last line is still the cause.
+    worker = ("(Worker pid=5178) ERROR 12-02 03:26:37 [multiproc_executor.py:953] AttributeError: 'Kimi_K25Config' "
+              "object has no attribute 'media_placeholder_token_id'\n(APIServer pid=5025) RuntimeError: Engine core "
+              "initialization failed. See root cause above.")
+    assert root_cause(worker) == ("AttributeError: 'Kimi_K25Config' object has no attribute "
+                                  "'media_placeholder_token_id'", True)
     assert root_cause("loading weights\nno exception here") is None

@@ -112,6 +112,8 @@ def kimi_config(source: Path, ids: dict[str, int], vocab_size: int) -> dict:
         "projection_hidden_size": VISION["hidden_size"],
         "projection_layer_norm_eps": 1e-5,
         "image_token_id": ids["<|media_pad|>"],
+        # Kimi-K2.5's own config.json carries it; vLLM reads it when it attaches an EAGLE-3 drafter to this class.
+        "media_placeholder_token_id": ids["<|media_pad|>"],
         "video_token_id": ids["<|kimi_k25_video_placeholder|>"],
         "vision_start_token_id": ids["<|media_begin|>"],
         "vision_end_token_id": ids["<|media_end|>"],

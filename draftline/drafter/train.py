@@ -179,6 +179,11 @@ def warm_start_config(source: str, target_cfg: dict, drafter_cfg: DrafterConfig,
         raise ConfigError(f"train.warm_start={source} has no config.json; point it at a drafter directory in the "
                           "SGLang/EAGLE format")
     theirs = json.loads(cfg_path.read_text())
+    text = target_cfg.get("text_config", target_cfg)
+    for name, target_value in (("hidden_size", text.get("hidden_size")), ("vocab_size", text.get("vocab_size"))):
+        if theirs.get(name) is not None and theirs[name] != target_value:
+            raise ConfigError(f"warm start {source} has {name}={theirs[name]} but this drafter needs {target_value} "
+                              "(the target's); start from a drafter made for the same target, or train from scratch")
     for name in WARM_START_SHAPE:
         ours = getattr(drafter_cfg, name)
         if ours is not None and theirs.get(name) is not None and ours != theirs[name]:

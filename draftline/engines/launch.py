@@ -82,8 +82,9 @@ def ready_timeout(cfg: ServerSettings, checkpoint_bytes: int) -> float:
     return cfg.ready_timeout_s + cfg.ready_timeout_s_per_gb * checkpoint_bytes / 1e9
 
 
-# An exception line as Python prints it, after any process prefix ("(EngineCore pid=12) ValueError: ...").
-_EXCEPTION_LINE = re.compile(r"(?:^|\)\s)((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.+)$")
+# An exception line as Python prints it, alone or after a log prefix: "(EngineCore pid=12) ValueError: ..." or
+# vLLM's worker lines "(Worker pid=7) ERROR 12-02 03:26:37 [multiproc_executor.py:953] AttributeError: ...".
+_EXCEPTION_LINE = re.compile(r"(?:^|[)\]]\s)((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.+)$")
 # Wrappers that only point at the real error printed before them.
 _WRAPPERS = ("See root cause above", "Engine core initialization failed", "Worker failed with error",
              "died unexpectedly", "exited with")

@@ -112,6 +112,24 @@ def check_architecture(engine: str, version: str, target_dir: Path) -> str:
     return arch
 
 
+# Target config fields vLLM reads when it loads an EAGLE-3 drafter beside a multimodal target (vLLM 0.32,
+# v1/spec_decode/llm_base_proposer.py load_model): without them the engine dies at load with an AttributeError.
+VLLM_DRAFTER_TARGET_FIELDS = {"KimiK25ForConditionalGeneration": ("media_placeholder_token_id", "image_token_id")}
+
+
+def check_drafter_target_fields(engine: str, arch: str, target_dir: Path) -> None:
+    """A wrapper target's config must carry the fields the engine reads when it attaches the drafter."""
+    if engine != "vllm" or arch not in VLLM_DRAFTER_TARGET_FIELDS:
+        return
+    field, source = VLLM_DRAFTER_TARGET_FIELDS[arch]
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    if field not in cfg:
+        hint = f" (this config's {source} is {cfg[source]})" if source in cfg else ""
+        raise ConfigError(f"target {target_dir}/config.json has no {field}, which vLLM reads from a {arch} target when "
+                          f"it loads an EAGLE-3 drafter; add it with the id of the media placeholder token{hint}, as "
+                          "Kimi-K2.5's own config.json has it")
+
+
 def drafter_format(drafter_dir: Path) -> tuple[dict, dict]:
     """(config.json, draftline.json) of an export; draftline.json may be absent for foreign drafters."""
     drafter_dir = Path(drafter_dir)
@@ -251,6 +269,8 @@ def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path
     version = check_installed(cfg.engine)
     gpu = check_gpu(cfg)
     arch = check_architecture(cfg.engine, version, Path(target_dir))
+    if drafter_dir is not None:
+        check_drafter_target_fields(cfg.engine, arch, Path(target_dir))
     lineage = (check_drafter(cfg.engine, Path(drafter_dir), Path(target_dir), trained_vllm_ids)
                if drafter_dir is not None else {})
     return {"engine_version": version, "gpu": gpu, "architecture": arch, "drafter_lineage": lineage}
