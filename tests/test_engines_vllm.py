@@ -165,6 +165,19 @@ def test_preflight_checks_the_exports_ids_against_its_lineage_and_the_training_r
     assert "copy them to a top-level" not in str(info.value)
 
 
+def test_a_speculators_export_naming_other_layers_than_the_training_record_is_refused(tmp_path):
+    """vLLM reads a speculators export's top-level ids; they face the same check as the other formats."""
+    from draftline.drafter.export import export_drafter
+    from tests.test_drafter_export import source_drafter
+
+    target = REPO / "assets" / "demo-llama"
+    export = export_drafter(source_drafter(tmp_path), target, tmp_path / "export", formats=("speculators",))["speculators"]
+    assert check_drafter("vllm", export, target, trained_vllm_ids=[2, 4, 5])["format"] == "speculators"
+    with pytest.raises(ConfigError, match=r"its config.json \(what vllm reads\) says \[2, 4, 5\]; .*the training "
+                                          r"record says \[3, 4, 5\]"):
+        check_drafter("vllm", export, target, trained_vllm_ids=[3, 4, 5])
+
+
 def test_preflight_refuses_a_missing_gpu_in_one_sentence():
     import torch
 

@@ -209,7 +209,11 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
         raise ConfigError(f"drafter {drafter_dir}: draftline.json says it is the {fmt!r} export, which {engine} does "
                           f"not load; pass the {engine} export of this drafter")
     if config.get("speculators_model_type") or config.get("speculators_config"):
-        return lineage  # speculators format: vLLM reads its own layout; ids are checked by the export's tests
+        # vLLM reads the speculators layout's top-level ids (vLLM convention); they must name the trained layers too.
+        ids = aux_layer_ids(config)
+        if ids:
+            check_aux_ids_agree(engine, drafter_dir, ids, lineage, trained_vllm_ids, target_dir)
+        return lineage
     ids = aux_layer_ids(config)
     if not ids:
         raise AuxLayerIdsError(f"drafter {drafter_dir}/config.json: no eagle_aux_hidden_state_layer_ids; the engine would "
