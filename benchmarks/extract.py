@@ -212,7 +212,7 @@ class FreshFolder:
     """A new, empty folder for each run of a measurement that writes shards; the previous run's folder is deleted
     and synced first, off the clock (prepare=folder.next). On the H200 machine, 8 shards written over the previous
     run's (whose blocks the file system frees meanwhile) went at 1.2 to 1.4 GB/s, against 1.8 to 2.1 GB/s into a
-    fresh folder, whatever memory the bytes came from (session 7). A real extraction writes new shards."""
+    fresh folder, whatever memory the bytes came from (2026-12-01). A real extraction writes new shards."""
 
     def __init__(self, root: Path):
         self.root, self.runs, self.current = root, 0, None
@@ -379,7 +379,7 @@ def bench(args) -> dict:
             return total_tokens / t
 
         # The full extraction first, right after the disk probes: this disk wrote 2 to 3 GB/s early in a run and
-        # 1.1 to 1.8 GB/s after some 70 GB of other measurements (session 7), so its place in the run matters.
+        # 1.1 to 1.8 GB/s after some 70 GB of other measurements (2026-12-01), so its place in the run matters.
         timeline: list = []
         folder = FreshFolder(Path(tmp) / "store")
         t_full = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
@@ -416,7 +416,7 @@ def bench(args) -> dict:
         naive_tps = len(naive_seqs) * seq_len / t_naive
         disk_at_end = disk_bandwidth(Path(tmp), args.disk_probe_bytes, early_flush=True)
     disk_probe = max(disk, disk_after_full, disk_at_end)
-    # Several files written at once beat one file on this kind of disk (session 8: 2.31 against 1.93 GB/s), so the
+    # Several files written at once beat one file on this kind of disk (2026-12-01: 2.31 against 1.93 GB/s), so the
     # shard writers alone also measure the disk; the ceiling takes the best this disk did in the run.
     disk = max(disk_probe, sweep[best] * bytes_per_token)
     ceiling = min(fwd_tps, disk / bytes_per_token)

@@ -15,7 +15,7 @@ and the draft layer written plainly (plain_qkv / plain_finish below: autograd ke
 stays what it was when draftline's layer gets leaner. On a GPU, where draftline keeps every step's keys and values
 in one buffer per unroll (TTTModel's key slots), two variants of it run too: each TTT step over its own key length
 ("draftline-per-step-keys"), and the keys and values of all steps so far concatenated at each step
-("draftline-cat-keys", TTTModel(key_slots=False), the default before session 9).
+("draftline-cat-keys", TTTModel(key_slots=False), the default before 4219cc8).
 """
 from __future__ import annotations
 

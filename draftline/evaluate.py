@@ -540,13 +540,13 @@ def sglang_prefill_graph_remedy(r: EvalResult) -> str:
     return (f"SGLang 0.5.14 keeps an EAGLE-3 target's prefill graph only on its `breakable` backend: give `{flag}` to "
             "the EAGLE-3 server (speculative_extra_args). On an H200 with a 6.88B Llama-shaped target, every EAGLE-3 "
             "prefill then ran as a graph and EAGLE-3's time to first token at concurrency 1 fell from 53.7 to 27.1 ms; "
-            "the speedup was 1.49x at concurrency 1 and 1.17x at 8, against 1.40x and 0.89x in an earlier session "
-            "without it (another drafter trained the same way; benchmarks/RESULTS.md, sessions 10 and 11).")
+            "the speedup was 1.49x at concurrency 1 and 1.17x at 8, against 1.40x and 0.89x without it (another "
+            "drafter trained the same way; benchmarks/RESULTS.md).")
 
 
 SGLANG_NO_OVERLAP = "--disable-overlap-schedule"
-# What H200 runs measured (benchmarks/RESULTS.md, sessions 6, 9 and 10): the baseline is always faster under SGLang's
-# overlap scheduler, while which setting speeds EAGLE-3 turns with the target's size.
+# What H200 runs measured (2026-12-01, benchmarks/log/2026-12-01-h200-engine-eval.md): the baseline is always faster
+# under SGLang's overlap scheduler, while which setting speeds EAGLE-3 turns with the target's size.
 SGLANG_OVERLAP_SEEN = ("On an H200 (time per output token), SGLang's baseline ran faster under its overlap scheduler "
                        "with both targets measured (1.7x with a 1.04B target, 1.4x with a 6.88B one), while EAGLE-3 "
                        "ran 1.15x faster without it with the 1.04B target and 1.44x faster with it with the 6.88B one "

@@ -35,7 +35,8 @@ _CHUNK = 8 * 1024 * 1024
 # holds a whole shard until the final fsync, and the disk idles while the writer hashes and copies.
 EARLY_WRITEBACK_BYTES = 64 * 1024 * 1024
 # Large local writes hash on a second thread while the first copies the same bytes into the file, instead of
-# taking turns (on the H200 machine, 8 shard writers: 145k against 140k tokens/s, benchmarks/RESULTS.md).
+# taking turns (on the H200 machine, 8 shard writers: 145k against 140k tokens/s,
+# benchmarks/log/2026-12-01-h200-extraction.md).
 HASH_ON_THE_SIDE = True
 _TMP_MARK = ".draftline-tmp-"
 _CACHE_INDEX = ".draftline-cache.json"

@@ -229,12 +229,12 @@ def test_an_engine_missing_here_gives_a_plain_skipped_result_and_the_evaluation_
 
 
 def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
-    """On the session 4 H200 run (benchmarks/results/eval-h200-report-session4), SGLang accepted what the reference
+    """On the 2026-11-30 H200 run (benchmarks/results/eval-h200-report-2026-11-30-d), SGLang accepted what the reference
     accepts and was still slower at every concurrency; vLLM was faster everywhere. The report must point at the
     engine, not the drafter."""
     from draftline.evaluate import slowdown_findings
 
-    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report-session4"
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report-2026-11-30-d"
     saved = saved / "results.json"
     vllm, sglang = (EvalResult.model_validate(x) for x in json.loads(saved.read_text()))
     assert slowdown_findings(vllm) == []
@@ -243,8 +243,8 @@ def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
     assert [f.split(":")[0] for f in findings[1:4]] == ["concurrency 1", "concurrency 8", "concurrency 32"]
     assert "time to first token 3.7x" in findings[2]  # 27.2 -> 101.7 ms at concurrency 8
     assert "takes 2.3 baseline steps" in findings[1]
-    # That run used SGLang's default overlap scheduler, which slowed EAGLE-3 with a 1B target (session 6) and sped it
-    # with a 6.88B one (session 10): the report names the setting the run did not try, for the EAGLE-3 server only.
+    # That run used SGLang's default overlap scheduler, which slowed EAGLE-3 with a 1B target (2026-12-01-a) and sped
+    # it with a 6.88B one (2026-12-01-e): the report names the setting the run did not try, for the EAGLE-3 server only.
     assert len(findings) == 5 and "its default" in findings[4]
     assert "measure EAGLE-3 with --disable-overlap-schedule too" in findings[4]
     both = sglang.model_copy(update={"server_args": ["--disable-overlap-schedule"]})
@@ -263,7 +263,7 @@ def test_captured_sglang_0_5_14_logs_no_sglang_runs_here_report_names_eager_eagl
     from draftline.evaluate import engine_log_findings
 
     captured = Path(__file__).resolve().parent / "fixtures" / "sglang-0.5.14"
-    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report-session4" / "results.json"
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report-2026-11-30-d" / "results.json"
     _, sglang = (EvalResult.model_validate(x) for x in json.loads(saved.read_text()))
     assert sglang.server_log_facts == {}  # results written before the field existed still load
     assert engine_log_findings(sglang) == [] and "What the engine's log says" not in report_markdown([sglang])
@@ -273,7 +273,7 @@ def test_captured_sglang_0_5_14_logs_no_sglang_runs_here_report_names_eager_eagl
     [finding] = engine_log_findings(eager)
     assert "0 of the EAGLE-3 server's 8 prefill batches" in finding and "8 of the baseline's 8" in finding
     assert "Disable prefill CUDA graph for EAGLE target" in finding and "--cuda-graph-backend-prefill breakable" in finding
-    # With this run's own figures (session 4's saved run: 23.1 -> 24.3 ms at concurrency 1).
+    # With this run's own figures (the saved 2026-11-30-d run: 23.1 -> 24.3 ms at concurrency 1).
     assert "concurrency 1 in this run: 23.1 ms for the baseline, 24.3 ms with EAGLE-3" in finding
     assert "every EAGLE-3 prefill then ran as a graph" in finding
     # An MLA target gets no advice SGLang 0.5.14 cannot follow: its breakable backend does not serve MLA.

@@ -1,6 +1,6 @@
 """Fsync'd write bandwidth of 2 GB split over F files and S threads (os.pwrite, 8 MiB pieces): does one file take
 parallel writers, or only several files? python3 benchmarks/probes/parallel_writes.py [FOLDER]
-Session 7 on the H200 machine: one file 1.4-1.8 GB/s whatever the threads; 4 files 2.1-2.2; 8 files 2.4."""
+On the H200 machine (2026-12-01): one file 1.4-1.8 GB/s whatever the threads; 4 files 2.1-2.2; 8 files 2.4."""
 import os, time, threading, sys
 N = 2 << 30; CH = 8 << 20
 buf = bytearray(os.urandom(CH))

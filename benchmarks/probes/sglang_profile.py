@@ -22,9 +22,9 @@ step is the profiled figure to trust and the unprofiled TPOT the step time; an E
 acceptance length. The TPOT of the profiled requests also holds the pause while SGLang writes its trace.
 
 Needs a CUDA GPU and sglang (e.g. the offline site on PYTHONPATH, see benchmarks/eval_offline.sh); no Prefect.
-Ran against SGLang 0.5.14 on an H200 (benchmarks/RESULTS.md, session 10; /stop_profile answers HTTP 500 there, as
-expected once num_steps has stopped the profiler). SGLang cannot run on the CI machines; the trace reading is
-tested on CPU (tests/test_device_time.py).
+Ran against SGLang 0.5.14 on an H200 (2026-12-01, benchmarks/log/2026-12-01-h200-engine-eval.md; /stop_profile
+answers HTTP 500 there, as expected once num_steps has stopped the profiler). SGLang cannot run on the CI machines;
+the trace reading is tested on CPU (tests/test_device_time.py).
 """
 from __future__ import annotations
 

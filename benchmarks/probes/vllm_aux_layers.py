@@ -2,10 +2,10 @@
 
 `export OUT` (where draftline is installed, CPU is enough) writes OUT/vllm, draftline's vLLM export of an untrained
 drafter for the demo target with aux ids (1, 3, 6), and OUT/vllm-eagle-config-only, the same with the ids only in
-`eagle_config` (draftline's export before session 11). `serve TARGET DRAFTER` (where vLLM runs; no draftline needed)
+`eagle_config` (draftline's export before 81efc49). `serve TARGET DRAFTER` (where vLLM runs; no draftline needed)
 starts vLLM on TARGET with DRAFTER and one short generation; vLLM's own log line "Using Eagle3 auxiliary layers from
 config|model: ..." is the result. The demo target's default layers are (2, 4, 5), so "from model: (2, 4, 5)" means
-vLLM ignored the drafter's ids. Results: benchmarks/results/vllm-aux-layers-h200/ (benchmarks/RESULTS.md, session 11).
+vLLM ignored the drafter's ids. Results: benchmarks/results/vllm-aux-layers-h200/ (2026-12-01, benchmarks/RESULTS.md).
 """
 import json
 import shutil

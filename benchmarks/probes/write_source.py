@@ -2,7 +2,7 @@
 
 8 shards of 1.07 GB through LocalStore.put_chunks, 6 threads, two repeats per source (the second writes over the
 first's files). Needs a CUDA device (pinned memory). Run from the repository root: python3 benchmarks/probes/write_source.py
-Session 7 figures: benchmarks/RESULTS.md (hidden-state extraction)."""
+Figures (2026-12-01): benchmarks/log/2026-12-01-h200-extraction.md."""
 import sys, time, shutil, tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
