@@ -106,8 +106,12 @@ class EvalResult(BaseModel):
 
     def label(self) -> str:
         version = self.engine_version or "not installed"
-        return (f"{self.engine} {version} on {self.hardware}; target {self.target}; drafter {self.drafter}; "
+        return (f"{self.engine} {version} on {self.hardware}; target {self.target_label()}; drafter {self.drafter}; "
                 f"prompts {self.prompt_set}")
+
+    def target_label(self) -> str:
+        """The target's name and, once preflight read it, its architecture: "demo-kimi (KimiK25ForConditionalGeneration)"."""
+        return f"{self.target} ({self.target_architecture})" if self.target_architecture else self.target
 
 
 # ---------------------------------------------------------------------------------------------- facts
@@ -570,7 +574,7 @@ def sglang_overlap_finding(r: EvalResult) -> list[str]:
 
 def _identity_cells(r: EvalResult) -> str:
     """The first cells of every report row: what its figures belong to."""
-    return (f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target} | {r.drafter} | "
+    return (f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target_label()} | {r.drafter} | "
             f"{r.prompt_set} ")
 
 

@@ -22,8 +22,8 @@ pytest_plugins = sorted(
 SHARED_GROUPS = {"test_engines_vllm": "trained-demo", "test_regression_nightly": "trained-demo"}
 # Handed out first, longest first (minutes each on 2 cores), so that no long module starts last on one worker while
 # the other sits idle; xdist's own order puts the modules with the most tests first, which are the quick ones.
-LONGEST_FIRST = ["trained-demo", "test_drafter_e2e", "test_pipeline_e2e", "test_infra_local", "test_demo_targets",
-                 "test_drafter_export", "test_traces", "test_decode_static", "test_decode"]
+LONGEST_FIRST = ["trained-demo", "test_drafter_e2e", "test_pipeline_e2e", "test_pipeline_kimi", "test_infra_local",
+                 "test_demo_targets", "test_drafter_export", "test_traces", "test_decode_static", "test_decode"]
 
 
 def pytest_configure(config):
