@@ -15,7 +15,6 @@ repository: `make venv` runs this module, and SHA256SUMS pins the derived bytes,
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -23,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from draftline.demo.package import sha256_file, write_sha256sums
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "assets" / "demo-deepseek"
@@ -63,14 +64,6 @@ PREPROCESSOR = {"media_proc_cfg": {
     "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 64,
     "in_patch_limit_each_frame": 256, "in_patch_limit_video": None, "sample_fps": 2.0,
     "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def source_config(source: Path) -> dict:
@@ -193,8 +186,7 @@ def build(source: Path = SOURCE, out: Path = OUT) -> Path:
                                   "training": json.loads((source / "training.json").read_text())["training"]},
                "vision_tower": {"weights": "random", "seed": VISION_SEED}}
     (out / "training.json").write_text(json.dumps(lineage, indent=1) + "\n")
-    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "SHA256SUMS")
-    (out / "SHA256SUMS").write_text("".join(f"{sha256_file(p)}  {p.name}\n" for p in files))
+    write_sha256sums(out)
     return out
 
 
