@@ -32,6 +32,10 @@ def _check_store_uri(value: str) -> str:
                 "with a bucket of 3-63 lowercase letters, digits, dots or dashes"
             )
         return value.rstrip("/")
+    if value[:3].lower() == "s3:":
+        # "s3:/bucket" or "s3:bucket" would otherwise be a local folder literally named "s3:".
+        raise ValueError(f"{value!r} is not a well-formed S3 location; write s3://BUCKET/optional/prefix (two slashes, "
+                         "lowercase scheme)")
     if "://" in value:
         raise ValueError(f"{value!r} uses an unsupported scheme; use a local path or s3://bucket/prefix")
     if not value:
