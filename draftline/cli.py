@@ -33,6 +33,9 @@ def _build_parser() -> argparse.ArgumentParser:
     v = cfg_sub.add_parser("validate", help="validate a pipeline config and print it with defaults filled in")
     v.add_argument("config", help="pipeline config (YAML)")
     v.add_argument("--quiet", action="store_true", help="print nothing on success")
+    v.add_argument("--elsewhere", action="store_true",
+                   help="the stages run on other machines: paths missing here are reported as unchecked, not as problems")
+    v.add_argument("--check-store", action="store_true", help="also contact an S3 store (endpoint, credentials, bucket)")
     return parser
 
 
@@ -54,10 +57,20 @@ def load_with_overrides(path: str, store: str | None = None, run: str | None = N
 def _validate(args) -> int:
     import yaml
 
+    from draftline.inputs import check_inputs
+
     cfg = load_with_overrides(args.config)
+    report = check_inputs(cfg, here=not args.elsewhere, reach_store=args.check_store)
+    if report.problems:
+        for line in report.problems:
+            print(f"draftline: {line}", file=sys.stderr)
+        print(f"{args.config}: {len(report.problems)} problem(s) with what it names; the file itself is valid",
+              file=sys.stderr)
+        return 2
     if not args.quiet:
-        print(f"{args.config}: valid")
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        print("\n".join(report.lines()))
+        print(f"{args.config}: valid" + (f", {len(report.unchecked)} input(s) unchecked" if report.unchecked else ""))
     return 0
 
 

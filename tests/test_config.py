@@ -125,6 +125,46 @@ def test_cli_validate_reports_one_sentence_and_exit_code(tmp_path):
     assert ok.returncode == 0, ok.stderr
 
 
+def _validate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "draftline.cli", "config", "validate", *args],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_validate_names_every_missing_or_malformed_input_before_any_run(tmp_path):
+    """A config that parses but names a missing target, a malformed prompts file and an empty warm-start folder gets
+    one sentence per input, naming the field, in seconds; nothing is loaded."""
+    data = demo_data()
+    (tmp_path / "prompts.jsonl").write_text('{"id": "p1", "prompt": "x"}\nnot json\n')
+    (tmp_path / "warm").mkdir()
+    data["target"]["path"] = str(tmp_path / "no-such-model")
+    data["traces"]["prompts"] = str(tmp_path / "prompts.jsonl")
+    data["train"]["warm_start"] = str(tmp_path / "warm")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    res = _validate(str(bad))
+    assert res.returncode == 2
+    problems = [line for line in res.stderr.splitlines() if line.startswith("draftline: ")]
+    assert len(problems) == 3, res.stderr
+    assert "no-such-model: no such directory; point target.path at" in problems[0]
+    assert "prompts.jsonl" in problems[1] and "line 2" in problems[1]
+    assert "train.warm_start" in problems[2] and "has no config.json" in problems[2]
+    assert "3 problem(s)" in res.stderr
+
+
+def test_validate_of_a_config_for_other_machines_reports_what_it_could_not_check():
+    """configs/kimi-k2.5.yaml names paths on the GPU workers: here they are problems, with --elsewhere unchecked."""
+    here = _validate("configs/kimi-k2.5.yaml")
+    assert here.returncode == 2 and "target.path" in here.stderr
+    elsewhere = _validate("configs/kimi-k2.5.yaml", "--elsewhere")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert "unchecked: target.path /models/Kimi-K2.5 is not on this machine" in elsewhere.stdout
+    assert "unchecked: store.root s3://" in elsewhere.stdout and "not contacted (add --check-store)" in elsewhere.stdout
+    assert "valid, 4 input(s) unchecked" in elsewhere.stdout
+    kimi = _validate("configs/demo-kimi.yaml")
+    assert kimi.returncode == 0
+    assert "ok: target.path assets/demo-kimi: KimiK25ForConditionalGeneration, 8 layers, aux layers [2, 4, 5]" in kimi.stdout
+
+
 def test_cli_help_lists_the_planned_stages():
     res = subprocess.run([sys.executable, "-m", "draftline.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
     for stage in ("run", "traces", "extract", "train", "export", "eval", "report", "config"):

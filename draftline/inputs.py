@@ -1,0 +1,91 @@
+"""What a pipeline config names on disk (target, prompts, warm start, store), checked in seconds without loading a model."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftline.config import PipelineConfig
+from draftline.errors import ConfigError
+
+
+@dataclass
+class InputReport:
+    """One line per input: checked and fine, a problem (one sentence each), or left unchecked and why."""
+
+    ok: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return ([f"ok: {x}" for x in self.ok] + [f"problem: {x}" for x in self.problems]
+                + [f"unchecked: {x}" for x in self.unchecked])
+
+
+def _check(report: InputReport, what: str, check) -> None:
+    try:
+        said = check()
+    except ConfigError as exc:
+        report.problems.append(str(exc).splitlines()[0])
+    else:
+        report.ok.append(said or what)
+
+
+def _target(config: PipelineConfig) -> str:
+    from draftline.target import _weight_files, num_layers, read_target_config, validate_aux_layer_ids
+
+    root = Path(config.target.path)
+    cfg = read_target_config(root)  # config.json, model_type; text_config for wrappers such as Kimi-K2.5
+    if not _weight_files(root):
+        raise ConfigError(f"target.path {root} has no weights (*.safetensors); point it at a full checkpoint")
+    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"target.path {root} has no tokenizer files; copy the model's tokenizer there")
+    layers = num_layers(cfg)
+    ids = validate_aux_layer_ids(config.extract.aux_layer_ids, layers)
+    arch = (cfg.get("architectures") or ["?"])[0]
+    return f"target.path {root}: {arch}, {layers} layers, aux layers {ids} (vLLM convention)"
+
+
+def _prompts(field_name: str, path: str) -> str:
+    from draftline.traces import read_prompts
+
+    try:
+        prompts = read_prompts(path)
+    except ConfigError as exc:  # read_prompts names traces.prompts; say which field this file came from
+        raise ConfigError(str(exc).replace("traces.prompts", field_name)) from None
+    return f"{field_name} {path}: {len(prompts)} prompts"
+
+
+def _warm_start(path: str) -> str:
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"train.warm_start {path} has no config.json; point it at a drafter directory in the "
+                          "SGLang/EAGLE format")
+    return f"train.warm_start {path}: a drafter directory (its weights are read by the training stage)"
+
+
+def _store(root: str) -> str:
+    from draftline.store import open_store
+
+    open_store(root, check=True)  # S3: endpoint, credentials and bucket; a local folder is made on first write
+    return f"store.root {root}: reachable" if root.startswith("s3://") else f"store.root {root}: a local folder"
+
+
+def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool = False) -> InputReport:
+    """Check every input the config names. `here=False`: the stages run on other machines, so a path that does not
+    exist on this one is reported as unchecked rather than as a problem."""
+    report = InputReport()
+    paths = [("target.path", config.target.path, lambda: _target(config)),
+             ("traces.prompts", config.traces.prompts, lambda: _prompts("traces.prompts", config.traces.prompts)),
+             ("eval.prompts", config.eval.prompts, lambda: _prompts("eval.prompts", config.eval.prompts))]
+    if config.train.warm_start:
+        paths.append(("train.warm_start", config.train.warm_start, lambda: _warm_start(config.train.warm_start)))
+    for name, path, check in paths:
+        if not here and not Path(path).exists():
+            report.unchecked.append(f"{name} {path} is not on this machine (the stage's worker must have it)")
+            continue
+        _check(report, name, check)
+    root = config.store.root
+    if root.startswith("s3://") and not reach_store:
+        report.unchecked.append(f"store.root {root}: not contacted (add --check-store)")
+    else:
+        _check(report, "store.root", lambda: _store(root))
+    return report
