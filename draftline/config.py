@@ -196,6 +196,17 @@ class TrainConfig(Strict):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)  # the cosine ends at learning_rate * min_lr_ratio
     log_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
+    # Training processes on the worker, one per GPU: more than one runs `torchrun --nproc-per-node processes` (DDP,
+    # nccl on GPUs, gloo on CPU); the global batch stays tokens_per_batch, so a run resumes with any count.
+    processes: int = 1
+
+    @field_validator("processes")
+    @classmethod
+    def _at_least_one_process(cls, v):
+        if v < 1:
+            raise ValueError("train.processes counts training processes, one per GPU; set it to 1 for a single "
+                             "process, or to the number of GPUs to train on")
+        return v
 
 
 class ExportConfig(Strict):

@@ -29,6 +29,16 @@ class ShardWriteError(DraftlineError):
         self.transient = transient
 
 
+class TrainingError(DraftlineError):
+    """Training processes failed (a rank died or raised). `transient` says whether a retry, which resumes from the
+    last checkpoint, may help (a killed or crashed process) or not (the ranks refused their input)."""
+
+    def __init__(self, message: str, log_tail: str = "", transient: bool = True):
+        super().__init__(message + (f"\n--- training log (tail) ---\n{log_tail}" if log_tail else ""))
+        self.log_tail = log_tail
+        self.transient = transient
+
+
 class EngineError(DraftlineError):
     """An engine server failed to load or to serve. `log_tail` holds its last output lines."""
 

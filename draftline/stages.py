@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from draftline.config import EngineConfig, PipelineConfig
 from draftline.errors import ConfigError
@@ -27,10 +27,60 @@ def extract(config: PipelineConfig, store: Store) -> dict:
                                              dtype=config.target.dtype)
 
 
-def train(config: PipelineConfig, store: Store) -> dict:
+def train(config: PipelineConfig, store: Store, on_line: Callable[[str], None] | None = None) -> dict:
+    """Train the drafter in this process, or with train.processes > 1 as torchrun ranks whose output lines go to
+    `on_line`; either way a rerun resumes from the last checkpoint in the store."""
+    if config.train.processes > 1:
+        from draftline.drafter.torchrun import train_with_torchrun
+
+        return train_with_torchrun(config, store, on_line)
     from draftline.drafter import train as train_lib
 
     return train_lib.train_drafter(store, config.run, config.target.path, config.drafter, config.train)
+
+
+def stage_gpus(config: PipelineConfig, stage: str) -> int:
+    """GPUs the worker of a stage needs, as the config asks: a vLLM server's tensor x pipeline x data parallel sizes
+    for traces and extraction through vLLM, one per training process, one where the target loads on one device
+    (the transformers paths, the reference decoder)."""
+    from draftline.extract_vllm import devices_needed
+
+    if stage == "traces":
+        served = config.traces.backend == "vllm" and not config.traces.endpoint
+        return devices_needed(config.traces.vllm) if served else 1
+    if stage == "extract":
+        return devices_needed(config.extract.vllm) if config.extract.backend == "vllm" else 1
+    if stage == "train":
+        return config.train.processes
+    if stage == "reference":
+        return 1
+    raise ValueError(f"unknown stage {stage!r}; use traces, extract, train or reference")
+
+
+def engine_gpus(engine: EngineConfig) -> int:
+    """GPUs one engine's evaluation needs: its servers' tensor x pipeline x data parallel sizes."""
+    from draftline.extract_vllm import devices_needed
+
+    return devices_needed(engine)
+
+
+def stored_trace_stats(config: PipelineConfig, store: Store) -> dict:
+    """What the trace stage returned, from the store: its stats.json (written last, after every shard)."""
+    return json.loads(store.get_bytes(f"{config.run}/traces/stats.json"))
+
+
+def hidden_manifest_uri(config: PipelineConfig, store: Store) -> str:
+    """The extraction stage's manifest, which exists only once every shard does."""
+    key = f"{config.run}/hidden/manifest.json"
+    if not store.exists(key):
+        raise ConfigError(f"{store.uri(key)} does not exist; run the extraction stage for run {config.run!r} first")
+    return store.uri(key)
+
+
+def stored_training(config: PipelineConfig, store: Store) -> dict:
+    """What the train-drafter flow returned, from the store: the training summary and the exports."""
+    return {"training": json.loads(store.get_bytes(f"{config.run}/train/metrics.json")),
+            "exports": stored_exports(config, store)}
 
 
 def export(config: PipelineConfig, store: Store) -> dict[str, str]:
@@ -98,9 +148,14 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
         use_chat_template=config.eval.use_chat_template, device=config.eval.reference.device,
         temperature=config.eval.temperature, batch_size=config.eval.reference.batch_size,
     )
-    key = f"{config.run}/{EVAL_STAGE}/reference/result.json"
+    key = reference_key(config)
     store.put_bytes(key, (json.dumps(summary, indent=2) + "\n").encode())
     return key
+
+
+def reference_key(config: PipelineConfig) -> str:
+    """Where the reference decoder's result lives."""
+    return f"{config.run}/{EVAL_STAGE}/reference/result.json"
 
 
 def report(config: PipelineConfig, store: Store, result_keys: list[str], reference_key: str) -> dict[str, Any]:
@@ -202,7 +257,7 @@ def run_stage(name: str, config: PipelineConfig) -> Any:
             ref = reference(config, exports, store)
         else:
             keys = [f"{run_dir}/{EVAL_STAGE}/{e.engine}/result.json" for e in config.eval.engines]
-            ref = f"{run_dir}/{EVAL_STAGE}/reference/result.json"
+            ref = reference_key(config)
         out = report(config, store, [k for k in keys if store.exists(k)], ref)
         print_summary(config, out)
         return out

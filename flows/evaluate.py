@@ -1,14 +1,17 @@
-"""The evaluation flows: one engine on its own worker (evaluate-engine), and the fan-out over engines (evaluate)."""
+"""The evaluation flows: one engine on its own worker (evaluate-engine), the reference decoder (reference-acceptance),
+and the fan-out over engines (evaluate)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from prefect import flow
-from prefect.deployments import run_deployment
 
+from draftline import stages
 from draftline.config import EngineConfig, PipelineConfig
 from draftline.errors import EngineError
+from flows import deployed
+from flows.deployed import StageRuns
 from tasks import evaluate as eval_tasks
 
 EngineRuns = Literal["in-process", "deployments"]
@@ -20,12 +23,19 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     return eval_tasks.evaluate_engine(config, engine, exports)
 
 
+@flow(name="reference-acceptance", log_prints=True)
+def reference_acceptance(config: PipelineConfig, exports: dict[str, str]) -> str:
+    """The reference decoder on its own worker (deployed on the gpu-train pool); returns the store key of its result."""
+    return eval_tasks.reference_acceptance(config, exports)
+
+
 def _engine_deployment_run(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str]) -> str:
-    """Run evaluate-engine as its own flow run on the engine's pool and wait; a failed child fails here."""
-    child = run_deployment(name=f"evaluate-engine/evaluate-{engine.engine}",
-                           parameters={"config": config.model_dump(mode="json"),
-                                       "engine": engine.model_dump(mode="json"), "exports": exports},
-                           timeout=None)
+    """Run evaluate-engine as its own flow run on the engine's pool, with the GPUs its servers take, and wait; a
+    failed child fails here."""
+    child = deployed.run_and_wait(f"evaluate-engine/evaluate-{engine.engine}",
+                                  {"config": config.model_dump(mode="json"), "engine": engine.model_dump(mode="json"),
+                                   "exports": exports},
+                                  stages.engine_gpus(engine))
     # run_deployment never raises on a failed child: check its final state.
     if not child.state or not child.state.is_completed():
         raise EngineError(f"the {engine.engine} evaluation run {child.name} ended "
@@ -37,13 +47,18 @@ def _engine_deployment_run(config: PipelineConfig, engine: EngineConfig, exports
 
 
 @flow(name="evaluate", log_prints=True)
-def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: EngineRuns = "in-process") -> dict:
+def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: EngineRuns = "in-process",
+             stage_runs: StageRuns = "in-process") -> dict:
     """The reference decoder, then every engine in parallel, then parity and the report.
 
     The reference runs first, not beside the engines: it times plain against speculative decoding, and on a
-    machine that also serves an engine both timings would measure the contention.
+    machine that also serves an engine both timings would measure the contention. With stage_runs "deployments"
+    it runs as a reference-acceptance flow run on that deployment's (GPU) pool.
     """
-    reference = eval_tasks.reference_acceptance(config, exports)
+    if stage_runs == "deployments":
+        reference = deployed.reference_acceptance(config, exports)
+    else:
+        reference = eval_tasks.reference_acceptance(config, exports)
     engines = config.eval.engines
     if engine_runs == "deployments":
         def one(engine: EngineConfig) -> BaseException | None:

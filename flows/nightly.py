@@ -12,6 +12,7 @@ from prefect.runtime import flow_run
 
 from draftline.config import PipelineConfig
 from draftline.regression import RegressionDetected
+from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
 from tasks import regression as regression_tasks
 
@@ -45,15 +46,17 @@ def regression_check(config: PipelineConfig, drafter: dict, history_prefix: str 
 
 @flow(name="nightly-regression", log_prints=True)
 def nightly_regression(config: PipelineConfig, drafter: str, history_prefix: str = "history",
-                       accept_new_baseline: bool = False, engine_runs: EngineRuns = "in-process") -> dict:
+                       accept_new_baseline: bool = False, engine_runs: EngineRuns = "in-process",
+                       stage_runs: StageRuns = "in-process") -> dict:
     """The production drafter (store URI of its exports folder) on the pinned eval prompts on every configured
     engine, compared with the last good night and the rolling median; fails and emits an event on a regression.
 
-    `accept_new_baseline` records tonight as good whatever the verdict (after an intended change).
+    `accept_new_baseline` records tonight as good whatever the verdict (after an intended change). `stage_runs`
+    "deployments" runs the reference decoder on its own (GPU) pool.
     """
     tonight = config.model_copy(update={"run": nightly_run_name(config)})
     production = regression_tasks.production_drafter(tonight, drafter)
-    evaluation = evaluate(tonight, production["exports"], engine_runs, return_state=True)
+    evaluation = evaluate(tonight, production["exports"], engine_runs, stage_runs, return_state=True)
     error = None
     if not evaluation.is_completed():
         # An engine that cannot serve is judged too: its result.json (status failed) or its absence is recorded.

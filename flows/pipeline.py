@@ -8,17 +8,26 @@ import time
 from prefect import flow
 
 from draftline.config import PipelineConfig
+from flows import deployed, stages
+from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
-from flows.stages import extract_hidden_states, generate_traces, train_drafter
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline(config: PipelineConfig, engine_runs: EngineRuns = "in-process") -> dict:
-    """Run every stage; each is resumable, so a rerun after a failure redoes only what is missing."""
-    traces = generate_traces(config)
-    hidden_manifest = extract_hidden_states(config)
-    drafter = train_drafter(config, hidden_manifest)
-    report = evaluate(config, drafter["exports"], engine_runs)
+def pipeline(config: PipelineConfig, engine_runs: EngineRuns = "in-process",
+             stage_runs: StageRuns = "in-process") -> dict:
+    """Run every stage; each is resumable, so a rerun after a failure redoes only what is missing.
+
+    engine_runs "deployments": each engine's evaluation runs on its engine's pool. stage_runs "deployments": the
+    stages that need a GPU (traces, extraction, training with export, the reference decoder) run as flow runs of
+    their own deployments, on the pools deployments/prefect.yaml gives them, with the GPUs the config asks for.
+    """
+    # The same three stages, as subflows of this run or as flow runs of their deployments: same inputs, same outputs.
+    stage_flows = deployed if stage_runs == "deployments" else stages
+    traces = stage_flows.generate_traces(config)
+    hidden_manifest = stage_flows.extract_hidden_states(config)
+    drafter = stage_flows.train_drafter(config, hidden_manifest)
+    report = evaluate(config, drafter["exports"], engine_runs, stage_runs)
     return {"traces": traces, "hidden": hidden_manifest, "drafter": drafter, "report": report}
 
 

@@ -25,7 +25,11 @@ REPO = Path(__file__).resolve().parent.parent
 KUBERNETES_POOLS = {
     "gpu-vllm": ("kubernetes", REPO / "infra/k8s/gpu-vllm.json"),
     "gpu-sglang": ("kubernetes", REPO / "infra/k8s/gpu-sglang.json"),
+    "gpu-train": ("kubernetes", REPO / "infra/k8s/gpu-train.json"),
 }
+# Job variables the flows set on every flow run they start on a GPU pool (flows/deployed.py: the GPU count the config
+# asks for); a template that dropped one would silently give every such run its default.
+RUN_TIME_JOB_VARIABLES = ("gpus",)
 
 
 class TemplateProblem(ValueError):
@@ -94,6 +98,16 @@ def check_template(template: dict[str, Any], config_cls, where: str) -> list[str
         f"{where}: variable {name!r} is declared but not referenced in job_configuration (where the worker reads); "
         f"reference it as '{{{{ {name} }}}}' in the job manifest or remove it"
         for name in unreferenced_variables(template, config_cls)
+    ]
+
+
+def check_run_time_variables(template: dict[str, Any], config_cls, where: str) -> list[str]:
+    """One sentence per job variable the flows set at run time that this template would drop."""
+    return [
+        f"{where}: the flows set job variable {name!r} on every run they start on this pool, but the template does "
+        f"not use it, so Prefect would drop it silently; declare it and reference it as '{{{{ {name} }}}}' in the "
+        f"job manifest"
+        for name in dropped_job_variables(template, dict.fromkeys(RUN_TIME_JOB_VARIABLES), config_cls)
     ]
 
 
@@ -187,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check":
             problems = []
             for pool, (worker_type, path) in KUBERNETES_POOLS.items():
-                problems += check_template(load_template(path), job_configuration_class(worker_type), str(path.relative_to(REPO)))
+                template, config_cls = load_template(path), job_configuration_class(worker_type)
+                where = str(path.relative_to(REPO))
+                problems += check_template(template, config_cls, where)
+                problems += check_run_time_variables(template, config_cls, where)
             problems += check_deployments(args.prefect_file)
             for problem in problems:
                 print(problem, file=sys.stderr)

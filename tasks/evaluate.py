@@ -24,6 +24,11 @@ def result_key(config: PipelineConfig, engine: EngineConfig) -> str:
     return stages.engine_result_key(config, engine)
 
 
+def reference_key(config: PipelineConfig) -> str:
+    """The store key of the reference decoder's result, where a reference flow run on another worker leaves it."""
+    return stages.reference_key(config)
+
+
 @task(name="reference-acceptance", cache_policy=CACHED, persist_result=True, **transient_retries(retries=1))
 def reference_acceptance(config: PipelineConfig, exports: dict[str, str]) -> str:
     """Engine-independent acceptance of the drafter on the eval prompts; returns the store key of its JSON."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from draftline import extract
+from draftline import extract, stages
 from draftline.config import PipelineConfig
 from tasks.common import CACHED, store_at, transient_retries
 
@@ -32,6 +32,11 @@ def extract_manifest(config: PipelineConfig, shard_results: list[dict]) -> str:
     store = store_at(config.store.root)
     extract.finalize_hidden_states(store, config.run, len(shard_results))
     return store.uri(f"{config.run}/{extract.STAGE}/manifest.json")
+
+
+def stored_manifest(config: PipelineConfig) -> str:
+    """The finished stage's manifest URI, where an extraction flow run on another worker left it."""
+    return stages.hidden_manifest_uri(config, store_at(config.store.root))
 
 
 def uses_engine(config: PipelineConfig) -> bool:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from draftline import traces
+from draftline import stages, traces
 from draftline.config import PipelineConfig
 from tasks.common import CACHED, store_at, transient_retries
 
@@ -28,6 +28,11 @@ def trace_stats(config: PipelineConfig, shard_results: list[dict]) -> dict:
     """Stats and stage manifest once every shard is published (shard_results only orders this after them)."""
     prompts = traces.load_prompts(config.traces)
     return traces.finalize_traces(config.traces, prompts, store_at(config.store.root), config.run)
+
+
+def stored_stats(config: PipelineConfig) -> dict:
+    """The finished stage's stats from the store, where a trace flow run on another worker left them."""
+    return stages.stored_trace_stats(config, store_at(config.store.root))
 
 
 def shard_count(config: PipelineConfig) -> int:

@@ -2,6 +2,7 @@
 tests read the compose file and Dockerfiles and check what a GPU host relies on (nothing here starts a container)."""
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 from pathlib import Path
@@ -11,7 +12,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 INFRA = REPO / "infra"
-WORKERS = {"worker-cpu": "cpu", "worker-vllm": "gpu-vllm", "worker-sglang": "gpu-sglang"}
+WORKERS = {"worker-cpu": "cpu", "worker-vllm": "gpu-vllm", "worker-sglang": "gpu-sglang", "worker-train": "gpu-train"}
+GPU_WORKERS = ("worker-vllm", "worker-sglang", "worker-train")
 _VAR = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -93,13 +95,14 @@ def test_s3_enforces_credentials_from_the_environment(compose):
 
 def test_gpu_workers_request_separate_nvidia_gpus_and_a_large_shm(compose):
     devices = {}
-    for service in ("worker-vllm", "worker-sglang"):
+    for service in GPU_WORKERS:
         worker = _interpolate(compose["services"][service], {"S3_ACCESS_KEY": "a", "S3_SECRET_KEY": "b"})
         (request,) = worker["deploy"]["resources"]["reservations"]["devices"]
         assert request["driver"] == "nvidia" and request["capabilities"] == ["gpu"]
         devices[service] = set(request["device_ids"])
         assert int(worker["shm_size"].removesuffix("gb")) >= 16
-    assert devices["worker-vllm"].isdisjoint(devices["worker-sglang"])
+    for one, other in itertools.combinations(GPU_WORKERS, 2):
+        assert devices[one].isdisjoint(devices[other]), f"{one} and {other} share a GPU"
     assert "deploy" not in compose["services"]["worker-cpu"]
 
 
@@ -127,7 +130,9 @@ def test_worker_images_install_draftline_and_prefect_for_their_engine(compose, s
     assert "NOT BUILT" in text  # says plainly it was not built here
     assert "ENV DRAFTLINE_HOME=/opt/draftline" in text
     assert "install-prefect.sh" in text
-    engine = {"worker-cpu": "vllm", "worker-vllm": "vllm", "worker-sglang": "sglang"}[service]
+    # The training image has no engine: torchrun is what it must run.
+    engine = {"worker-cpu": "vllm", "worker-vllm": "vllm", "worker-sglang": "sglang",
+              "worker-train": "torch.distributed.run"}[service]
     assert re.search(rf'python3? -c "import {engine}, prefect', text), "the image must prove engine + Prefect import"
     if service == "worker-cpu":
         assert '-e ".[cpu]"' in text and "pip uninstall -y torchvision torchaudio torchcodec" in text

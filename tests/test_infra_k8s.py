@@ -23,12 +23,19 @@ def _load_module():
 
 
 pool_templates = _load_module()
-POOLS = ["gpu-vllm", "gpu-sglang"]
+POOLS = ["gpu-vllm", "gpu-sglang", "gpu-train"]
+# Every flow that needs a GPU, by its deployment, and the pool it must land on: the target's stages in vLLM's
+# environment, training and the reference decoder beside them in torch's, each engine in its own.
+GPU_DEPLOYMENTS = {"generate-traces": "gpu-vllm", "extract-hidden-states": "gpu-vllm", "evaluate-vllm": "gpu-vllm",
+                   "evaluate-sglang": "gpu-sglang", "train-drafter": "gpu-train", "reference-acceptance": "gpu-train"}
+
+
+def _deployments() -> list[dict]:
+    return yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())["deployments"]
 
 
 def _deployment(name: str) -> dict:
-    spec = yaml.safe_load((REPO / "deployments/prefect.yaml").read_text())
-    for deployment in spec["deployments"]:
+    for deployment in _deployments():
         if deployment["name"] == name:
             return deployment
     raise AssertionError(f"deployments/prefect.yaml has no deployment {name!r}")
@@ -52,10 +59,20 @@ def k8s_config_cls():
     return pool_templates.job_configuration_class("kubernetes")
 
 
-@pytest.mark.parametrize("pool", POOLS)
-def test_deployment_job_variables_render_into_a_gpu_job(pool, k8s_config_cls):
-    deployment = _deployment(f"evaluate-{pool.removeprefix('gpu-')}")
-    assert deployment["work_pool"]["name"] == pool
+def test_every_flow_that_needs_a_gpu_is_deployed_on_a_gpu_pool_and_only_those():
+    on_gpu = {d["name"]: d["work_pool"]["name"] for d in _deployments() if d["work_pool"]["name"].startswith("gpu-")}
+    assert on_gpu == GPU_DEPLOYMENTS
+    # What stays on cpu only composes and waits on the runs above.
+    assert {d["name"] for d in _deployments()} - set(on_gpu) == {"pipeline", "evaluate", "nightly"}
+    for name in ("pipeline", "evaluate", "nightly"):
+        assert _deployment(name)["parameters"]["stage_runs"] == "deployments"
+        assert _deployment(name)["parameters"]["engine_runs"] == "deployments"
+
+
+@pytest.mark.parametrize("name", sorted(GPU_DEPLOYMENTS))
+def test_deployment_job_variables_render_into_a_gpu_job(name, k8s_config_cls):
+    deployment = _deployment(name)
+    pool = deployment["work_pool"]["name"]
     job_variables = {**deployment["work_pool"].get("job_variables", {}),
                      "env": {"DRAFTLINE_STORE": "s3://draftline-runs/team"}}
 
@@ -82,9 +99,28 @@ def test_deployment_job_variables_render_into_a_gpu_job(pool, k8s_config_cls):
     # Credentials come from a Kubernetes Secret, never from the template or the deployment.
     assert container["envFrom"] == [{"secretRef": {"name": "draftline-s3", "optional": False}}]
     assert not any("SECRET" in name or "PASSWORD" in name for name in env)
-    # Engine images are tens of GB: the worker must wait for the pod longer than Prefect's default 60 s.
+    # Engine and torch images are tens of GB: the worker must wait for the pod longer than Prefect's default 60 s.
     assert config.pod_watch_timeout_seconds >= 900
     assert container["args"][:3] == ["prefect", "flow-run", "execute"]
+
+
+@pytest.mark.parametrize("stage,name", [("traces", "generate-traces"), ("extract", "extract-hidden-states"),
+                                        ("train", "train-drafter"), ("reference", "reference-acceptance")])
+def test_the_gpus_a_config_asks_for_become_the_pods_gpu_limit(stage, name, k8s_config_cls):
+    """The pipeline starts each stage's run with job variable gpus from the config (flows/deployed.py); for the 8-GPU
+    example that is a pod with 8 GPUs for the target's stages and training, one for the reference decoder."""
+    from draftline.config import load_config
+    from draftline.stages import stage_gpus
+
+    config = load_config(REPO / "configs/kimi-k2.5.yaml")
+    gpus = stage_gpus(config, stage)
+    assert gpus == (1 if stage == "reference" else 8)
+    deployment = _deployment(name)
+    job_variables = {**deployment["work_pool"]["job_variables"], "gpus": gpus}
+    manifest = pool_templates.render(_template(deployment["work_pool"]["name"]), job_variables,
+                                     deployment_name=name).job_manifest
+    assert _container(manifest)["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert _container(manifest)["resources"]["requests"]["nvidia.com/gpu"] == gpus
 
 
 def test_job_variables_override_the_template_defaults(k8s_config_cls):
@@ -149,6 +185,17 @@ def test_templates_pass_the_prefect_servers_own_validation(pool):
     validate(defaults, template["variables"], raise_on_error=True, preprocess=True, ignore_required=True)
     with pytest.raises(Exception, match="gpus"):
         validate({"gpus": "two"}, template["variables"], raise_on_error=True, preprocess=True, ignore_required=True)
+
+
+def test_a_template_that_would_drop_the_gpu_count_the_flows_set_is_reported(k8s_config_cls):
+    template = _template("gpu-train")
+    assert pool_templates.check_run_time_variables(template, k8s_config_cls, "gpu-train.json") == []
+
+    fixed = copy.deepcopy(template)
+    resources = fixed["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    resources["limits"]["nvidia.com/gpu"] = resources["requests"]["nvidia.com/gpu"] = 1
+    (problem,) = pool_templates.check_run_time_variables(fixed, k8s_config_cls, "gpu-train.json")
+    assert "gpu-train.json" in problem and "'gpus'" in problem and "drop it silently" in problem
 
 
 def test_the_check_command_passes_on_the_repository_and_fails_on_a_dropped_variable(tmp_path, capsys):

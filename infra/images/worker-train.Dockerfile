@@ -1,0 +1,31 @@
+# The `gpu-train` pool's worker and flow-run image: draftline's training (torchrun, one process per GPU), its export
+# and the reference decoder, with a Prefect process worker. No engine runs here; the base is the vLLM image only for
+# its torch build, CUDA, NCCL and transformers, so every GPU stage of a run uses one torch.
+# NOT BUILT on the project's machines (no Docker engine, no GPU there); the install steps mirror the vLLM image.
+#   docker build -f infra/images/worker-train.Dockerfile -t draftline/worker-train:latest .
+ARG TORCH_IMAGE=vllm/vllm-openai:v0.25.0
+FROM ${TORCH_IMAGE}
+
+ARG PREFECT_VERSION=3.9.1
+ENV DRAFTLINE_HOME=/opt/draftline \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR /opt/draftline
+COPY pyproject.toml README.md ./
+COPY draftline/__init__.py draftline/__init__.py
+# --no-deps for draftline itself: torch comes from the base image and must not be re-resolved.
+RUN python3 -m pip install --no-deps -e . \
+    && python3 -m pip install "safetensors>=0.4" "tokenizers>=0.21" "boto3>=1.34" "pydantic>=2.7,<3" "pyyaml>=6" \
+       "matplotlib>=3.8" "rich>=13" "httpx>=0.27"
+COPY infra/images/install-prefect.sh /usr/local/bin/install-prefect.sh
+RUN install-prefect.sh python3 "$PREFECT_VERSION"
+COPY draftline draftline
+COPY tasks tasks
+COPY flows flows
+COPY configs configs
+COPY deployments deployments
+# torchrun is the module torch.distributed.run of the image's torch; the training task starts it with this Python.
+RUN python3 -c "import torch.distributed.run, prefect, transformers, draftline, flows.stages, flows.evaluate"
+
+ENTRYPOINT []
+CMD ["prefect", "worker", "start", "--pool", "gpu-train", "--type", "process"]
