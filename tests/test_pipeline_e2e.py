@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.prefect_server import ROOT, kill_group
+from tests.fixtures.prefect_server import kill_group
 
 pytestmark = [pytest.mark.prefect, pytest.mark.vllm, pytest.mark.slow]
 

@@ -96,6 +96,7 @@ def train(args) -> dict:
     best = {"loss": float("inf"), "step": 0, "state": None}
     curve = []
     t0 = time.time()
+    t_cal = t0  # reset at step 10, when warm-up compilation is over; read at step 30
     step = 0
     train_loss = float("nan")
     while step < total_steps:
