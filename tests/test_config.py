@@ -159,7 +159,8 @@ def test_validate_of_a_config_for_other_machines_reports_what_it_could_not_check
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert "unchecked: target.path /models/Kimi-K2.5 is not on this machine" in elsewhere.stdout
     assert "unchecked: store.root s3://" in elsewhere.stdout and "not contacted (add --check-store)" in elsewhere.stdout
-    assert "valid, 4 input(s) unchecked" in elsewhere.stdout
+    assert "unchecked: train.warm_start /models/kimi-k2.5-eagle3 is not on this machine" in elsewhere.stdout
+    assert "valid, 5 input(s) unchecked" in elsewhere.stdout
     kimi = _validate("configs/demo-kimi.yaml")
     assert kimi.returncode == 0
     assert "ok: target.path assets/demo-kimi: KimiK25ForConditionalGeneration, 8 layers, aux layers [2, 4, 5]" in kimi.stdout
