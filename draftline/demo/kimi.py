@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftline.demo.package import sha256_file, write_sha256sums
+from draftline.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "assets" / "demo-deepseek"
@@ -41,13 +42,10 @@ VISION = dict(patch_size=14, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, 
               num_hidden_layers=1, hidden_size=32, intermediate_size=64, merge_kernel_size=[2, 2],
               hidden_act="gelu_pytorch_tanh")
 VISION_SEED = 0
-# The demo's chat format (what demo-deepseek was trained on), taught to render image parts as Kimi's placeholder.
-CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{- raise_exception('chat roles must be system, user or assistant, not ' + message['role']) -}}"
-    "{%- endif -%}"
+# The demo's chat format (what demo-deepseek was trained on), taught to render image parts as Kimi's placeholder:
+# its one text turn becomes a turn whose content may be a list of text and image parts.
+_TEXT_TURN = "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>\\n' -}}"
+_MEDIA_TURN = (
     "{{- '<|' + message['role'] + '|>' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for part in message['content'] -%}"
@@ -55,9 +53,9 @@ CHAT_TEMPLATE = (
     "{%- elif part['type'] in ['image', 'image_url'] -%}{{- '" + MEDIA_PLACEHOLDER + "' -}}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{{- '<|end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
+assert _TEXT_TURN in DEMO_CHAT_TEMPLATE
+CHAT_TEMPLATE = DEMO_CHAT_TEMPLATE.replace(_TEXT_TURN, _MEDIA_TURN)
 # MoonViT's image preprocessing (vLLM's Kimi-K2.5 processor reads `media_proc_cfg`), with a small patch budget.
 PREPROCESSOR = {"media_proc_cfg": {
     "in_patch_limit": 256, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
