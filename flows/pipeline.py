@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftline.config import parse_config
     from draftline.engines.preflight import AuxLayerIdsError
     from draftline.errors import DraftlineError, EngineError
+    from draftline.inputs import check_inputs
     from draftline.stages import print_summary, report_location
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -56,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give a config file or --config-json")
     except DraftlineError as exc:
         print(f"draftline: {exc}", file=sys.stderr)
+        return 2
+    # Every stage runs in this process: what the config names must be here, checked before minutes of work start.
+    problems = check_inputs(config).problems
+    if problems:
+        for line in problems:
+            print(f"draftline: {line}", file=sys.stderr)
         return 2
     started = time.monotonic()
     try:

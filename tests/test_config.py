@@ -166,6 +166,24 @@ def test_validate_of_a_config_for_other_machines_reports_what_it_could_not_check
     assert "ok: target.path assets/demo-kimi: KimiK25ForConditionalGeneration, 8 layers, aux layers [2, 4, 5]" in kimi.stdout
 
 
+def test_the_pipeline_refuses_missing_inputs_before_any_stage_starts(tmp_path):
+    """`python -m flows.pipeline` (the `make demo` path) names every missing input and exits before Prefect starts."""
+    data = demo_data()
+    data["target"]["path"] = str(tmp_path / "no-model")
+    data["eval"]["prompts"] = str(tmp_path / "no-prompts.jsonl")
+    data["store"]["root"] = str(tmp_path / "runs")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    res = subprocess.run([sys.executable, "-m", "flows.pipeline", str(bad)], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        f"draftline: target {tmp_path / 'no-model'}: no such directory; point target.path at a transformers "
+        "checkpoint directory",
+        f"draftline: {tmp_path / 'no-prompts.jsonl'}: no such prompts file; set eval.prompts to a .jsonl file of prompts",
+    ], res.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was started, nothing written
+
+
 def test_cli_help_lists_the_planned_stages():
     res = subprocess.run([sys.executable, "-m", "draftline.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
     for stage in ("run", "traces", "extract", "train", "export", "eval", "report", "config"):
