@@ -150,7 +150,8 @@ def test_real_vllm_loads_the_sglang_and_speculators_exports(tmp_path):
 
 @pytest.mark.parametrize("target", [DEMO_LLAMA, DEMO_DEEPSEEK, DEMO_KIMI], ids=lambda p: p.name)
 @pytest.mark.parametrize("aux_ids", [[2, 4, 5], [3, 4, 5], [4, 5, 6]])
-def test_sglang_contract_not_run_against_sglang_the_export_makes_sglang_capture_the_trained_layers(tmp_path, target, aux_ids):
+def test_sglang_contract_not_run_against_sglang_the_export_makes_sglang_capture_the_trained_layers(
+        tmp_path, target, aux_ids):
     """Not run against SGLang (it cannot run here): checked against SGLang 0.5.14's rule for reading the ids, which
     differs between its Llama and DeepSeek-V3 models; a plain "minus one" export feeds a DeepSeek target's drafter the
     wrong layers whenever the first aux layer is not 2."""
