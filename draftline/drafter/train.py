@@ -23,7 +23,8 @@ from torch import nn
 from draftline.config import DrafterConfig, TrainConfig
 from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_keys, pack_rows, rank_rows,
                                     read_shard_metadata, split_shards)
-from draftline.drafter.model import LINEAGE_FILE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids, config_for_target
+from draftline.drafter.model import (LINEAGE_FILE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids, config_for_target,
+                                     target_rope_theta)
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan  # noqa: F401  (acceptance_length is re-exported)
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.errors import ConfigError
@@ -189,18 +190,12 @@ def warm_start_config(source: str, target_cfg: dict, drafter_cfg: DrafterConfig,
         if ours is not None and theirs.get(name) is not None and ours != theirs[name]:
             raise ConfigError(f"drafter.{name}={ours} but the warm start {source} has {theirs[name]}; remove "
                               f"drafter.{name} to take the warm start's, or train from scratch")
-    shaped = drafter_cfg.model_copy(update={n: drafter_cfg_value(drafter_cfg, theirs, n) for n in WARM_START_SHAPE})
+    shaped = drafter_cfg.model_copy(update={n: getattr(drafter_cfg, n) or theirs.get(n) for n in WARM_START_SHAPE})
     cfg = config_for_target(target_cfg, shaped, aux_ids)
     return replace(cfg, head_dim=int(theirs.get("head_dim") or cfg.head_dim),
                    rms_norm_eps=float(theirs.get("rms_norm_eps", cfg.rms_norm_eps)),
-                   rope_theta=float(theirs.get("rope_theta") or (theirs.get("rope_parameters") or {}).get(
-                       "rope_theta", cfg.rope_theta)),
+                   rope_theta=target_rope_theta({"rope_theta": cfg.rope_theta, **theirs}),  # the target's if unnamed
                    max_position_embeddings=int(theirs.get("max_position_embeddings", cfg.max_position_embeddings)))
-
-
-def drafter_cfg_value(drafter_cfg: DrafterConfig, source_cfg: dict, name: str):
-    ours = getattr(drafter_cfg, name)
-    return ours if ours is not None else source_cfg.get(name)
 
 
 def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bool, target_cfg: dict) -> dict:
