@@ -287,6 +287,17 @@ class RegressionConfig(Strict):
     median_window: int = Field(7, ge=1)
 
 
+class ChildRunsConfig(Strict):
+    """How long the pipeline waits for a stage or engine it starts as a flow run on another pool (`stage_runs` or
+    `engine_runs: deployments`) before it cancels that run and fails with the cause."""
+
+    # Scheduled and not taken by any worker for this long: the pool's worker is gone or cannot take it (time spent
+    # waiting for a deployment's concurrency slot, behind another run, does not count).
+    start_timeout_s: float = Field(600.0, gt=0)
+    # From its creation to its end: the longest a stage may take (training a real target takes hours).
+    timeout_s: float = Field(72 * 3600.0, gt=0)
+
+
 class PipelineConfig(Strict):
     """The whole job: traces → extraction → training → export → evaluation."""
 
@@ -300,6 +311,7 @@ class PipelineConfig(Strict):
     export: ExportConfig = ExportConfig()
     eval: EvalConfig
     regression: RegressionConfig = RegressionConfig()
+    child_runs: ChildRunsConfig = ChildRunsConfig()
 
     @field_validator("run")
     @classmethod
@@ -370,8 +382,33 @@ def _reject_secrets(data: Any, source: str, path: str = "") -> None:
             _reject_secrets(item, source, f"{path}[{i}]")
 
 
-def load_config(path: str | os.PathLike, model: type[BaseModel] = PipelineConfig) -> BaseModel:
-    """Read a YAML file and validate it; relative paths inside stay relative to the current directory."""
+def merge_overrides(base: dict, overrides: dict) -> dict:
+    """`overrides` laid over `base`, section by section: a mapping merges into the mapping it replaces, key by key;
+    anything else (a value, a list such as eval.engines, null) replaces what was there."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | os.PathLike, model: type[BaseModel] = PipelineConfig,
+                overrides: dict | None = None) -> BaseModel:
+    """Read a YAML file and validate it, with `overrides` merged into it first (merge_overrides); relative paths
+    inside stay relative to the current directory. Every problem is named, one sentence each."""
+    data = read_config_file(path)
+    if not overrides or not isinstance(data, dict):
+        return parse_config(data, model, str(path))
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"the overrides for {path} must be a mapping of sections, such as "
+                          f'{{"train": {{"max_steps": 20}}}}, got {type(overrides).__name__}')
+    return parse_config(merge_overrides(data, overrides), model, f"{path} with overrides")
+
+
+def read_config_file(path: str | os.PathLike) -> Any:
+    """The YAML of a config file, parsed but not validated."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file; pass the path of a YAML file such as configs/demo.yaml")
@@ -381,4 +418,4 @@ def load_config(path: str | os.PathLike, model: type[BaseModel] = PipelineConfig
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"{p}: not valid YAML{where}; fix the syntax there") from None
-    return parse_config(data, model, str(p))
+    return data

@@ -2,7 +2,6 @@
 and the fan-out over engines (evaluate)."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from prefect import flow
@@ -29,21 +28,15 @@ def reference_acceptance(config: PipelineConfig, exports: dict[str, str]) -> str
     return eval_tasks.reference_acceptance(config, exports)
 
 
-def _engine_deployment_run(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str]) -> str:
-    """Run evaluate-engine as its own flow run on the engine's pool, with the GPUs its servers take, and wait; a
-    failed child fails here."""
-    child = deployed.run_and_wait(f"evaluate-engine/evaluate-{engine.engine}",
-                                  {"config": config.model_dump(mode="json"), "engine": engine.model_dump(mode="json"),
-                                   "exports": exports},
-                                  stages.engine_gpus(engine))
-    # run_deployment never raises on a failed child: check its final state.
-    if not child.state or not child.state.is_completed():
-        raise EngineError(f"the {engine.engine} evaluation run {child.name} ended "
-                          f"{child.state.name if child.state else 'without a state'}; see it in the Prefect UI",
-                          transient=False)
-    # The child wrote its EvalResult to the store; the parent reads it there, so no result storage needs to be
-    # shared between the engine's worker and this one (Kubernetes pods share none).
-    return eval_tasks.result_key(config, engine)
+def _engine_deployment_run(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str]):
+    """Start evaluate-engine as its own flow run on the engine's pool, with the GPUs its servers take, as a task of this
+    flow ("evaluate-vllm on gpu-vllm"); returns the task's future. The child writes its EvalResult to the store and
+    the parent reads it there, so no result storage is shared between the engine's worker and this one (Kubernetes
+    pods share none)."""
+    return deployed.submit_child(deployed.engine_deployment(engine.engine),
+                                 {"config": config.model_dump(mode="json"), "engine": engine.model_dump(mode="json"),
+                                  "exports": exports},
+                                 stages.engine_gpus(engine), config, f"evaluate-{engine.engine}")
 
 
 @flow(name="evaluate", log_prints=True)
@@ -55,21 +48,19 @@ def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: Engin
     machine that also serves an engine both timings would measure the contention. With stage_runs "deployments"
     it runs as a reference-acceptance flow run on that deployment's (GPU) pool.
     """
+    # Every pool this evaluation starts runs on must have a live worker, or nothing starts.
+    deployed.require_live_workers(deployed.deployments_needed(config, engine_runs, stage_runs,
+                                                              deployed.STAGE_DEPLOYMENTS[-1:]))
     if stage_runs == "deployments":
         reference = deployed.reference_acceptance(config, exports)
     else:
         reference = eval_tasks.reference_acceptance(config, exports)
     engines = config.eval.engines
     if engine_runs == "deployments":
-        def one(engine: EngineConfig) -> BaseException | None:
-            try:
-                _engine_deployment_run(config, engine, exports)
-            except EngineError as exc:
-                return exc
-            return None
-
-        with ThreadPoolExecutor(max_workers=len(engines) or 1) as pool:
-            failures = list(pool.map(one, engines))
+        futures = [_engine_deployment_run(config, e, exports) for e in engines]
+        # A child that did not complete fails its task; the engine's row and the run's failure name it.
+        failures = [f.result(raise_on_failure=False) for f in futures]
+        failures = [EngineError(str(x), transient=False) if isinstance(x, BaseException) else None for x in failures]
     else:
         futures = [eval_tasks.evaluate_engine.submit(config, e, exports) for e in engines]
         failures = [f.result(raise_on_failure=False) for f in futures]

@@ -4,24 +4,33 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 from prefect import flow
 
-from draftline.config import PipelineConfig
+from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config
+from draftline.errors import ConfigError
 from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline(config: PipelineConfig, engine_runs: EngineRuns = "in-process",
-             stage_runs: StageRuns = "in-process") -> dict:
+def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in-process",
+             stage_runs: StageRuns = "in-process", config_file: str | None = None,
+             overrides: dict[str, Any] | None = None) -> dict:
     """Run every stage; each is resumable, so a rerun after a failure redoes only what is missing.
 
-    engine_runs "deployments": each engine's evaluation runs on its engine's pool. stage_runs "deployments": the
-    stages that need a GPU (traces, extraction, training with export, the reference decoder) run as flow runs of
-    their own deployments, on the pools deployments/prefect.yaml gives them, with the GPUs the config asks for.
+    The config: `config` (a whole config), or else the YAML file `config_file` (relative to the worker's checkout;
+    the deployment gives configs/demo.yaml); `overrides` (e.g. {"train": {"max_steps": 20}}) is merged into it
+    section by section, and every bad field is named. engine_runs "deployments": each engine's evaluation runs on
+    its engine's pool. stage_runs "deployments": the stages that need a GPU (traces, extraction, training with
+    export, the reference decoder) run as flow runs of their own deployments, on the pools deployments/prefect.yaml
+    gives them, with the GPUs the config asks for; every pool they need must have a live worker before any starts.
     """
+    config = resolve_config(config, config_file, overrides)
+    # Nothing starts on a pool without a live worker: the run fails now, naming the pool and the command to start one.
+    deployed.require_live_workers(deployed.deployments_needed(config, engine_runs, stage_runs))
     # The same three stages, as subflows of this run or as flow runs of their deployments: same inputs, same outputs.
     stage_flows = deployed if stage_runs == "deployments" else stages
     traces = stage_flows.generate_traces(config)
@@ -31,12 +40,26 @@ def pipeline(config: PipelineConfig, engine_runs: EngineRuns = "in-process",
     return {"traces": traces, "hidden": hidden_manifest, "drafter": drafter, "report": report}
 
 
+def resolve_config(config: PipelineConfig | None, config_file: str | None,
+                   overrides: dict[str, Any] | None) -> PipelineConfig:
+    """The run's config: `config` or the file, with the overrides merged in and validated as a whole."""
+    if config is None and not config_file:
+        raise ConfigError("the pipeline needs a config: pass config_file (e.g. configs/demo.yaml, relative to the "
+                          "worker's checkout) or a whole config")
+    if config is not None:
+        if not overrides:
+            return config
+        return parse_config(merge_overrides(config.model_dump(mode="json"), overrides), PipelineConfig,
+                            "config with overrides")
+    print(f"config: {config_file}" + (f" with overrides {json.dumps(overrides)}" if overrides else ""))
+    return load_config(config_file, PipelineConfig, overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the pipeline locally (ephemeral Prefect API unless PREFECT_API_URL is set) and print the final table."""
     import argparse
 
     from draftline.cli import load_with_overrides
-    from draftline.config import parse_config
     from draftline.engines.preflight import AuxLayerIdsError
     from draftline.errors import DraftlineError, EngineError
     from draftline.inputs import check_inputs

@@ -188,3 +188,19 @@ def test_cli_help_lists_the_planned_stages():
     res = subprocess.run([sys.executable, "-m", "draftline.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
     for stage in ("run", "traces", "extract", "train", "export", "eval", "report", "config"):
         assert stage in res.stdout
+
+
+def test_overrides_merge_into_the_file_section_by_section_and_every_bad_field_is_named():
+    cfg = load_config(DEMO, overrides={"run": "try-2", "train": {"max_steps": 7}, "eval": {"engines": [
+        {"engine": "vllm", "num_speculative_tokens": 3}]}})
+    demo = demo_data()
+    assert cfg.run == "try-2" and cfg.train.max_steps == 7
+    assert cfg.train.learning_rate == demo["train"]["learning_rate"]  # the rest of the section stays the file's
+    assert cfg.eval.max_prompts == demo["eval"]["max_prompts"]
+    assert [e.engine for e in cfg.eval.engines] == ["vllm"]  # a list replaces the file's list
+    with pytest.raises(ConfigError) as info:
+        load_config(DEMO, overrides={"train": {"max_steps": 0, "warmup_step": 3}, "child_runs": {"timeout_s": -1}})
+    lines = str(info.value).splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"{DEMO} with overrides: ") for line in lines), lines
+    assert any("train.max_steps=0" in x for x in lines) and any("child_runs.timeout_s=-1" in x for x in lines)
+    assert any("unknown key 'train.warmup_step'; did you mean 'warmup_steps'?" in x for x in lines)

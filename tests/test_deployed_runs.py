@@ -1,0 +1,141 @@
+"""The deployed pipeline on a real Prefect server with real process workers, as a user starts it: it reads
+configs/demo.yaml with a partial `--param overrides=...` merged in, names every bad field, refuses to start on pools
+without a live worker, and never waits forever for a child run that no worker takes. No stage does any work here:
+each test ends before the first stage would run, so the module takes a couple of minutes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.prefect_server import ROOT, kill_group
+
+pytestmark = [pytest.mark.prefect]
+
+# Pools of this module's own (deployments/prefect.yaml's names with a prefix), so that no worker another module of
+# the same server started, nor its last heartbeat, counts here.
+PREFIX = "t32-"
+DEPLOYMENTS = ("pipeline", "generate-traces", "extract-hidden-states", "train-drafter", "reference-acceptance",
+               "evaluate-vllm", "evaluate-sglang")
+
+
+def _prefect_file(tmp: Path) -> Path:
+    spec = yaml.safe_load((ROOT / "deployments/prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        deployment["work_pool"]["name"] = PREFIX + deployment["work_pool"]["name"]
+    path = tmp / "prefect.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(prefect_server, tmp_path_factory):
+    """The deployments created as the README says (on this module's pools), and a worker on the pipeline's pool."""
+    tmp = tmp_path_factory.mktemp("deployed-runs")
+    for pool in ("cpu", "gpu-vllm", "gpu-sglang", "gpu-train"):
+        prefect_server.cli("work-pool", "create", PREFIX + pool, "--type", "process", "--overwrite")
+    names = [arg for name in DEPLOYMENTS for arg in ("--name", name)]
+    prefect_server.cli("--no-prompt", "deploy", "--prefect-file", str(_prefect_file(tmp)), *names, timeout=600)
+    workers = {"cpu": prefect_server.start_worker(PREFIX + "cpu", tmp / "worker-cpu.log")}
+    prefect_server.tmp, prefect_server.workers = tmp, workers
+    try:
+        yield prefect_server
+    finally:
+        for worker in workers.values():
+            kill_group(worker)
+
+
+def _client(server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    return temporary_settings({PREFECT_API_URL: server.api_url})
+
+
+def _read(server, fn):
+    from prefect.client.orchestration import get_client
+
+    async def go():
+        async with get_client() as client:
+            return await fn(client)
+
+    with _client(server):
+        return asyncio.run(go())
+
+
+def _run(server, *params: str, timeout: float = 300) -> tuple[object, float]:
+    """`prefect deployment run pipeline/pipeline --watch` with these --param arguments; the ended flow run."""
+    started = time.monotonic()
+    args = [a for p in params for a in ("--param", p)]
+    res = server.cli("deployment", "run", "pipeline/pipeline", *args, "--watch", "--watch-interval", "2",
+                     timeout=timeout, check=False)
+    elapsed = time.monotonic() - started
+    out = res.stdout + res.stderr
+    run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
+    run = _read(server, lambda c: c.read_flow_run(run_id))
+    assert res.returncode != 0 and run.state.is_failed(), f"the pipeline run should have failed:\n{out[-3000:]}"
+    return run, elapsed
+
+
+def _wait_for_worker(server, pool: str, deadline_s: float = 120) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not any(str(w.status.value).upper() == "ONLINE"
+                  for w in _read(server, lambda c: c.read_workers_for_work_pool(pool))):
+        assert time.monotonic() < deadline, f"the {pool} worker never came online"
+        time.sleep(2)
+
+
+def test_bad_overrides_fail_the_run_naming_every_bad_field(server):
+    run, _ = _run(server, 'overrides={"train": {"max_steps": 0, "learning_rate": "fast"}, "eval": {"max_prompt": 3}}')
+    message = run.state.message
+    for named in ("train.max_steps=0", "train.learning_rate='fast'", "unknown key 'eval.max_prompt'",
+                  "did you mean 'max_prompts'?", "configs/demo.yaml with overrides"):
+        assert named in message, message
+
+
+def test_pools_without_a_live_worker_fail_the_run_before_anything_starts_naming_the_command(server):
+    _wait_for_worker(server, PREFIX + "cpu")
+    run, elapsed = _run(server, 'overrides={"run": "t32-no-workers"}')
+    message = run.state.message
+    # One sentence per pool, each with the command that fixes it; the pipeline's own pool has its worker.
+    for pool in ("gpu-vllm", "gpu-train", "gpu-sglang"):
+        assert (f"work pool {PREFIX}{pool} has no live worker" in message
+                and f"`prefect worker start --pool {PREFIX}{pool}`" in message), message
+    assert f"{PREFIX}cpu " not in message
+    children = _read(server, lambda c: c.read_flow_runs())
+    assert not [r for r in children if r.name.startswith("t32-no-workers-")], "a child run was started"
+    print(f"failed after {elapsed:.0f} s")
+
+
+def test_a_child_run_no_worker_takes_is_cancelled_after_the_configured_time(server):
+    """Live workers on every pool, but the traces pool's queue paused: the child waits, the pipeline gives up after
+    child_runs.start_timeout_s with the pool named, the child is cancelled, and it hangs off the pipeline's task."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    for pool in ("gpu-vllm", "gpu-train"):
+        server.workers[pool] = server.start_worker(PREFIX + pool, server.tmp / f"worker-{pool}.log")
+    server.cli("work-queue", "pause", "default", "--pool", PREFIX + "gpu-vllm")
+    for pool in ("gpu-vllm", "gpu-train"):
+        _wait_for_worker(server, PREFIX + pool)
+    overrides = {"run": "t32-timeout", "train": {"max_steps": 7}, "child_runs": {"start_timeout_s": 15}}
+    run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"')
+    message = run.state.message
+    assert ("waited 15 s (child_runs.start_timeout_s) without a worker of work pool t32-gpu-vllm taking it"
+            in message and "`prefect worker start --pool t32-gpu-vllm`" in message), message
+
+    child = _read(server, lambda c: c.read_flow_runs(
+        flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["t32-timeout-generate-traces"]))))
+    assert len(child) == 1 and child[0].state.is_cancelled(), child
+    # The child got the whole config: configs/demo.yaml with the override merged in, not the override alone.
+    config = child[0].parameters["config"]
+    demo = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    assert config["train"]["max_steps"] == 7 and config["train"]["learning_rate"] == demo["train"]["learning_rate"]
+    assert [e["engine"] for e in config["eval"]["engines"]] == [e["engine"] for e in demo["eval"]["engines"]]
+    # Linked to the pipeline run through a task of it named after what it ran.
+    parent_task = _read(server, lambda c: c.read_task_run(child[0].parent_task_run_id))
+    assert parent_task.flow_run_id == run.id and parent_task.name == "generate-traces on t32-gpu-vllm"
+    assert parent_task.state.is_failed()
