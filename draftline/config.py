@@ -77,6 +77,10 @@ class ServerSettings(Strict):
     # "--enable-expert-parallel"]; given to every server this section starts.
     extra_args: list[str] = []
     env: dict[str, str] = {}
+    # The interpreter of the engine's own environment (engines pin packages that conflict with each other and with
+    # Prefect), e.g. /opt/sglang/bin/python; or keep this one and name the engine's site in env's PYTHONPATH.
+    # Default: the interpreter running draftline, with the engine installed beside it.
+    python: str | None = None
     # Supervision of the flaky model load.
     ready_timeout_s: float = Field(600.0, gt=0)
     ready_timeout_s_per_gb: float = Field(120.0, ge=0)
@@ -252,6 +256,19 @@ class ReferenceConfig(Strict):
     max_prompts: int | None = Field(None, ge=1)
     batch_size: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Also decode with the drafter fed the layers this far from its trained ones (a convention mix-up moves every
+    # id by one): what wrong ids cost on this target sets the parity threshold. [] skips the extra decodes.
+    aux_shifts: list[int] = [-1, 1]
+    # Also decode in bfloat16 (float32 for a bf16 run): how far numerics alone move acceptance, the spread parity
+    # must tolerate.
+    other_precision: bool = True
+
+    @field_validator("aux_shifts")
+    @classmethod
+    def _nonzero_shifts(cls, shifts: list[int]) -> list[int]:
+        if any(s == 0 for s in shifts) or len(set(shifts)) != len(shifts):
+            raise ValueError(f"aux_shifts={shifts} must be distinct non-zero layer offsets, e.g. [-1, 1]")
+        return shifts
 
 
 class EvalConfig(Strict):
@@ -264,7 +281,16 @@ class EvalConfig(Strict):
     use_chat_template: bool = True
     engines: list[EngineConfig] = [EngineConfig(engine="vllm"), EngineConfig(engine="sglang")]
     reference: ReferenceConfig = ReferenceConfig()
-    parity_threshold: float = Field(0.8, gt=0.0, le=1.0)
+    # "auto": set from what wrong aux-layer ids cost this target (reference.aux_shifts) and the measured spread;
+    # a number fixes it.
+    parity_threshold: float | Literal["auto"] = "auto"
+
+    @field_validator("parity_threshold")
+    @classmethod
+    def _threshold_in_range(cls, value):
+        if value != "auto" and not 0.0 < value <= 1.0:
+            raise ValueError(f"parity_threshold={value} must be \"auto\" or a number in (0, 1], e.g. 0.8")
+        return value
 
     @model_validator(mode="after")
     def _reference_matches_engines(self):

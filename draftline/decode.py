@@ -41,9 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from draftline.errors import ConfigError
-from draftline.target import capture_hidden_states, resolve_device
+from draftline.target import capture_hidden_states, decoder_layers, resolve_device
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The precision a reference run is repeated in to see how far numerics alone move acceptance (engines serve bf16).
+_OTHER_PRECISION = {"float32": torch.bfloat16, "bfloat16": torch.float32, "float16": torch.float32}
 
 
 # ---------------------------------------------------------------- statistics
@@ -484,7 +486,10 @@ class SpeculativeDecoder:
 
     def __init__(self, target_model, drafter, k: int, *, temperature: float = 0.0,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int = 0, seed: int = 0,
-                 draft_sampling: str = "greedy", fast: bool | None = None, sync_every: int | None = None):
+                 draft_sampling: str = "greedy", fast: bool | None = None, sync_every: int | None = None,
+                 aux_layer_ids: Sequence[int] | None = None):
+        """aux_layer_ids: feed the drafter these target layers instead of its own (vLLM convention), to measure what
+        wrong ids cost it."""
         if k < 1:
             raise ConfigError(f"k={k} draft tokens per step must be at least 1")
         if draft_sampling not in DRAFT_SAMPLING:
@@ -507,7 +512,7 @@ class SpeculativeDecoder:
         self.pad_token_id = int(pad_token_id)
         self.seed = seed
         self.draft_sampling = draft_sampling
-        self.aux_layer_ids = list(cfg.aux_layer_ids)
+        self.aux_layer_ids = list(cfg.aux_layer_ids if aux_layer_ids is None else aux_layer_ids)
         self.fast = fast
         self.sync_every = resolve_sync_every(sync_every, next(target_model.parameters()).device)
         self.static = None  # (StaticTarget, StaticDrafter) of the fast path, built at first use
@@ -853,6 +858,8 @@ class ReferenceResult:
     target_forwards_plain: int
     mode: str = "eager"  # the speculative run's implementation (Generation.mode)
     plain_mode: str = "eager"
+    aux_shifts: list[dict] = field(default_factory=list)  # the same drafter fed neighbouring layers (variant_runs)
+    other_precision: dict | None = None  # the same decode in another precision: how far numerics alone move it
 
     @property
     def spec_tokens_per_s(self) -> float:
@@ -888,7 +895,52 @@ class ReferenceResult:
             "greedy_outputs_match": self.greedy_outputs_match,
             "target_forwards_spec": self.target_forwards_spec, "target_forwards_plain": self.target_forwards_plain,
             "mode": self.mode, "plain_mode": self.plain_mode,
+            "aux_shift_acceptance": self.aux_shifts,
+            "other_precision_acceptance": self.other_precision,
         }
+
+
+def variant_runs(decoder: "SpeculativeDecoder", batches: Sequence[Sequence[Sequence[int]]], max_new_tokens: int,
+                 reference: AcceptanceStats, seed: int, shifts: Sequence[int] = (),
+                 other_dtype: torch.dtype | None = None) -> tuple[list[dict], dict | None]:
+    """The reference decode again with one thing changed, on the same batches: the drafter fed the layers `shift`
+    away from its trained ones (every id moved alike, as a convention mix-up moves them), or target and drafter in
+    `other_dtype`. Each row gives its acceptance and `kept_share`, the share of accepted draft tokens per step it
+    keeps: what wrong ids would cost on this target, and how far numerics alone move acceptance."""
+    import copy
+
+    trained = list(decoder.aux_layer_ids)
+    base = reference.mean_acceptance_length - 1.0
+    num_layers = len(decoder_layers(decoder.model))
+
+    def decode(model, drafter, ids) -> dict:
+        variant = SpeculativeDecoder(model, drafter, decoder.k, temperature=decoder.temperature,
+                                     eos_token_ids=decoder.eos_token_ids, pad_token_id=decoder.pad_token_id,
+                                     seed=decoder.seed, draft_sampling=decoder.draft_sampling, fast=decoder.fast,
+                                     sync_every=decoder.sync_every, aux_layer_ids=ids)
+        stats, start = AcceptanceStats(k=decoder.k), 0
+        for batch in batches:
+            _merge(stats, variant.generate(batch, max_new_tokens, seed=seed + start).stats)
+            start += len(batch)
+        length = stats.mean_acceptance_length
+        return {"mean_acceptance_length": length, "kept_share": (length - 1.0) / base if base > 0 else None}
+
+    shifted = []
+    for shift in shifts:
+        ids = [i + shift for i in trained]
+        row: dict = {"shift": shift, "aux_layer_ids": ids}
+        if not all(0 <= i < num_layers for i in ids):
+            shifted.append({**row, "skipped": f"layers {ids} are outside the target's 0..{num_layers - 1}"})
+            continue
+        shifted.append({**row, **decode(decoder.model, decoder.drafter, ids)})
+    other = None
+    if other_dtype is not None:
+        # Copies: casting the caller's target there and back would not give its weights back bit for bit.
+        model = copy.deepcopy(decoder.model).to(other_dtype)
+        drafter = copy.deepcopy(decoder.drafter).to(other_dtype)
+        other = {"dtype": str(other_dtype).removeprefix("torch."), **decode(model, drafter, trained)}
+        del model, drafter
+    return shifted, other
 
 
 def eos_token_ids(target_dir: str | Path, tokenizer) -> list[int]:
@@ -908,7 +960,6 @@ def eos_token_ids(target_dir: str | Path, tokenizer) -> list[int]:
 def load_drafter(drafter_dir: str | Path, target_model, dtype: torch.dtype, device: str):
     """An Eagle3Drafter from a drafter directory, checked against the target, on device in dtype."""
     from draftline.drafter.model import Eagle3Drafter
-    from draftline.target import decoder_layers
 
     drafter = Eagle3Drafter.from_pretrained(
         drafter_dir, embed_tokens=target_model.get_input_embeddings().weight.detach().float().cpu(),
@@ -920,7 +971,8 @@ def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_t
                          device: str = "auto", dtype: str = "float32", *, temperature: float = 0.0,
                          max_prompts: int | None = None, use_chat_template: bool = True, batch_size: int = 1,
                          seed: int = 0, draft_sampling: str = "greedy", target=None, fast: bool | None = None,
-                         sync_every: int | None = None) -> dict:
+                         sync_every: int | None = None, aux_shifts: Sequence[int] = (),
+                         other_precision: bool = False) -> dict:
     """Acceptance of `drafter_dir` on `prompts` (a prompts .jsonl path or contract-B dicts), as JSON-ready figures.
 
     Prompts are encoded as the engines see them (chat template with generation prompt for messages). Plain
@@ -931,14 +983,18 @@ def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_t
     return run_reference(target_dir, drafter_dir, prompts, k, max_new_tokens, device, dtype, temperature=temperature,
                          max_prompts=max_prompts, use_chat_template=use_chat_template, batch_size=batch_size,
                          seed=seed, draft_sampling=draft_sampling, target=target, fast=fast,
-                         sync_every=sync_every).summary()
+                         sync_every=sync_every, aux_shifts=aux_shifts,
+                         other_precision=other_precision).summary()
 
 
 def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128, device: str = "auto",
                   dtype: str = "float32", *, temperature: float = 0.0, max_prompts: int | None = None,
                   use_chat_template: bool = True, batch_size: int = 1, seed: int = 0, draft_sampling: str = "greedy",
-                  target=None, fast: bool | None = None, sync_every: int | None = None) -> ReferenceResult:
-    """Like reference_acceptance, returning the ReferenceResult; `target` = an already loaded (model, tokenizer)."""
+                  target=None, fast: bool | None = None, sync_every: int | None = None,
+                  aux_shifts: Sequence[int] = (), other_precision: bool = False) -> ReferenceResult:
+    """Like reference_acceptance, returning the ReferenceResult; `target` = an already loaded (model, tokenizer).
+    aux_shifts: also decode with the drafter fed layers moved by each shift; other_precision: also decode in
+    bfloat16 (float32 when dtype is bfloat16); both on the same prompts (variant_runs)."""
     from draftline.target import load_target
     from draftline.traces import encode_prompt, read_prompts
 
@@ -981,6 +1037,9 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: 
         match = match and spec.tokens == plain.tokens
         modes["spec"].add(spec.mode)
         modes["plain"].add(plain.mode)
+    shifted, other = variant_runs(decoder, [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)],
+                                  max_new_tokens, stats, seed, aux_shifts,
+                                  _OTHER_PRECISION[dtype] if other_precision else None)
     return ReferenceResult(
         target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, draft_sampling=draft_sampling,
         dtype=dtype, device=device,
@@ -988,7 +1047,8 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: 
         spec_tokens=spec_tokens, spec_seconds=spec_s, plain_tokens=plain_tokens, plain_seconds=plain_s,
         greedy_outputs_match=match if temperature == 0.0 else None,
         target_forwards_spec=spec_fw, target_forwards_plain=plain_fw,
-        mode="+".join(sorted(modes["spec"])), plain_mode="+".join(sorted(modes["plain"])))
+        mode="+".join(sorted(modes["spec"])), plain_mode="+".join(sorted(modes["plain"])),
+        aux_shifts=shifted, other_precision=other)
 
 
 def _merge(total: AcceptanceStats, part: AcceptanceStats) -> None:

@@ -33,6 +33,13 @@ SCHEMA = "draftline-eval/1"
 AUX_IDS_FAULT = "integration: aux-layer ids"
 # Below this many accepted draft tokens per step the reference drafter is too weak for a ratio to mean anything.
 MIN_REFERENCE_ACCEPTED = 0.02
+# Bounds of the parity threshold set from a target's measured power. A gap of 5% or less is never called a fault:
+# engines decode in other precisions than the reference (vLLM in bf16 on an H200 measured parity 0.95 with the
+# trained layers). Below 0.5 a threshold would excuse an engine that loses half of what the drafter earns.
+PARITY_THRESHOLD_CEILING = 0.95
+PARITY_THRESHOLD_FLOOR = 0.5
+# Used when nothing was measured to set the threshold from (no shifted-layer runs, no spread).
+DEFAULT_PARITY_THRESHOLD = 0.8
 
 
 class ConcurrencyPoint(BaseModel):
@@ -44,6 +51,21 @@ class ConcurrencyPoint(BaseModel):
     speedup: float  # speculative / baseline output tokens per second
     acceptance: Acceptance | None
     identical_outputs: float | None = None  # greedy only: share of requests whose text equals the baseline's
+
+
+class ParityPower(BaseModel):
+    """Whether a parity gap can reveal wrong aux-layer ids on this target: the share of accepted draft tokens the
+    drafter keeps when the reference decoder feeds it neighbouring layers, against how far parity moves without
+    any fault (the reference decoder in another precision, the engine across its concurrency points)."""
+
+    kept_share: float | None  # the most any measured shift keeps: the mismatch hardest to see
+    shifts: list[dict] = []  # the reference decoder's runs with neighbouring layers (aux_shift_acceptance)
+    noise: float | None  # how far parity moves without a fault: the largest of noise_sources
+    noise_sources: dict[str, float] = {}
+    detectable: bool | None  # kept_share below the threshold's upper bound (1 - noise, at most the ceiling)
+    threshold: float
+    threshold_source: Literal["measured", "config", "default"]
+    sentence: str
 
 
 class Parity(BaseModel):
@@ -66,6 +88,7 @@ class Parity(BaseModel):
     likely_causes: list[str] = []
     engine_per_position: list[float] | None = None
     reference_per_position: list[float] | None = None
+    power: ParityPower | None = None
 
 
 class EvalResult(BaseModel):
@@ -262,6 +285,50 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
     return said, True
 
 
+def parity_power(reference: Any, points: list[ConcurrencyPoint], threshold: float | str = "auto") -> ParityPower:
+    """How well parity can see wrong aux-layer ids here, and the threshold that follows from it ("auto"), or the
+    configured one (a number). The reference summary brings the shifted-layer runs and the run in another
+    precision; the engine's points bring its own spread across concurrencies."""
+    if hasattr(reference, "summary"):
+        reference = reference.summary()
+    ref_acc = float(reference["mean_acceptance_length"]) - 1.0
+    shifts = list(reference.get("aux_shift_acceptance") or [])
+    kept = max((r["kept_share"] for r in shifts if r.get("kept_share") is not None), default=None)
+    sources: dict[str, float] = {}
+    other = reference.get("other_precision_acceptance") or {}
+    if other.get("kept_share") is not None:
+        sources[f"reference decoder in {other['dtype']}"] = abs(1.0 - float(other["kept_share"]))
+    engine_acc = [p.acceptance.mean_acceptance_length - 1.0 for p in points
+                  if p.acceptance and p.acceptance.mean_acceptance_length is not None]
+    if len(engine_acc) > 1 and ref_acc > 0:
+        sources["engine across its concurrency points"] = (max(engine_acc) - min(engine_acc)) / ref_acc
+    noise = max(sources.values()) if sources else None
+    upper = min(1.0 - noise, PARITY_THRESHOLD_CEILING) if noise is not None else PARITY_THRESHOLD_CEILING
+    detectable = None if kept is None else kept < upper
+    if isinstance(threshold, (int, float)):
+        value, source = float(threshold), "config"
+    elif kept is None and noise is None:
+        value, source = DEFAULT_PARITY_THRESHOLD, "default"
+    else:
+        value = (upper + kept) / 2 if detectable else upper
+        value, source = max(PARITY_THRESHOLD_FLOOR, min(value, PARITY_THRESHOLD_CEILING)), "measured"
+    hardest = next((r for r in shifts if r.get("kept_share") == kept), None)
+    noise_said = "" if noise is None else f"; without a fault parity moves by up to {noise:.0%}"
+    if kept is None:
+        sentence = (f"the cost of wrong aux-layer ids was not measured (eval.reference.aux_shifts is empty or no shift "
+                    f"fits the target){noise_said}; parity threshold {value:.2f} ({source})")
+    elif detectable:
+        sentence = (f"fed layers {tuple(hardest['aux_layer_ids'])}, one convention off, the drafter keeps {kept:.0%} "
+                    f"of its accepted draft tokens{noise_said}: a parity below {value:.2f} ({source} threshold) "
+                    "reveals such a mismatch")
+    else:
+        sentence = (f"fed layers {tuple(hardest['aux_layer_ids'])}, one convention off, the drafter still keeps "
+                    f"{kept:.0%} of its accepted draft tokens{noise_said}: on this target a parity gap cannot reveal "
+                    f"wrong aux-layer ids (threshold {value:.2f}, {source}); the engine's log and preflight can")
+    return ParityPower(kept_share=kept, shifts=shifts, noise=noise, noise_sources=sources, detectable=detectable,
+                       threshold=value, threshold_source=source, sentence=sentence)
+
+
 def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Parity:
     """Parity = engine accepted tokens per step / reference accepted tokens per step; below threshold: suspected."""
     ref_len, ref_pp = _reference_figures(reference)
@@ -288,16 +355,18 @@ def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Pari
     )
 
 
-def with_parity(result: EvalResult, reference: Any, threshold: float,
+def with_parity(result: EvalResult, reference: Any, threshold: float | str = "auto",
                 engine_cfg: EngineConfig | None = None) -> EvalResult:
-    """The result with parity against the reference filled in (unchanged when the engine did not run)."""
+    """The result with parity against the reference filled in (unchanged when the engine did not run); threshold
+    "auto" is set from this target's measured power (parity_power)."""
     if result.status != "ok" or result.acceptance is None or result.acceptance.mean_acceptance_length is None:
         return result
-    parity = compute_parity(result.acceptance, reference, threshold)
+    power = parity_power(reference, result.points, threshold)
+    parity = compute_parity(result.acceptance, reference, power.threshold).model_copy(update={"power": power})
     logged = logged_aux_layers(result)
     if logged and logged[1]:
         seen = "" if parity.value is None else (
-            f" (parity {parity.value:.2f}: " + ("low as well)" if parity.value < threshold else
+            f" (parity {parity.value:.2f}: " + ("low as well)" if parity.value < parity.threshold else
                                                 "acceptance alone would not show it)"))
         parity = parity.model_copy(update={"integration_suspected": True, "integration_fault": AUX_IDS_FAULT,
                                            "verdict": f"{AUX_IDS_FAULT}: {logged[0]}{seen}"})
@@ -635,6 +704,10 @@ def report_markdown(results: list[EvalResult]) -> str:
         lines.append(ident + f"| {_fmt(a.mean_acceptance_length if a else None)} | {pp} | "
                      f"{_fmt(par.reference_mean_acceptance_length if par else None)} | "
                      f"{_fmt(par.value if par else None)} | {par.verdict if par else 'no reference given'} |")
+    powers = [r for r in results if r.parity and r.parity.power]
+    if powers:
+        lines += ["", "What a parity gap can reveal on this target (the reference decoder fed the drafter neighbouring "
+                  "layers):", ""] + [f"- {r.engine} {r.engine_version or ''}: {r.parity.power.sentence}." for r in powers]
     suspected = [r for r in results if r.parity and r.parity.integration_suspected]
     for r in suspected:
         lines += ["", f"### Integration suspected: {r.label()}", "", "Likely causes, most specific first:", ""]

@@ -109,22 +109,48 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
     eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
-                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store))
+                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports))
     return engine_result_key(config, engine)
 
 
-def trained_aux_layer_ids(config: PipelineConfig, store: Store) -> list[int] | None:
-    """The aux layers the run's training fed the drafter (vLLM convention), from its metrics.json: the one record
-    every export and engine log is checked against."""
+def trained_aux_layer_ids(config: PipelineConfig, store: Store, exports: dict[str, str] | None = None
+                          ) -> list[int] | None:
+    """The aux layers the training fed the drafter (vLLM convention), from its metrics.json: the one record every
+    export and engine log is checked against. The run's own training first; a run that trained nothing (the
+    nightly evaluating a production drafter) reads the record its exports' lineage points at."""
     key = f"{config.run}/train/metrics.json"
-    if not store.exists(key):
-        return None
-    record = json.loads(store.get_bytes(key))
+    if store.exists(key):
+        source, raw = store.uri(key), store.get_bytes(key)
+    else:
+        found = _lineage_training_record(store, exports or {})
+        if found is None:
+            return None
+        source, raw = found
+    record = json.loads(raw)
     if record.get("convention", "vllm") != "vllm":
-        raise ConfigError(f"{store.uri(key)} records aux-layer ids in the {record.get('convention')!r} convention; "
+        raise ConfigError(f"{source} records aux-layer ids in the {record.get('convention')!r} convention; "
                           "draftline's training writes vLLM's, so rerun the training stage")
     ids = record.get("aux_layer_ids")
     return [int(i) for i in ids] if ids else None
+
+
+def _lineage_training_record(store: Store, exports: dict[str, str]) -> tuple[str, bytes] | None:
+    """(uri, bytes) of the training record named by an export's lineage (`training_metrics`), when it can be read."""
+    for prefix in exports.values():
+        lineage_key = f"{prefix}/draftline.json"
+        if not store.exists(lineage_key):
+            continue
+        uri = json.loads(store.get_bytes(lineage_key)).get("training_metrics")
+        if not uri:
+            continue
+        folder, _, name = uri.rstrip("/").rpartition("/")
+        try:
+            source = open_store(folder)
+            if source.exists(name):
+                return uri, source.get_bytes(name)
+        except (ConfigError, OSError):  # moved, or a store this worker has no credentials for
+            continue
+    return None
 
 
 def engine_result_key(config: PipelineConfig, engine: EngineConfig) -> str:
@@ -147,6 +173,7 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
         max_new_tokens=config.eval.max_new_tokens, max_prompts=config.eval.reference.max_prompts or config.eval.max_prompts,
         use_chat_template=config.eval.use_chat_template, device=config.eval.reference.device,
         temperature=config.eval.temperature, batch_size=config.eval.reference.batch_size,
+        aux_shifts=config.eval.reference.aux_shifts, other_precision=config.eval.reference.other_precision,
     )
     key = reference_key(config)
     store.put_bytes(key, (json.dumps(summary, indent=2) + "\n").encode())
@@ -180,12 +207,18 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
             "keys": keys, "result_keys": result_keys, "reference_key": reference_key}
 
 
+def _shift_note(reference_summary: dict) -> str:
+    kept = [f"{r['kept_share']:.0%} with layers {tuple(r['aux_layer_ids'])}"
+            for r in reference_summary.get("aux_shift_acceptance") or [] if r.get("kept_share") is not None]
+    return f"; the drafter keeps {' and '.join(kept)} of its accepted tokens" if kept else ""
+
+
 def summary_rows(results: list, reference_summary: dict) -> list[dict[str, Any]]:
     """One row per engine and concurrency, plus the reference decoder: the pipeline's final table."""
     rows = [{"engine": "reference decoder (torch)", "status": "ok", "concurrency": 1,
              "acceptance_length": round(reference_summary["mean_acceptance_length"], 3),
              "speedup": round(reference_summary.get("speedup", float("nan")), 3),
-             "parity": None, "note": "engine-independent ground truth"}]
+             "parity": None, "note": "engine-independent ground truth" + _shift_note(reference_summary)}]
     for r in results:
         if r.status != "ok":
             rows.append({"engine": r.engine, "status": r.status, "concurrency": None, "acceptance_length": None,

