@@ -71,7 +71,9 @@ def main(argv=None) -> int:
     pipeline_s = time.monotonic() - t1
     text = (out / "pipeline.log").read_text(errors="replace")
     run_dir = work / "runs" / config["run"]
-    for rel in ("eval/report", "eval/vllm/logs", "traces/stats.json", "train/metrics.json"):
+    engine_logs = [f"eval/{d.name}/logs" for d in sorted((run_dir / "eval").glob("*")) if (d / "logs").is_dir()]
+    for rel in ("eval/report", *engine_logs, "eval/reference/result.json", "traces/stats.json",
+                "train/metrics.json"):
         src = run_dir / rel
         if src.is_dir():
             shutil.copytree(src, out / rel.replace("/", "-"), dirs_exist_ok=True)

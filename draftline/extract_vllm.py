@@ -72,14 +72,21 @@ def check_devices(settings: ServerSettings, field: str, visible: int | None = No
                           f"{visible}; lower {field}.tensor_parallel_size or run the stage on a worker with {needed}")
 
 
-def check_architecture(target_dir: str | Path) -> str:
-    """Ask the installed vLLM's model registry (preflight's lookup) whether the target's class can hand over aux
-    hidden states; returns the architecture, or raises one sentence naming the fix."""
-    from draftline.engines.preflight import target_architecture, vllm_supports_eagle3
+def check_architecture(target_dir: str | Path, settings: ServerSettings | None = None) -> str:
+    """Ask vLLM's model registry (preflight's lookup; in the engine's own environment when settings name one) whether
+    the target's class can hand over aux hidden states; returns the architecture, or raises one sentence naming the fix."""
+    from draftline.engines.preflight import probe_environment, runs_elsewhere, target_architecture
+    from draftline.engines.registry import vllm_supports_eagle3
 
     arch = target_architecture(Path(target_dir))
     try:
-        supported = vllm_supports_eagle3(arch)
+        if settings is not None and runs_elsewhere(settings):
+            facts = probe_environment(settings, "vllm", arch)
+            if facts["version"] is None:
+                raise ImportError("vllm")
+            supported = facts["supported"]
+        else:
+            supported = vllm_supports_eagle3(arch)
     except ImportError:
         raise ConfigError("extract.backend is vllm but vllm is not installed in this environment; run the stage on a "
                           "worker of the engine's pool (gpu-vllm) or use extract.backend: transformers") from None
@@ -205,7 +212,7 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
     t0 = time.perf_counter()
     timing: dict = {}
     if pending:
-        check_architecture(target_dir)
+        check_architecture(target_dir, settings)
         jobs = []
         for plan in pending:
             traces = load_shard_traces(store, plan, entries)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from draftline.config import EngineConfig, EvalConfig
-from draftline.engines.preflight import EngineUnavailable, check_drafter, check_gpu, engine_version, preflight
+from draftline.engines.preflight import EngineUnavailable, check_drafter, check_gpu, preflight
+from draftline.engines.registry import engine_version
 from draftline.engines.vllm import (
     ACCEPTED_PER_POS, acceptance_from_counters, command, parse_prometheus, spec_counters,
 )

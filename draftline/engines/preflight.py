@@ -10,11 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from draftline.config import EngineConfig, ServerSettings
+from draftline.engines.registry import engine_version, sglang_supports_eagle3, vllm_supports_eagle3
 from draftline.errors import ConfigError, EngineError
 
 # The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
@@ -32,14 +32,6 @@ class EngineUnavailable(EngineError):
 
     def __init__(self, message: str):
         super().__init__(message, transient=False)
-
-
-def engine_version(engine: str) -> str | None:
-    if engine == "vllm":
-        from draftline.engines.vllm import installed_version
-    else:
-        from draftline.engines.sglang import installed_version
-    return installed_version()
 
 
 def check_installed(engine: str, version: str | None | Literal["ask"] = "ask", where: str = "in this environment"
@@ -63,22 +55,13 @@ def environment_label(cfg: ServerSettings) -> str:
     return "in the engine's environment (" + ", ".join(parts) + ")"
 
 
-def engine_facts(engine: str, architecture: str) -> dict:
-    """The engine's version here and whether it serves `architecture` with EAGLE-3 (None: unknown architecture)."""
-    version = engine_version(engine)
-    if version is None:
-        return {"version": None, "supported": None}
-    supports = vllm_supports_eagle3 if engine == "vllm" else sglang_supports_eagle3
-    return {"version": version, "supported": supports(architecture)}
-
-
 def probe_environment(cfg: ServerSettings, engine: str, architecture: str, timeout_s: float = 300.0) -> dict:
     """engine_facts asked of the engine's own environment, in a child process of its interpreter (draftline's
     root appended to its PYTHONPATH, nothing else of this process's path)."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, **cfg.env,
            "PYTHONPATH": os.pathsep.join(p for p in (cfg.env.get("PYTHONPATH", ""), root) if p)}
-    code = ("import json, sys; from draftline.engines.preflight import engine_facts; "
+    code = ("import json, sys; from draftline.engines.registry import engine_facts; "
             "print(json.dumps(engine_facts(sys.argv[1], sys.argv[2])))")
     python = cfg.python or sys.executable
     try:
@@ -123,29 +106,6 @@ def target_architecture(target_dir: Path) -> str:
     if not archs:
         raise ConfigError(f"{cfg_path}: no \"architectures\" entry; add the model class, e.g. [\"LlamaForCausalLM\"]")
     return archs[0]
-
-
-@lru_cache(maxsize=None)
-def vllm_supports_eagle3(architecture: str) -> bool | None:
-    """Ask vLLM's model registry; None when vLLM does not know the architecture at all."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.interfaces import supports_eagle3
-
-    if architecture not in ModelRegistry.get_supported_archs():
-        return None
-    model_cls = ModelRegistry._try_load_model_cls(architecture)  # no public "load class" API in vLLM 0.32
-    return model_cls is not None and supports_eagle3(model_cls)
-
-
-@lru_cache(maxsize=None)
-def sglang_supports_eagle3(architecture: str) -> bool | None:
-    """SGLang models that capture aux states for EAGLE-3 define set_eagle3_layers_to_capture (not run here)."""
-    from sglang.srt.models.registry import ModelRegistry
-
-    if architecture not in ModelRegistry.get_supported_archs():
-        return None
-    model_cls = ModelRegistry.resolve_model_cls([architecture])[0]
-    return hasattr(model_cls, "set_eagle3_layers_to_capture")
 
 
 def check_architecture(engine: str, version: str, target_dir: Path,

