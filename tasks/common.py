@@ -1,7 +1,9 @@
 """What every draftline task shares: retry only transient failures, cache on inputs + source, artifacts that link the store."""
 from __future__ import annotations
 
+import base64
 import functools
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -80,8 +82,27 @@ def publish_table(key: str, rows: list[dict], description: str) -> None:
     create_table_artifact(key=artifact_key(key), table=rows, description=description)
 
 
-def publish_markdown(key: str, markdown: str, description: str) -> None:
+def publish_markdown(key: str, markdown: str, description: str, images_from: tuple[Store, str] | None = None) -> None:
+    """A markdown artifact; with images_from=(store, prefix) its relative PNG images are read from that store folder
+    and inlined (inline_images), so the UI shows the plots and not broken links."""
+    if images_from is not None:
+        markdown = inline_images(markdown, *images_from)
     create_markdown_artifact(key=artifact_key(key), markdown=markdown, description=description)
+
+
+_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s:]+\.png)\)")
+
+
+def inline_images(markdown: str, store: Store, prefix: str) -> str:
+    """`![alt](plot.png)` with plot.png under `prefix` in the store becomes `![alt](data:image/png;base64,...)`; an
+    image the store lacks, or one with a scheme, is left as written."""
+    def inline(match: re.Match) -> str:
+        key = f"{prefix.rstrip('/')}/{match.group(2)}"
+        if not store.exists(key):
+            return match.group(0)
+        return f"![{match.group(1)}](data:image/png;base64,{base64.b64encode(store.get_bytes(key)).decode()})"
+
+    return _IMAGE.sub(inline, markdown)
 
 
 def publish_link(key: str, store: Store, store_key: str, description: str) -> None:
