@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ from draftline.target import capture_hidden_states, decoder_layers, resolve_devi
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The precision a reference run is repeated in to see how far numerics alone move acceptance (engines serve bf16).
-_OTHER_PRECISION = {"float32": torch.bfloat16, "bfloat16": torch.float32, "float16": torch.float32}
+_OTHER_PRECISION = {"float32": "bfloat16", "bfloat16": "float32", "float16": "float32"}
 
 
 # ---------------------------------------------------------------- statistics
@@ -902,13 +902,12 @@ class ReferenceResult:
 
 def variant_runs(decoder: "SpeculativeDecoder", batches: Sequence[Sequence[Sequence[int]]], max_new_tokens: int,
                  reference: AcceptanceStats, seed: int, shifts: Sequence[int] = (),
-                 other_dtype: torch.dtype | None = None) -> tuple[list[dict], dict | None]:
+                 other: tuple[str, Callable[[], tuple]] | None = None) -> tuple[list[dict], dict | None]:
     """The reference decode again with one thing changed, on the same batches: the drafter fed the layers `shift`
     away from its trained ones (every id moved alike, as a convention mix-up moves them), or target and drafter in
-    `other_dtype`. Each row gives its acceptance and `kept_share`, the share of accepted draft tokens per step it
-    keeps: what wrong ids would cost on this target, and how far numerics alone move acceptance."""
-    import copy
-
+    another precision (other: its dtype name and a loader of (target, drafter) in it). Each row gives its acceptance
+    and `kept_share`, the share of accepted draft tokens per step it keeps: what wrong ids would cost on this target,
+    and how far numerics alone move acceptance."""
     trained = list(decoder.aux_layer_ids)
     base = reference.mean_acceptance_length - 1.0
     num_layers = len(decoder_layers(decoder.model))
@@ -933,14 +932,13 @@ def variant_runs(decoder: "SpeculativeDecoder", batches: Sequence[Sequence[Seque
             shifted.append({**row, "skipped": f"layers {ids} are outside the target's 0..{num_layers - 1}"})
             continue
         shifted.append({**row, **decode(decoder.model, decoder.drafter, ids)})
-    other = None
-    if other_dtype is not None:
-        # Copies: casting the caller's target there and back would not give its weights back bit for bit.
-        model = copy.deepcopy(decoder.model).to(other_dtype)
-        drafter = copy.deepcopy(decoder.drafter).to(other_dtype)
-        other = {"dtype": str(other_dtype).removeprefix("torch."), **decode(model, drafter, trained)}
+    other_row = None
+    if other is not None:
+        # Loaded afresh: casting the caller's target there and back would not give its weights back bit for bit.
+        model, drafter = other[1]()
+        other_row = {"dtype": other[0], **decode(model, drafter, trained)}
         del model, drafter
-    return shifted, other
+    return shifted, other_row
 
 
 def eos_token_ids(target_dir: str | Path, tokenizer) -> list[int]:
@@ -1037,9 +1035,13 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: 
         match = match and spec.tokens == plain.tokens
         modes["spec"].add(spec.mode)
         modes["plain"].add(plain.mode)
+    def load_other():
+        other_model, _ = load_target(target_dir, _OTHER_PRECISION[dtype], device)
+        return other_model, load_drafter(drafter_dir, other_model, _DTYPES[_OTHER_PRECISION[dtype]], device)
+
     shifted, other = variant_runs(decoder, [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)],
                                   max_new_tokens, stats, seed, aux_shifts,
-                                  _OTHER_PRECISION[dtype] if other_precision else None)
+                                  (_OTHER_PRECISION[dtype], load_other) if other_precision else None)
     return ReferenceResult(
         target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, draft_sampling=draft_sampling,
         dtype=dtype, device=device,
