@@ -33,12 +33,14 @@ SCHEMA = "draftline-eval/1"
 AUX_IDS_FAULT = "integration: aux-layer ids"
 # Below this many accepted draft tokens per step the reference drafter is too weak for a ratio to mean anything.
 MIN_REFERENCE_ACCEPTED = 0.02
-# Bounds of the parity threshold set from a target's measured power. A gap of 5% or less is never called a fault:
-# engines decode in other precisions than the reference (vLLM in bf16 on an H200 measured parity 0.95 with the
-# trained layers). Below 0.5 a threshold would excuse an engine that loses half of what the drafter earns.
-PARITY_THRESHOLD_CEILING = 0.95
+# Bounds of the parity threshold set from a target's measured power. A gap of 10% or less is never called a fault:
+# engines decode in bf16 and batch differently from the reference, and with the trained layers parity measured
+# 0.92 (SGLang, 32 prompts) to 1.02 on an H200. Below 0.5 a threshold would excuse an engine that loses half of
+# what the drafter earns.
+PARITY_THRESHOLD_CEILING = 0.9
 PARITY_THRESHOLD_FLOOR = 0.5
-# Used when nothing was measured to set the threshold from (no shifted-layer runs, no spread).
+# When nothing was measured, or when wrong layers cost too little to see: parity still catches the faults that cost
+# far more (a missing d2t, EAGLE instead of EAGLE3, a broken capture).
 DEFAULT_PARITY_THRESHOLD = 0.8
 
 
@@ -310,7 +312,7 @@ def parity_power(reference: Any, points: list[ConcurrencyPoint], threshold: floa
     elif kept is None and noise is None:
         value, source = DEFAULT_PARITY_THRESHOLD, "default"
     else:
-        value = (upper + kept) / 2 if detectable else upper
+        value = (upper + kept) / 2 if detectable else min(upper, DEFAULT_PARITY_THRESHOLD)
         value, source = max(PARITY_THRESHOLD_FLOOR, min(value, PARITY_THRESHOLD_CEILING)), "measured"
     hardest = next((r for r in shifts if r.get("kept_share") == kept), None)
     noise_said = "" if noise is None else f"; without a fault parity moves by up to {noise:.0%}"

@@ -76,16 +76,18 @@ def test_parity_threshold_comes_from_what_wrong_layers_cost_this_target_and_how_
     # Neighbouring layers halve what the drafter earns; bf16 moves acceptance by 4%: a parity gap can show them.
     power = parity_power(_with_shifts([0.5, 0.62]), _result(drafter).points)
     assert power.kept_share == 0.62 and power.noise == pytest.approx(0.04) and power.detectable
-    assert power.threshold_source == "measured" and power.threshold == pytest.approx((0.95 + 0.62) / 2)
+    assert power.threshold_source == "measured" and power.threshold == pytest.approx((0.9 + 0.62) / 2)
     assert "(3, 5, 6)" in power.sentence and "reveals such a mismatch" in power.sentence
-    # An engine at 0.7 of the reference falls below the measured threshold, 0.785.
+    # An engine at 0.7 of the reference falls below the measured threshold, 0.76 (a fixed 0.8 would say the same
+    # here, but not for a drafter whose neighbouring layers keep 0.85).
     judged = with_parity(_result(drafter, accepted_pp=(0.5, 0.25, 0.09)), REFERENCE | _with_shifts([0.5, 0.62]))
     assert judged.parity.value == pytest.approx(0.7) and judged.parity.integration_suspected
-    assert judged.parity.threshold == pytest.approx(0.785)
+    assert judged.parity.threshold == pytest.approx(0.76)
+    assert parity_power(_with_shifts([0.8, 0.85]), _result(drafter).points).threshold == pytest.approx(0.875)
     # The demo Llama's case: neighbouring layers keep 97%, inside the spread. Parity cannot see them; it says so
-    # and keeps a threshold that still catches larger faults.
+    # and keeps a threshold for the faults that cost far more.
     blind = parity_power(_with_shifts([0.97, 0.96], bf16_kept=0.94), _result(drafter).points)
-    assert blind.detectable is False and blind.threshold == pytest.approx(0.94)
+    assert blind.detectable is False and blind.threshold == pytest.approx(0.8)
     assert "cannot reveal wrong aux-layer ids" in blind.sentence and "engine's log" in blind.sentence
     report = report_markdown([with_parity(_result(drafter, accepted_pp=(0.6, 0.4, 0.2)), _with_shifts([0.97, 0.96]))])
     assert "What a parity gap can reveal on this target" in report and "cannot reveal wrong aux-layer ids" in report
