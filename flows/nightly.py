@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import sys
 from datetime import datetime, timezone
+from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
 
 from draftline.config import PipelineConfig
 from draftline.regression import RegressionDetected
+from flows import deployed
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
+from flows.pipeline import resolve_config
 from tasks import regression as regression_tasks
 
 
@@ -45,15 +48,21 @@ def regression_check(config: PipelineConfig, drafter: dict, history_prefix: str 
 
 
 @flow(name="nightly-regression", log_prints=True)
-def nightly_regression(config: PipelineConfig, drafter: str, history_prefix: str = "history",
-                       accept_new_baseline: bool = False, engine_runs: EngineRuns = "in-process",
-                       stage_runs: StageRuns = "in-process") -> dict:
+def nightly_regression(config: PipelineConfig | None = None, drafter: str = "./runs/demo/export",
+                       history_prefix: str = "history", accept_new_baseline: bool = False,
+                       engine_runs: EngineRuns = "in-process", stage_runs: StageRuns = "in-process",
+                       config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict:
     """The production drafter (store URI of its exports folder) on the pinned eval prompts on every configured
     engine, compared with the last good night and the rolling median; fails and emits an event on a regression.
 
+    The config: `config`, or else the YAML file `config_file` with `overrides` merged in, as the pipeline reads it.
     `accept_new_baseline` records tonight as good whatever the verdict (after an intended change). `stage_runs`
     "deployments" runs the reference decoder on its own (GPU) pool.
     """
+    config = resolve_config(config, config_file, overrides)
+    needed = deployed.deployments_needed(config, engine_runs, stage_runs,
+                                         stage_deployments=("reference-acceptance/reference-acceptance",))
+    deployed.require_live_workers(needed)  # nothing waits on a pool without a worker
     tonight = config.model_copy(update={"run": nightly_run_name(config)})
     production = regression_tasks.production_drafter(tonight, drafter)
     evaluation = evaluate(tonight, production["exports"], engine_runs, stage_runs, return_state=True)

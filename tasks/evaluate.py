@@ -43,6 +43,7 @@ def report(config: PipelineConfig, result_keys: list[str], reference_key: str) -
     run = config.run
     publish_table(f"{run}-eval-summary", rendered["rows"],
                   f"draftline evaluation of run {run}: acceptance, speedup and parity per engine and concurrency")
-    publish_markdown(f"{run}-eval-report", rendered["markdown"], f"draftline evaluation report, run {run}")
+    publish_markdown(f"{run}-eval-report", rendered["markdown"], f"draftline evaluation report, run {run}",
+                     images_from=(store, rendered["report_key"].rsplit("/", 1)[0]))
     publish_link(f"{run}-eval-report-link", store, rendered["report_key"], "the report in the artifact store")
     return rendered

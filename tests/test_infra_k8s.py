@@ -69,6 +69,17 @@ def test_every_flow_that_needs_a_gpu_is_deployed_on_a_gpu_pool_and_only_those():
         assert _deployment(name)["parameters"]["engine_runs"] == "deployments"
 
 
+def test_the_scheduled_runs_read_the_same_config_file_as_make_demo():
+    """The pipeline and the nightly deployments name configs/demo.yaml rather than a copy of it that drifts."""
+    from draftline.config import PipelineConfig, load_config
+
+    for name in ("pipeline", "nightly"):
+        config_file = _deployment(name)["parameters"]["config_file"]
+        assert config_file == "configs/demo.yaml"
+        assert isinstance(load_config(REPO / config_file, PipelineConfig), PipelineConfig)
+        assert "config" not in _deployment(name)["parameters"]
+
+
 @pytest.mark.parametrize("name", sorted(GPU_DEPLOYMENTS))
 def test_deployment_job_variables_render_into_a_gpu_job(name, k8s_config_cls):
     deployment = _deployment(name)

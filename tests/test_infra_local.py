@@ -265,7 +265,9 @@ def test_pipeline_deployment_runs_each_gpu_stage_and_its_evaluation_on_their_poo
         assert len(children[name]) == 1, f"{name}: {len(children[name])} flow runs"
         child = children[name][0]
         assert child.state.is_completed() and child.work_pool_name == pool, f"{name}: {child.state.name} on {pool}"
-        assert str(child.id) in logs[f"worker-{pool}"] and str(child.id) not in logs["worker-cpu"], name
+        # Run by that pool's worker, not the cpu worker (whose log names the child only as started by the parent).
+        submitted = f"submitting flow run '{child.id}'"
+        assert submitted in logs[f"worker-{pool}"] and submitted not in logs["worker-cpu"], name
         assert child.job_variables == {"gpus": expected_gpus.get(name, 1)}, name
 
     # Every stage's artifacts are in S3 under the run, each written by its own pool's worker.
