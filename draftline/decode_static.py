@@ -275,9 +275,9 @@ class StaticDrafter:
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.device = net.fc.weight.device
         self.dtype = net.fc.weight.dtype
-        shape = (batch, cfg.num_key_value_heads, num_slots, cfg.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shape = (batch, cfg.num_key_value_heads, num_slots)
+        self.keys = torch.zeros(*shape, cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(*shape, cfg.value_dim, dtype=self.dtype, device=self.device)
         self.key_valid = torch.zeros(batch, num_slots, dtype=torch.bool, device=self.device)
         self.slot_ids = torch.arange(num_slots, device=self.device)
         self.forwards = 0

@@ -49,14 +49,15 @@ def tiny_target(kind: str, vocab: int, seed: int = 0):
     return model.eval()
 
 
-def random_drafter(model, aux_ids=None, seed: int = 1, draft_vocab: int | None = None, std: float = 0.02) -> Eagle3Drafter:
+def random_drafter(model, aux_ids=None, seed: int = 1, draft_vocab: int | None = None, std: float = 0.02,
+                   attention: str = "llama") -> Eagle3Drafter:
     """An untrained head; std=0.5 or so makes its guesses depend on the input instead of being nearly constant."""
     from draftline.config import DrafterConfig
 
     torch.manual_seed(seed)
     cfg = model.config
     n = cfg.num_hidden_layers
-    sizes = DrafterConfig(draft_vocab_size=draft_vocab or cfg.vocab_size)
+    sizes = DrafterConfig(draft_vocab_size=draft_vocab or cfg.vocab_size, attention=attention)
     drafter = Eagle3Drafter.from_target_config(cfg, sizes, aux_ids or [2, n // 2, n - 3])
     drafter.reset_parameters(std=std)
     if draft_vocab is not None:  # a draft vocabulary of every other token

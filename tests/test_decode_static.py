@@ -91,6 +91,21 @@ def test_greedy_iteration_calls_match_eager_with_a_draft_vocabulary():
     assert plain.tokens == fast.tokens and model._draftline_plain_static.greedy_step is not None
 
 
+def test_an_mla_head_decodes_the_same_on_the_static_path_as_on_the_eager_one():
+    """An MLA head (keys wider than values) in the static caches: the tokens of plain greedy decoding, and the same
+    acceptance as the eager path."""
+    model = tiny_target("deepseek", vocab=8, seed=3)
+    drafter = random_drafter(model, draft_vocab=4, std=0.5, attention="mla")
+    assert drafter.config.head_dim != drafter.config.value_dim
+    prompts = random_prompts(6, 8, seed=4)
+    fast = SpeculativeDecoder(model, drafter, k=3, fast=True).generate(prompts, 20)
+    eager = SpeculativeDecoder(model, drafter, k=3, fast=False).generate(prompts, 20)
+    assert fast.mode == "static-eager"
+    assert fast.tokens == eager.tokens == [plain_decode(model, [p], 20, fast=False).tokens[0] for p in prompts]
+    _same_stats(fast.stats, eager.stats)
+    assert eager.stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
 def test_static_sampling_draws_what_the_eager_path_draws(draft_sampling):
     """Same generator, same order of draws, same probabilities: the same samples and acceptance, row by row."""

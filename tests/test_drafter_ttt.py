@@ -15,14 +15,21 @@ TARGET = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 8, "n
           "num_key_value_heads": 2, "vocab_size": 50, "rope_theta": 10000.0}
 
 
-def drafter(seed=0):
+# An MLA target's sizes (DeepSeek-V3's layout, scaled down) for the MLA head (drafter.attention: mla).
+MLA_TARGET = {**TARGET, "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 24, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 8, "v_head_dim": 6}
+
+
+def drafter(seed=0, attention="llama"):
     torch.manual_seed(seed)
-    return Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=50)).eval()
+    target = MLA_TARGET if attention == "mla" else TARGET
+    return Eagle3Drafter.from_target_config(target, DrafterConfig(draft_vocab_size=50, attention=attention)).eval()
 
 
-def test_unrolled_steps_equal_decoding_with_a_cache():
+@pytest.mark.parametrize("attention", ["llama", "mla"])
+def test_unrolled_steps_equal_decoding_with_a_cache(attention):
     """Step j at slot t must see exactly what a decoder drafting after token t+1 sees: real keys 0..t, own chain."""
-    model = drafter()
+    model = drafter(attention=attention)
     n, steps = 10, 3
     ids = torch.randint(0, 50, (1, n))
     aux = torch.randn(1, n, 96)

@@ -72,6 +72,9 @@ def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: d
     out.mkdir(parents=True, exist_ok=True)
     convention = reader_convention(fmt, read_target_config(target_dir))
     if fmt == "speculators":
+        if model.config.attention != "llama":
+            raise ConfigError(f"the speculators format describes Llama-layer heads only and this drafter has "
+                              f"{model.config.attention} attention; export it as vllm or sglang")
         config = _speculators_config(model, target_dir, num_speculative_tokens)
         tensors = model.export_tensors(include_embeddings)
         tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}

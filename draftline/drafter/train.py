@@ -23,8 +23,8 @@ from torch import nn
 from draftline.config import DrafterConfig, TrainConfig
 from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_keys, pack_rows, rank_rows,
                                     read_shard_metadata, split_shards)
-from draftline.drafter.model import (LINEAGE_FILE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids, config_for_target,
-                                     target_rope_theta)
+from draftline.drafter.model import (LINEAGE_FILE, MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids,
+                                     config_for_target, target_rope_theta)
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan  # noqa: F401  (acceptance_length is re-exported)
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.errors import ConfigError
@@ -180,6 +180,11 @@ def warm_start_config(source: str, target_cfg: dict, drafter_cfg: DrafterConfig,
         raise ConfigError(f"train.warm_start={source} has no config.json; point it at a drafter directory in the "
                           "SGLang/EAGLE format")
     theirs = json.loads(cfg_path.read_text())
+    theirs_mla = MLA_ARCHITECTURE in (theirs.get("architectures") or [])
+    if theirs_mla != (drafter_cfg.attention == "mla"):
+        kind = "an MLA head" if theirs_mla else "a Llama-layer head"
+        raise ConfigError(f"train.warm_start={source} is {kind} but drafter.attention is {drafter_cfg.attention}; set "
+                          f"drafter.attention to {'mla' if theirs_mla else 'llama'} or train from scratch")
     text = target_cfg.get("text_config", target_cfg)
     for name, target_value in (("hidden_size", text.get("hidden_size")), ("vocab_size", text.get("vocab_size"))):
         if theirs.get(name) is not None and theirs[name] != target_value:

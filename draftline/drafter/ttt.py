@@ -354,7 +354,7 @@ class TTTModel(nn.Module):
         masks = (ttt_block_masks(doc_ids, self.steps)
                  if self.attention is ttt_attention_flex and self.one_key_shape else [None] * self.steps)
         hidden = m.fc(aux.to(self.compute_dtype))
-        cos, sin = rope_tables(position_ids, self.steps, m.config.head_dim, m.config.rope_theta, hidden.dtype)
+        cos, sin = rope_tables(position_ids, self.steps, m.config.rope_dim, m.config.rope_theta, hidden.dtype)
         # Every step's input embeddings in one lookup [k, R, T, H]: step j reads token t+1+j, 0 past the end.
         padded = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], self.steps)], dim=1)
         embeds = m.embed_tokens(padded.unfold(1, t, 1)[:, 1:self.steps + 1].transpose(0, 1)).to(hidden.dtype)
