@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import TaskRunContext
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect.states import Cancelled, Cancelling, Scheduled
 
 from draftline import stages
@@ -159,9 +159,7 @@ def run_on_pool(deployment: str, parameters: dict[str, Any], gpus: int, limits: 
     with get_client(sync_client=True) as client:
         found = client.read_deployment_by_name(deployment)
         pool = found.work_pool_name or "(no pool)"
-        run = client.create_flow_run_from_deployment(
-            found.id, parameters=parameters, state=Scheduled(), name=run_name,
-            parent_task_run_id=parent.task_run.id if parent else None, job_variables={"gpus": gpus})
+        run = _create_linked(client, found.id, parameters, run_name, parent.task_run.id if parent else None, gpus)
         print(f"started {deployment} run {run.name} ({run.id}) on work pool {pool}")
         run = _wait(client, run, deployment, pool, limits)
     state = run.state
@@ -169,6 +167,28 @@ def run_on_pool(deployment: str, parameters: dict[str, Any], gpus: int, limits: 
         why = f": {state.message}" if state.message else ""
         raise StageRunFailed(f"the {deployment} run {run.name} ended {state.name}{why}; see its logs in the Prefect UI")
     return str(run.id)
+
+
+def _create_linked(client, deployment_id, parameters: dict[str, Any], run_name: str, parent_task_run_id,
+                   gpus: int, link_wait_s: float = 60.0):
+    """The child flow run, linked to this task's run. The server records a task run from the events it receives, a
+    moment after the task starts; until then linking to it is refused (409 Conflict), so the request is repeated
+    for up to link_wait_s, and the child starts unlinked rather than not at all."""
+    deadline = time.monotonic() + link_wait_s
+    while True:
+        try:
+            return client.create_flow_run_from_deployment(
+                deployment_id, parameters=parameters, state=Scheduled(), name=run_name,
+                parent_task_run_id=parent_task_run_id, job_variables={"gpus": gpus})
+        except PrefectHTTPStatusError as exc:
+            if parent_task_run_id is None or exc.response.status_code != 409:
+                raise
+            if time.monotonic() > deadline:
+                print(f"the server has not recorded task run {parent_task_run_id} after {link_wait_s:.0f} s; "
+                      f"starting {run_name} without a link to it")
+                parent_task_run_id = None
+            else:
+                time.sleep(1.0)
 
 
 def _named(deployment: str, name: str):
