@@ -22,6 +22,7 @@ def engine_version(engine: str) -> str | None:
     return "unknown"
 
 
+@lru_cache(maxsize=None)
 def vllm_supports_eagle3(architecture: str) -> bool | None:
     """Ask vLLM's model registry; None when vLLM does not know the architecture at all."""
     from vllm.model_executor.models import ModelRegistry
