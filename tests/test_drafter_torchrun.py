@@ -72,14 +72,24 @@ def _rank_pid(rank: int) -> int | None:
 def _task_run_and_logs(api_url: str, task_run_id) -> tuple:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.sorting import LogSort
 
     async def read():
+        # The server answers one page (200 logs by default) per request.
         async with get_client() as client:
             run = await client.read_task_run(task_run_id)
-            logs = await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])))
-            return run, [log.message for log in logs]
+            messages: list[str] = []
+            while True:
+                page = await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
+                                              offset=len(messages), sort=LogSort.TIMESTAMP_ASC)
+                messages += [log.message for log in page]
+                if not page:
+                    return run, messages
+
+    from prefect.logging.handlers import APILogHandler
 
     with temporary_settings({PREFECT_API_URL: api_url}):
+        APILogHandler().flush()  # logs reach the server in batches; send what is still queued
         return asyncio.run(read())
 
 
