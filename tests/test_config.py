@@ -1,4 +1,5 @@
 """Config loading: the demo config is valid, and each kind of bad input gets one sentence naming field and fix."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,62 @@ def test_the_kimi_example_runs_every_target_stage_in_an_engine_on_8_gpus():
     assert {e.tensor_parallel_size for e in cfg.eval.engines} == {8}
     with pytest.raises(ConfigError, match="asks for 8 GPUs .* this worker sees 1"):
         check_devices(cfg.extract.vllm, "extract.vllm", visible=1)
+
+
+def test_the_llama_example_runs_every_stage_on_one_gpu(tmp_path):
+    """configs/llama-3.1-8b.yaml: traces and extraction through vLLM, each stage and engine on one GPU, the default aux
+    layers of a 32-layer target written out; `config validate` checks them against a checkpoint laid out like
+    Llama-3.1-8B-Instruct's (its config.json; the weights are not read)."""
+    from draftline import stages
+    from draftline.extract_vllm import check_devices
+    from draftline.target import default_aux_layer_ids
+
+    path = ROOT / "configs" / "llama-3.1-8b.yaml"
+    cfg = load_config(path)
+    assert cfg.traces.backend == cfg.extract.backend == "vllm"
+    assert [stages.stage_gpus(cfg, s) for s in ("traces", "extract", "train", "reference")] == [1, 1, 1, 1]
+    assert [(e.engine, stages.engine_gpus(e)) for e in cfg.eval.engines] == [("vllm", 1), ("sglang", 1)]
+    assert all(e.require_gpu for e in cfg.eval.engines) and cfg.train.device == cfg.eval.reference.device == "cuda"
+    assert cfg.extract.aux_layer_ids == default_aux_layer_ids(32) == [2, 16, 29]
+    check_devices(cfg.traces.vllm, "traces.vllm", visible=1)
+    check_devices(cfg.extract.vllm, "extract.vllm", visible=1)
+
+    model = tmp_path / "Meta-Llama-3.1-8B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}))
+    for i in range(1, 5):
+        (model / f"model-0000{i}-of-00004.safetensors").touch()
+    (model / "tokenizer.json").write_text("{}")
+    data = yaml.safe_load(path.read_text())
+    data["target"]["path"] = str(model)
+    data["traces"]["prompts"] = str(ROOT / "assets" / "prompts" / "train_prompts.jsonl")
+    data["eval"]["prompts"] = str(ROOT / "assets" / "prompts" / "eval_prompts.jsonl")
+    data["store"]["root"] = str(tmp_path / "runs")
+    here = tmp_path / "llama.yaml"
+    here.write_text(yaml.safe_dump(data))
+    res = _validate(str(here))
+    assert res.returncode == 0, res.stderr
+    assert f"ok: target.path {model}: LlamaForCausalLM, 32 layers, aux layers [2, 16, 29] (vLLM convention)" in res.stdout
+    data["extract"]["aux_layer_ids"] = [2, 16, 32]  # one past the last layer: named before anything loads
+    here.write_text(yaml.safe_dump(data))
+    res = _validate(str(here))
+    assert res.returncode == 2 and "extract.aux_layer_ids=[2, 16, 32] has ids [32] out of range" in res.stderr
+
+
+EXAMPLES = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_file_in_configs_validates(name):
+    """What a user runs on an example before anything else: valid, with every input that is on this machine checked
+    (the demos' targets and prompts) and the others reported as unchecked, nothing as a problem."""
+    res = _validate(f"configs/{name}", "--elsewhere")
+    assert res.returncode == 0, res.stderr
+    assert f"configs/{name}: valid" in res.stdout
+    assert "problem:" not in res.stdout
 
 
 def test_misspelt_key_is_named_with_a_suggestion():
