@@ -1,4 +1,5 @@
-"""Traces → hidden-state shards: one hooked forward per length-bucketed batch, bf16 capture, overlapped copies and writes."""
+"""Traces → hidden-state shards: one hooked forward per length-bucketed batch, bf16 (or fp8 + scales) capture,
+overlapped copies and writes."""
 from __future__ import annotations
 
 import collections
@@ -16,6 +17,7 @@ if TYPE_CHECKING:  # the benchmark runs this module on GPU machines that have to
     from draftline.config import ExtractConfig
 from draftline.errors import ConfigError, ShardWriteError, is_transient
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
+from draftline.state_storage import BF16, FP8_DTYPE, FP8_E4M3, SCALE_SUFFIX, bytes_per_token, quantize_rows
 from draftline.target import (
     VLLM, capture_hidden_states, decoder_model, load_target, num_layers, read_target_config, resolve_device,
     target_fingerprint, validate_aux_layer_ids,
@@ -163,6 +165,10 @@ class HostShard:
     copied: torch.cuda.Event | None = None
     buffers: list[torch.Tensor] = field(default_factory=list)
     pool: HostBufferPool | None = None
+    # fp8-e4m3: the state blocks are e4m3 and these hold their float32 scales ([n, 3] and [n, 1] per block).
+    storage: str = BF16
+    aux_scale_blocks: list[torch.Tensor] = field(default_factory=list)
+    last_scale_blocks: list[torch.Tensor] = field(default_factory=list)
 
     def wait(self) -> None:
         if self.copied is not None:
@@ -183,16 +189,29 @@ class HostShard:
             self.pool.release(buf)
 
 
+def state_views(buf: torch.Tensor, n: int, h: int, storage: str):
+    """(aux [n, 3h], last [n, h], aux scales [n, 3] or None, last scales [n, 1] or None) laid out in the flat uint8
+    buffer `buf`: the states first, then (fp8) their float32 scales, so one copy moves a whole batch."""
+    if storage == BF16:
+        states = buf[: n * 8 * h].view(torch.bfloat16)
+        return states[: n * 3 * h].view(n, 3 * h), states[n * 3 * h:].view(n, h), None, None
+    states = buf[: n * 4 * h].view(FP8_DTYPE)
+    scales = buf[n * 4 * h: n * (4 * h + 16)].view(torch.float32)  # n * 4h bytes in: 4-byte aligned
+    return (states[: n * 3 * h].view(n, 3 * h), states[n * 3 * h:].view(n, h), scales[: 3 * n].view(n, 3),
+            scales[3 * n:].view(n, 1))
+
+
 class HiddenStateExtractor:
     """Holds a loaded target with hooks on the aux layers and the final norm; turns token sequences into host tensors.
 
     Each batch: one forward of the decoder stack (no lm_head), the hooks gather the real (unpadded) tokens of each
-    captured tensor into a bf16 device staging buffer, and one contiguous copy per captured tensor moves it into
-    the batch's own contiguous pinned host buffer on a side stream, so the next batch computes while it copies.
+    captured tensor into a device staging buffer (bf16, or with storage fp8-e4m3 quantized there, on the device, with
+    one scale per token and state), and one contiguous copy moves it into the batch's own contiguous pinned host
+    buffer on a side stream, so the next batch computes while it copies.
     """
 
     def __init__(self, target_dir: str | Path | None, aux_layer_ids: list[int] | None = None, device: str = "auto",
-                 dtype: str = "bfloat16", model=None):
+                 dtype: str = "bfloat16", model=None, storage: str = BF16):
         self.target_dir = str(target_dir) if target_dir is not None else None
         if self.target_dir is None and model is None:
             raise ConfigError("HiddenStateExtractor needs a target directory or a loaded model; pass target_dir")
@@ -207,9 +226,11 @@ class HiddenStateExtractor:
         self.fingerprint = target_fingerprint(self.target_dir) if self.target_dir else "in-memory"
         self.dtype = str(self.model.dtype)
         self.backend = "transformers"
+        bytes_per_token(1, storage)  # refuses an unknown storage before any batch
+        self.storage = storage
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self.host_pool = HostBufferPool(pinned=self._cuda)
         # Batches issued to the device and not finished, at most max_queued_batches (see _pace).
         self.max_queued_batches = 2
@@ -217,22 +238,20 @@ class HiddenStateExtractor:
 
     @property
     def bytes_per_token(self) -> int:
-        """Host bytes of one token's states: 3 aux + the last hidden state, bf16."""
-        return 4 * self.hidden_size * 2
+        """Host bytes of one token's states: 3 aux + the last hidden state, bf16 or fp8 with their scales."""
+        return bytes_per_token(self.hidden_size, self.storage)
 
-    def _stage(self, slot: int, n: int):
-        """Device staging buffers for `n` tokens, two slots used alternately (reuse waits for that slot's copy)."""
+    def _stage(self, slot: int, nbytes: int) -> torch.Tensor:
+        """A flat device staging buffer of `nbytes`, two slots used alternately (reuse waits for that slot's copy)."""
         while len(self._staging) <= slot:
-            self._staging.append((torch.empty(0), torch.empty(0), None))
-        aux, last, event = self._staging[slot]
+            self._staging.append((torch.empty(0, dtype=torch.uint8), None))
+        buf, event = self._staging[slot]
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
-        if aux.shape[0] < n:
-            h = self.hidden_size
-            aux = torch.empty((n, 3 * h), dtype=torch.bfloat16, device=self.device)
-            last = torch.empty((n, h), dtype=torch.bfloat16, device=self.device)
-            self._staging[slot] = (aux, last, None)
-        return aux[:n], last[:n]
+        if buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._staging[slot] = (buf, None)
+        return buf[:nbytes]
 
     def extract(self, sequences: list[list[int]], batch_tokens: int, shard: int | None = None) -> HostShard:
         """Run the length-bucketed batches of `sequences`; the result's blocks stay valid until its release()."""
@@ -247,7 +266,7 @@ class HiddenStateExtractor:
         cu = [0]
         for i in order:
             cu.append(cu[-1] + lengths[i])
-        host = HostShard(order, torch.tensor(cu, dtype=torch.int64), [], [], pool=self.host_pool)
+        host = HostShard(order, torch.tensor(cu, dtype=torch.int64), [], [], pool=self.host_pool, storage=self.storage)
         try:
             for batch in batches:
                 self._extract_batch(sequences, batch, host, batch_tokens)
@@ -276,12 +295,16 @@ class HiddenStateExtractor:
         h = self.hidden_size
         lengths = [len(sequences[i]) for i in batch]
         width, n_tok = max(lengths), sum(lengths)
-        buf = self.host_pool.acquire(n_tok * self.bytes_per_token, min_bytes=batch_tokens * self.bytes_per_token)
+        nbytes = n_tok * self.bytes_per_token
+        buf = self.host_pool.acquire(nbytes, min_bytes=batch_tokens * self.bytes_per_token)
         host.buffers.append(buf)
-        states = buf[: n_tok * self.bytes_per_token].view(torch.bfloat16)
-        host_aux, host_last = states[: n_tok * 3 * h].view(n_tok, 3 * h), states[n_tok * 3 * h:].view(n_tok, h)
+        host_buf = buf[:nbytes]
+        host_aux, host_last, host_aux_scale, host_last_scale = state_views(host_buf, n_tok, h, self.storage)
         host.aux_blocks.append(host_aux)
         host.last_blocks.append(host_last)
+        if self.storage == FP8_E4M3:
+            host.aux_scale_blocks.append(host_aux_scale)
+            host.last_scale_blocks.append(host_last_scale)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, : lengths[row]] = torch.tensor(sequences[i], dtype=torch.long)
@@ -289,20 +312,26 @@ class HiddenStateExtractor:
         flat = torch.cat([torch.arange(row * width, row * width + n) for row, n in enumerate(lengths)])
         slot = len(host.aux_blocks) % 2
         if self._cuda:
-            stage_aux, stage_last = self._stage(slot, n_tok)
+            stage_buf = self._stage(slot, nbytes)
             ids = ids.pin_memory().to(self.device, non_blocking=True)
             flat = flat.pin_memory().to(self.device, non_blocking=True)
         else:  # on CPU the hooks write straight into the host buffer: no staging, no copy
-            stage_aux, stage_last = host_aux, host_last
+            stage_buf = host_buf
+        stage_aux, stage_last, stage_aux_scale, stage_last_scale = state_views(stage_buf, n_tok, h, self.storage)
         slots = {"aux0": 0, "aux1": 1, "aux2": 2}
 
         def sink(name, hidden):
             rows = hidden.reshape(-1, h).index_select(0, flat)
             if name == "last":
-                stage_last.copy_(rows)
+                out, scale_out = stage_last, stage_last_scale
             else:
                 s = slots[name]
-                stage_aux[:, s * h:(s + 1) * h].copy_(rows)
+                out = stage_aux[:, s * h:(s + 1) * h]
+                scale_out = stage_aux_scale[:, s:s + 1] if stage_aux_scale is not None else None
+            if scale_out is None:
+                out.copy_(rows)
+            else:
+                quantize_rows(rows, out=out, scale_out=scale_out)
 
         with capture_hidden_states(self.model, self.aux_layer_ids, sink):
             self.decoder(input_ids=ids, use_cache=False)
@@ -312,24 +341,24 @@ class HiddenStateExtractor:
             self._queued.append(issued)
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
-                # Whole contiguous tensors into contiguous pinned memory: one DMA each, at full bandwidth.
-                host_aux.copy_(stage_aux, non_blocking=True)
-                host_last.copy_(stage_last, non_blocking=True)
+                # The whole contiguous batch into contiguous pinned memory: one DMA, at full bandwidth.
+                host_buf.copy_(stage_buf, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
-            a, l, _ = self._staging[slot]
-            self._staging[slot] = (a, l, event)
+            self._staging[slot] = (self._staging[slot][0], event)
 
 
 # ---------------------------------------------------------------- shards
 
 def shard_spec(source, plan: ShardPlan, trace_sha: dict[str, str]) -> str:
-    """What determines a shard's content: target, layers, dtype, the traces, and the backend when it is not the
-    default (so switching backends recomputes, while shards made before backends existed stay valid)."""
+    """What determines a shard's content: target, layers, dtype, the traces, and the backend and the state storage
+    when they are not the default (so switching either recomputes, while shards made before they existed stay valid)."""
     spec = {"target": source.fingerprint, "aux": source.aux_layer_ids, "dtype": source.dtype,
             "ranges": [(k, trace_sha[k], a, b) for k, a, b in plan.ranges]}
     if source.backend != "transformers":
         spec["backend"] = source.backend
+    if source.storage != BF16:
+        spec["storage"] = source.storage
     return spec_hash(spec)
 
 
@@ -342,7 +371,8 @@ def load_shard_traces(store, plan: ShardPlan, entries) -> list[dict]:
     return out
 
 
-_ST_DTYPES = {torch.int64: "I64", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32"}
+_ST_DTYPES = {torch.int64: "I64", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32",
+              FP8_DTYPE: "F8_E4M3"}
 
 
 def safetensors_chunks(tensors: dict[str, torch.Tensor | list[torch.Tensor]], metadata: dict[str, str]) -> list:
@@ -381,13 +411,16 @@ def write_hidden_shard(store, run: str, plan: ShardPlan, spec: str, source, trac
     meta = {"aux_layer_ids": json.dumps(source.aux_layer_ids), "convention": VLLM,
             "target_fingerprint": source.fingerprint, "hidden_size": str(source.hidden_size),
             "trace_ids": json.dumps([traces[i]["id"] for i in order]),
-            "last_hidden_state": LAST_STATE, "backend": source.backend}
+            "last_hidden_state": LAST_STATE, "backend": source.backend, "storage": host.storage}
     host.wait()
     tensors = {"input_ids": ids, "loss_mask": mask, "cu_seqlens": host.cu_seqlens,
                "aux_hidden_states": host.aux_blocks, "last_hidden_states": host.last_blocks}
+    if host.storage == FP8_E4M3:
+        tensors["aux_hidden_states" + SCALE_SUFFIX] = host.aux_scale_blocks
+        tensors["last_hidden_states" + SCALE_SUFFIX] = host.last_scale_blocks
     info = {"tokens": int(ids.numel()), "sequences": len(order), "loss_tokens": int(mask.sum()),
             "aux_layer_ids": source.aux_layer_ids, "convention": VLLM, "target_fingerprint": source.fingerprint,
-            "backend": source.backend}
+            "backend": source.backend, "storage": host.storage}
     publish_shard(store, run, STAGE, plan.index, SUFFIX, spec, info, chunks=safetensors_chunks(tensors, meta))
     return info
 
@@ -402,14 +435,16 @@ def check_traces(traces: list[dict], plan: ShardPlan) -> None:
 _EXTRACTORS: dict[tuple, HiddenStateExtractor] = {}
 
 
-def _cached_extractor(target_dir: str, ids: tuple, device: str, dtype: str) -> HiddenStateExtractor:
+def _cached_extractor(target_dir: str, ids: tuple, device: str, dtype: str, storage: str) -> HiddenStateExtractor:
     """One loaded target per process: a worker running shard after shard loads the weights once.
     The fingerprint in the key makes a changed checkpoint load anew."""
     key = (target_dir, ids, device, dtype, target_fingerprint(target_dir))
     if key not in _EXTRACTORS:
         _EXTRACTORS.clear()
         _EXTRACTORS[key] = HiddenStateExtractor(target_dir, list(ids) or None, device, dtype)
-    return _EXTRACTORS[key]
+    extractor = _EXTRACTORS[key]
+    extractor.storage = storage  # the same weights serve either storage; one stage runs at a time per process
+    return extractor
 
 
 class _Stage:
@@ -423,9 +458,11 @@ class _Stage:
         self.trace_sha = {k: e.sha256 for k, e in self.entries.items()}
         self.plans = plan_hidden_shards(cfg, store, run)
         if model is not None:
-            self.extractor = HiddenStateExtractor(self.target_dir, cfg.aux_layer_ids, cfg.device, dtype, model=model)
+            self.extractor = HiddenStateExtractor(self.target_dir, cfg.aux_layer_ids, cfg.device, dtype, model=model,
+                                                  storage=cfg.storage)
         else:
-            self.extractor = _cached_extractor(self.target_dir, tuple(cfg.aux_layer_ids or ()), cfg.device, dtype)
+            self.extractor = _cached_extractor(self.target_dir, tuple(cfg.aux_layer_ids or ()), cfg.device, dtype,
+                                               cfg.storage)
 
     def done(self, plan: ShardPlan):
         return finished_shard(self.store, self.run, STAGE, plan.index, shard_spec(self.extractor, plan, self.trace_sha))
@@ -547,4 +584,5 @@ def extract_hidden_states(cfg: ExtractConfig, target_dir: str | Path, store, run
     return {"shards": len(stage.plans), "computed_shards": computed, "tokens_computed": tokens,
             "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
             "aux_layer_ids": stage.extractor.aux_layer_ids, "convention": VLLM,
-            "target_fingerprint": stage.extractor.fingerprint, "backend": "transformers"}
+            "target_fingerprint": stage.extractor.fingerprint, "backend": "transformers",
+            "storage": stage.extractor.storage}

@@ -23,6 +23,7 @@ from draftline.extract import (
     length_buckets, plan_hidden_shards, shard_spec, write_hidden_shard,
 )
 from draftline.shards import finished_shard
+from draftline.state_storage import BF16, FP8_E4M3, quantize_slots
 from draftline.target import (
     VLLM, final_norm_of, num_layers, read_target_config, target_fingerprint, validate_aux_layer_ids,
 )
@@ -41,6 +42,7 @@ class CapturedTarget:
     hidden_size: int
     dtype: str
     backend: str = BACKEND
+    storage: str = BF16
 
 
 # ---------------------------------------------------------------- preflight
@@ -178,18 +180,27 @@ def _spool_root(cfg: ExtractConfig) -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def assemble_shard(states: list[torch.Tensor], order: list[int], norm: Callable[[torch.Tensor], torch.Tensor]
-                   ) -> HostShard:
+def assemble_shard(states: list[torch.Tensor], order: list[int], norm: Callable[[torch.Tensor], torch.Tensor],
+                   storage: str = BF16) -> HostShard:
     """Per-sequence captures [n, 4, H] (three aux layers, then the last layer before the norm) → a HostShard in
-    `order`, with the final norm applied to the last layer's output."""
+    `order`, with the final norm applied to the last layer's output; fp8-e4m3 quantizes as the transformers
+    backend does (one scale per token and state)."""
     cu = [0]
     aux, last = [], []
+    host = HostShard(order, torch.tensor([0]), aux, last, storage=storage)
     for i in order:
         s = states[i]
         cu.append(cu[-1] + s.shape[0])
-        aux.append(s[:, :3, :].reshape(s.shape[0], -1).to(torch.bfloat16))
-        last.append(norm(s[:, 3, :].to(torch.bfloat16)))
-    return HostShard(order, torch.tensor(cu, dtype=torch.int64), aux, last)
+        a = s[:, :3, :].reshape(s.shape[0], -1).to(torch.bfloat16)
+        b = norm(s[:, 3, :].to(torch.bfloat16))
+        if storage == FP8_E4M3:
+            (a, a_scale), (b, b_scale) = quantize_slots(a, 3), quantize_slots(b, 1)
+            host.aux_scale_blocks.append(a_scale)
+            host.last_scale_blocks.append(b_scale)
+        aux.append(a)
+        last.append(b)
+    host.cu_seqlens = torch.tensor(cu, dtype=torch.int64)
+    return host
 
 
 def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: str, dtype: str = "bfloat16",
@@ -204,7 +215,7 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
     text = read_target_config(target_dir)
     settings = cfg.vllm.resolved(dtype)
     source = CapturedTarget(target_fingerprint(target_dir), aux_ids, int(text.get("text_config", text)["hidden_size"]),
-                            f"torch.{settings.dtype}")
+                            f"torch.{settings.dtype}", storage=cfg.storage)
     entries = {e.key: e for e in trace_entries(store, run)}
     trace_sha = {k: e.sha256 for k, e in entries.items()}
     plans = plan_hidden_shards(cfg, store, run)
@@ -229,7 +240,8 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
     return {"shards": len(plans), "computed_shards": [p.index for p in pending], "tokens_computed": tokens,
             "seconds": round(elapsed, 3), **timing,
             "tokens_per_s": round(tokens / capture, 1) if capture else None,
-            "aux_layer_ids": aux_ids, "convention": VLLM, "target_fingerprint": source.fingerprint, "backend": BACKEND}
+            "aux_layer_ids": aux_ids, "convention": VLLM, "target_fingerprint": source.fingerprint, "backend": BACKEND,
+            "storage": source.storage}
 
 
 def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run, source, trace_sha, jobs, norm,
@@ -273,7 +285,7 @@ def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sh
         lengths = [len(t["input_ids"]) for t in traces]
         order = [k for batch in length_buckets(lengths, cfg.batch_tokens) for k in batch]
         write_hidden_shard(store, run, plan, shard_spec(source, plan, trace_sha), source, traces,
-                           assemble_shard(states, order, norm))
+                           assemble_shard(states, order, norm, source.storage))
         say(f"hidden-state shard {plan.index} written: {plan.tokens} tokens, {plan.sequences} sequences "
             f"({time.perf_counter() - t0:.1f} s from its first request)")
 

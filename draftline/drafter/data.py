@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from draftline.errors import ConfigError
+from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STATE_NAMES, dequantize_rows
 
 _SHARD = re.compile(r"(^|/)shard-\d{5}\.safetensors$")
 
@@ -41,7 +42,8 @@ def _local_path(store, key: str) -> Path | None:
 
 
 def read_shard_tensors(store, key: str, names=None) -> dict[str, torch.Tensor]:
-    """Tensors of one shard (only `names` if given); remote shards pass through a temporary local file."""
+    """Tensors of one shard (only `names` if given), hidden states in bf16 whatever the shard's storage (fp8 states
+    are dequantized with their scales); remote shards pass through a temporary local file."""
     local = _local_path(store, key)
     if local is not None:
         return _load(local, names)
@@ -53,11 +55,22 @@ def read_shard_tensors(store, key: str, names=None) -> dict[str, torch.Tensor]:
 
 def _load(path: Path, names) -> dict[str, torch.Tensor]:
     with safe_open(str(path), "pt") as f:
-        wanted = list(f.keys()) if names is None else list(names)
-        missing = [n for n in wanted if n not in f.keys()]
+        # Shards written before extract.storage existed carry no "storage" entry: they are bf16.
+        storage = (f.metadata() or {}).get("storage", BF16)
+        if storage not in (BF16, FP8_E4M3):
+            raise ConfigError(f"hidden-state shard {path.name} stores its states as {storage!r}, which this draftline "
+                              "cannot read; upgrade draftline or re-extract with extract.storage: bf16")
+        scales = [n + SCALE_SUFFIX for n in STATE_NAMES] if storage == FP8_E4M3 else []
+        wanted = [k for k in f.keys() if k not in scales] if names is None else list(names)
+        missing = [n for n in wanted + [n + SCALE_SUFFIX for n in STATE_NAMES if n in wanted and scales]
+                   if n not in f.keys()]
         if missing:
             raise ConfigError(f"hidden-state shard {path.name} lacks {missing}; re-run the extraction stage")
-        return {n: f.get_tensor(n) for n in wanted}
+        out = {n: f.get_tensor(n) for n in wanted}
+        for n in STATE_NAMES:
+            if scales and n in out:
+                out[n] = dequantize_rows(out[n], f.get_tensor(n + SCALE_SUFFIX))
+        return out
 
 
 def read_shard_metadata(store, key: str) -> dict[str, str]:
