@@ -235,6 +235,9 @@ class EngineConfig(ServerSettings):
     # Requests per concurrency point, at least (the prompts repeat round-robin): a point of a few waves is noisy.
     # Default: every prompt once, and at least two requests per slot.
     requests_per_point: int | None = Field(None, ge=1)
+    # Measured runs of those requests per concurrency point, on the same server after its one warm-up wave: the report
+    # gives their median and min-max; with 1 it says there is no spread.
+    repeats: int = Field(2, ge=1)
     max_model_len: int = Field(2048, ge=16)
     # Given to the EAGLE-3 server only, after extra_args (which go to both servers, baseline and EAGLE-3): for
     # settings that help one and hurt the other, e.g. SGLang's --disable-overlap-schedule (benchmarks/RESULTS.md: the

@@ -19,7 +19,9 @@ from pydantic import BaseModel
 
 from draftline.config import EngineConfig, EvalConfig
 from draftline.engines.base import Acceptance, EngineAdapter
-from draftline.engines.client import Prompt, RunMetrics, load_prompts, requests_for, round_robin, run_load
+from draftline.engines.client import (
+    Prompt, RunMetrics, load_prompts, requests_for, round_robin, run_load, summarize_repeats,
+)
 from draftline.engines.launch import launch
 from draftline.engines.vllm import AUX_LAYERS_FROM_MODEL_DEFAULTS
 from draftline.engines.preflight import (
@@ -45,14 +47,57 @@ DEFAULT_PARITY_THRESHOLD = 0.8
 
 
 class ConcurrencyPoint(BaseModel):
-    """Baseline and speculative runs of the same requests at one concurrency."""
+    """Baseline and speculative runs of the same requests at one concurrency, each measured `repeats` times on one
+    server after an unmeasured warm-up wave.
+
+    `baseline` and `speculative` are the medians over the repeats (run figures; latency and TTFT over every
+    measured request: client.summarize_repeats), `speedup` the ratio of the median tokens per second; each repeat's
+    own figures are in `baseline_runs` and `speculative_runs`."""
 
     concurrency: int
     baseline: RunMetrics
     speculative: RunMetrics
-    speedup: float  # speculative / baseline output tokens per second
+    speedup: float  # speculative / baseline output tokens per second (medians over the repeats)
     acceptance: Acceptance | None
     identical_outputs: float | None = None  # greedy only: share of requests whose text equals the baseline's
+    repeats: int = 1
+    baseline_runs: list[RunMetrics] = []
+    speculative_runs: list[RunMetrics] = []
+    # From the slowest EAGLE-3 repeat over the fastest baseline repeat to the fastest over the slowest: the two
+    # servers' repeats are not paired, so every pairing is one the measurements allow.
+    speedup_min: float | None = None
+    speedup_max: float | None = None
+
+    def throughput_range(self, side: Literal["baseline", "speculative"]) -> tuple[float, float]:
+        """Min and max output tokens per second over the repeats (the median twice when only it was kept)."""
+        runs = getattr(self, f"{side}_runs") or [getattr(self, side)]
+        values = [r.output_tokens_per_s for r in runs]
+        return min(values), max(values)
+
+    @classmethod
+    def of_repeats(cls, baseline: list[tuple[RunMetrics, list]], speculative: list[tuple[RunMetrics, list]],
+                   acceptance: Acceptance | None, identical_outputs: float | None) -> "ConcurrencyPoint":
+        """The point of `repeats` measured runs on each server, (metrics, request results) each."""
+        base, spec = summarize_repeats(baseline), summarize_repeats(speculative)
+
+        def ratio(s: float, b: float) -> float:
+            return s / b if b else 0.0
+
+        b_tps = [m.output_tokens_per_s for m, _ in baseline]
+        s_tps = [m.output_tokens_per_s for m, _ in speculative]
+        return cls(concurrency=base.concurrency, baseline=base, speculative=spec,
+                   speedup=ratio(spec.output_tokens_per_s, base.output_tokens_per_s), acceptance=acceptance,
+                   identical_outputs=identical_outputs, repeats=min(len(baseline), len(speculative)),
+                   baseline_runs=[m for m, _ in baseline], speculative_runs=[m for m, _ in speculative],
+                   speedup_min=ratio(min(s_tps), max(b_tps)), speedup_max=ratio(max(s_tps), min(b_tps)))
+
+
+class EngineWarning(BaseModel):
+    """A warning of the engine's own that bears on its figures (EngineAdapter.log_facts), and which servers
+    logged it ("baseline", "eagle3")."""
+
+    text: str
+    servers: list[str]
 
 
 class ParityPower(BaseModel):
@@ -126,13 +171,24 @@ class EvalResult(BaseModel):
     fault: str | None = None
     # Per server ("baseline", "eagle3"): what its own log said about how it ran (EngineAdapter.log_facts).
     server_log_facts: dict[str, dict[str, Any]] = {}
+    # The warnings among them that bear on the figures, once each, with the servers that logged them.
+    engine_warnings: list[EngineWarning] = []
     started_at: str | None = None
     finished_at: str | None = None
 
     def label(self) -> str:
         version = self.engine_version or "not installed"
-        return (f"{self.engine} {version} on {self.hardware}; target {self.target_label()}; drafter {self.drafter}; "
+        return (f"{self.engine} {version} on {self.hardware}; target {self.target_label()}; {self.drafter_label()}; "
                 f"prompts {self.prompt_set}")
+
+    def drafter_label(self, export: bool = True) -> str:
+        """The drafter by the training run its lineage names, "drafter of run 'demo' (vllm export)", rather than by
+        its export folder; the folder's name when the lineage names no run."""
+        trained_in = self.drafter_lineage.get("run")
+        if not trained_in:
+            return f"drafter {self.drafter}"
+        fmt = self.drafter_lineage.get("format") or self.drafter
+        return f"drafter of run {trained_in!r}" + (f" ({fmt} export)" if export and fmt else "")
 
     def target_label(self) -> str:
         """The target's name and, once preflight read it, its architecture: "demo-kimi (KimiK25ForConditionalGeneration)"."""
@@ -406,20 +462,24 @@ def _served_name(target_dir: Path) -> str:
 
 
 class ServerRuns(NamedTuple):
-    """One server's load runs, one (metrics, acceptance, request results) per concurrency, and what its log said."""
+    """One server's load runs, one (metrics, acceptance, request results) per concurrency, what its log said, and
+    per concurrency each measured repeat's (metrics, request results). The metrics of `runs` are the repeats'
+    medians (client.summarize_repeats), its request results those of every repeat, its acceptance over them all."""
 
     runs: list[tuple[RunMetrics, Acceptance | None, list]]
     log_facts: dict[str, Any]
+    repeats: list[list[tuple[RunMetrics, list]]] = []
 
 
 def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None,
             prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, prefix: str | None) -> ServerRuns:
-    """Start one server (baseline or EAGLE-3), run every configured concurrency against it, keep the engine's
-    raw answers (`prefix`/responses/<server>.json), stop it, and read its log."""
+    """Start one server (baseline or EAGLE-3), run every configured concurrency against it (one warm-up wave, then
+    `cfg.repeats` measured runs of the same requests), keep the engine's raw answers
+    (`prefix`/responses/<server>.json), stop it, and read its log."""
     served = _served_name(target_dir)
     spec = adapter.server_spec(cfg, target_dir, drafter_dir, served)
     requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature)
-    out = []
+    out, repeats = [], []
     log_prefix = f"{prefix}/logs" if prefix else None
     with launch(spec, cfg, log_dir, store=store, log_key_prefix=log_prefix) as server:
         for c in cfg.concurrency:
@@ -427,14 +487,25 @@ def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter
             # (kernel selection, graph capture, allocator growth), and a point of a few seconds would count it.
             run_load(server.base_url, round_robin(prompts, c), c, requester)
             before = adapter.acceptance_before(server.base_url)
-            metrics, results = run_load(server.base_url, requests_for(prompts, c, cfg.requests_per_point), c,
-                                        requester)
+            requests = requests_for(prompts, c, cfg.requests_per_point)
+            runs = [run_load(server.base_url, requests, c, requester) for _ in range(cfg.repeats)]
+            results = [r for _, rs in runs for r in rs]
             acceptance = adapter.acceptance_after(server.base_url, before, results, cfg.num_speculative_tokens)
-            out.append((metrics, acceptance, results))
+            out.append((summarize_repeats(runs), acceptance, results))
+            repeats.append(runs)
         if prefix:
             _put_json(store, f"{prefix}/responses/{spec.name}.json", adapter.snapshot(server.base_url, served))
     log_text = server.log_path.read_text(errors="replace") if server.log_path.is_file() else ""
-    return ServerRuns(out, adapter.log_facts(log_text))
+    return ServerRuns(out, adapter.log_facts(log_text), repeats)
+
+
+def engine_warnings(server_log_facts: dict[str, dict[str, Any]]) -> list[EngineWarning]:
+    """The warnings of every server's log (log_facts' "warnings"), once each, with the servers that logged them."""
+    found: dict[str, list[str]] = {}
+    for server, facts in server_log_facts.items():
+        for text in facts.get("warnings") or []:
+            found.setdefault(text, []).append(server)
+    return [EngineWarning(text=text, servers=servers) for text, servers in found.items()]
 
 
 def _put_json(store, key: str, data: dict) -> None:
@@ -498,17 +569,16 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         _put_json(store, f"{prefix}/result.json", failed.model_dump(mode="json"))
         raise
     points = []
-    for (b_metrics, _, b_results), (s_metrics, acc, s_results) in zip(base.runs, spec.runs):
-        speedup = s_metrics.output_tokens_per_s / b_metrics.output_tokens_per_s if b_metrics.output_tokens_per_s else 0.0
-        points.append(ConcurrencyPoint(
-            concurrency=b_metrics.concurrency, baseline=b_metrics, speculative=s_metrics, speedup=speedup,
-            acceptance=acc,
-            identical_outputs=_identical_share(b_results, s_results) if eval_cfg.temperature == 0 else None,
-        ))
+    for (_, _, b_results), (_, acc, s_results), b_repeats, s_repeats in zip(base.runs, spec.runs, base.repeats,
+                                                                            spec.repeats):
+        points.append(ConcurrencyPoint.of_repeats(
+            b_repeats, s_repeats, acc,
+            _identical_share(b_results, s_results) if eval_cfg.temperature == 0 else None))
     result.points = points
     result.acceptance = combine_acceptance([p.acceptance for p in points])
     result.server_log_facts = {mode: facts for mode, facts in (("baseline", base.log_facts), ("eagle3", spec.log_facts))
                                if facts}
+    result.engine_warnings = engine_warnings(result.server_log_facts)
     result.finished_at = _now()
     if reference is not None:
         result = with_parity(result, reference, eval_cfg.parity_threshold, cfg)
@@ -645,11 +715,45 @@ def sglang_overlap_finding(r: EvalResult) -> list[str]:
 
 def _identity_cells(r: EvalResult) -> str:
     """The first cells of every report row: what its figures belong to."""
-    return (f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target_label()} | {r.drafter} | "
-            f"{r.prompt_set} ")
+    return (f"| {r.engine} | {r.engine_version or 'not installed'} | {r.hardware} | {r.target_label()} | "
+            f"{r.drafter_label().removeprefix('drafter ')} | {r.prompt_set} ")
 
 
-def report_markdown(results: list[EvalResult]) -> str:
+def _spread(median: float, low: float, high: float, repeats: int, spec: str = ".1f", unit: str = "") -> str:
+    """"175.5 (170.2-180.9)"; the median alone after one repeat."""
+    if repeats < 2:
+        return f"{median:{spec}}{unit}"
+    return f"{median:{spec}}{unit} ({low:{spec}}{unit}-{high:{spec}}{unit})"
+
+
+def _pair(base: float | None, spec: float | None, fmt: str = ".3f") -> str:
+    return f"{_fmt(base, fmt)} / {_fmt(spec, fmt)}"
+
+
+def measurement_sentence(results: list[EvalResult]) -> str:
+    """How the throughput table was measured: the warm-up wave left out, and the repeats behind each figure."""
+    counts: dict[int, list[str]] = {}
+    for r in results:
+        if r.status == "ok" and r.points:
+            counts.setdefault(min(p.repeats for p in r.points), []).append(r.engine)
+
+    def said(n: int) -> str:
+        return "one repeat: no spread" if n == 1 else f"{n} repeats, median (min-max)"
+
+    if len(counts) > 1:
+        repeats = "; ".join(f"{', '.join(engines)}: {said(n)}" for n, engines in sorted(counts.items()))
+    else:
+        repeats = said(next(iter(counts), 1))
+    return ("Each concurrency point sends one unmeasured warm-up wave (one request per slot) to the server, then "
+            "measures the same requests (requests x repeats) again on that server; the warm-up is excluded from "
+            f"every figure. Throughput and speedup: {repeats}; the speedup range goes from the slowest EAGLE-3 repeat "
+            "over the fastest baseline repeat to the fastest over the slowest. Latency and time to first token (TTFT) "
+            "percentiles are over every measured request; output tokens are per repeat.")
+
+
+def report_markdown(results: list[EvalResult], training: dict | None = None, run: str | None = None) -> str:
+    """The report page; `training` is the run's training record (train/metrics.json), None when it has none."""
+    run = run or next((r.run for r in results), None)
     lines = ["# Drafter evaluation", ""]
     when = max((r.finished_at or "" for r in results), default="")
     lines += [f"Generated {when or _now()} by draftline. Every row names the engine, engine version, hardware, "
@@ -661,25 +765,33 @@ def report_markdown(results: list[EvalResult]) -> str:
         elif r.fault:
             lines += [f"**{r.fault.capitalize()} ({r.engine} {r.engine_version or ''}), refused before serving.** "
                       f"{r.reason}", ""]
-    lines += ["## Throughput and acceptance", "",
-              "| engine | version | hardware | target | drafter | prompt set | k | concurrency | baseline tok/s | "
-              "EAGLE-3 tok/s | speedup | mean acceptance length | TTFT base / spec (s) | TPOT base / spec (ms) | "
-              "greedy outputs identical |",
-              "|" + "---|" * 15]
+    lines += ["## Throughput and acceptance", "", measurement_sentence(results), "",
+              "| engine | version | hardware | target | drafter | prompt set | k | concurrency | requests x repeats | "
+              "output tokens base / spec | baseline tok/s | EAGLE-3 tok/s | speedup | mean acceptance length | "
+              "latency p50 / p90 base (s) | latency p50 / p90 spec (s) | TTFT p50 / p90 base (s) | "
+              "TTFT p50 / p90 spec (s) | TPOT base / spec (ms) | greedy outputs identical |",
+              "|" + "---|" * 20]
     for r in results:
         ident = _identity_cells(r) + f"| {r.num_speculative_tokens} "
         if r.status != "ok":
-            lines.append(ident + f"| {_status(r)} |" + " |" * 7)
+            lines.append(ident + f"| {_status(r)} |" + " |" * 12)
             continue
         for p in r.points:
+            b, s = p.baseline, p.speculative
             acc = p.acceptance.mean_acceptance_length if p.acceptance else None
-            tpot_b = p.baseline.tpot_mean_s * 1e3 if p.baseline.tpot_mean_s else None
-            tpot_s = p.speculative.tpot_mean_s * 1e3 if p.speculative.tpot_mean_s else None
+            tpot_b = b.tpot_mean_s * 1e3 if b.tpot_mean_s else None
+            tpot_s = s.tpot_mean_s * 1e3 if s.tpot_mean_s else None
             same = f"{p.identical_outputs:.0%}" if p.identical_outputs is not None else "n/a (sampling)"
-            lines.append(ident + f"| {p.concurrency} | {p.baseline.output_tokens_per_s:.1f} | "
-                         f"{p.speculative.output_tokens_per_s:.1f} | {p.speedup:.2f}x | {_fmt(acc)} | "
-                         f"{_fmt(p.baseline.ttft_mean_s, '.3f')} / {_fmt(p.speculative.ttft_mean_s, '.3f')} | "
-                         f"{_fmt(tpot_b, '.1f')} / {_fmt(tpot_s, '.1f')} | {same} |")
+            speedup_range = (p.speedup_min if p.speedup_min is not None else p.speedup,
+                             p.speedup_max if p.speedup_max is not None else p.speedup)
+            lines.append(
+                ident + f"| {p.concurrency} | {b.requests} x {p.repeats} | {b.output_tokens} / {s.output_tokens} | "
+                f"{_spread(b.output_tokens_per_s, *p.throughput_range('baseline'), p.repeats)} | "
+                f"{_spread(s.output_tokens_per_s, *p.throughput_range('speculative'), p.repeats)} | "
+                f"{_spread(p.speedup, *speedup_range, p.repeats, '.2f', 'x')} | {_fmt(acc)} | "
+                f"{_pair(b.latency_p50_s, b.latency_p90_s)} | {_pair(s.latency_p50_s, s.latency_p90_s)} | "
+                f"{_pair(b.ttft_p50_s, b.ttft_p90_s)} | {_pair(s.ttft_p50_s, s.ttft_p90_s)} | "
+                f"{_fmt(tpot_b, '.1f')} / {_fmt(tpot_s, '.1f')} | {same} |")
     lines += ["", "## Server settings", "",
               "Arguments from the evaluation config on top of draftline's launch command for each engine (the "
               "EAGLE-3 server also gets the speculative settings: method EAGLE3, the drafter, k).", "",
@@ -722,29 +834,103 @@ def report_markdown(results: list[EvalResult]) -> str:
         said = engine_log_findings(r)
         if said:
             lines += ["", f"### What the engine's log says: {r.label()}", ""] + [f"- {f}" for f in said]
+    for r in results:
+        if r.engine_warnings:
+            lines += ["", f"### The engine's warnings that bear on these numbers: {r.label()}", "",
+                      f"{r.engine} logged these while serving (first sentence of each, once per server):", ""]
+            lines += [f"- {w.text} ({_servers(w.servers)})" for w in r.engine_warnings]
+    lines += training_markdown(training, run)
     lines += ["", "## Plots", "", "![acceptance by position](acceptance_by_position.png)", "",
-              "![throughput and speedup](throughput_speedup.png)", "",
-              "Raw figures: results.json (one EvalResult per engine).", ""]
+              "![throughput and speedup](throughput_speedup.png)", ""]
+    if training is not None and training.get("history", {}).get("train"):
+        lines += [f"![training curves]({TRAINING_PLOT})", ""]
+    lines += ["Raw figures: results.json (one EvalResult per engine).", ""]
     return "\n".join(lines)
 
 
-def plot_acceptance(results: list[EvalResult], path: Path) -> None:
+def _servers(servers: list[str]) -> str:
+    names = {"baseline": "baseline server", "eagle3": "EAGLE-3 server"}
+    if set(servers) == set(names):
+        return "both servers"
+    return " and ".join(names.get(s, s) for s in servers)
+
+
+TRAINING_PLOT = "training_curves.png"
+
+
+def training_markdown(training: dict | None, run: str | None) -> list[str]:
+    """The training section: final figures and what the curves show, or that the run has no training record."""
+    where = f"`{run}/train/metrics.json`" if run else "the run's train/metrics.json"
+    lines = ["", "## Training", ""]
+    history = (training or {}).get("history") or {}
+    if not history.get("train"):
+        return lines + [f"No training record at {where}, so no training curves (a run that evaluates a drafter "
+                        "trained elsewhere has none)."]
+    train, val = history["train"], history.get("val") or []
+    last = train[-1]
+    lines += [f"From {where}: {training.get('steps', last['step'])} steps. Final training loss {last['loss']:.3f}, "
+              "per-step accuracy (draft step 1 first) " + ", ".join(f"{a:.3f}" for a in last.get("accuracy") or [])
+              + "."]
+    if val:
+        v = val[-1]
+        said = (f"Held-out at step {v['step']}: loss {v['loss']:.3f}, per-step accuracy "
+                + ", ".join(f"{a:.3f}" for a in v.get("accuracy") or []))
+        if v.get("acceptance_length") is not None:
+            said += f", acceptance length {v['acceptance_length']:.2f}"
+        lines += ["", said + "."]
+    return lines
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    return plt
+
+
+def _legend_below(fig, axes, ncol: int = 3) -> None:
+    """One legend for all the figure's axes, in the margin below them (constrained layout makes room): it cannot
+    cover a data point, however the values fall."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    if handles:
+        import textwrap
+
+        # A long entry (a skipped engine's reason) gets a line of its own, wrapped to stay inside the figure.
+        if any(len(label) > 45 for label in labels):
+            ncol = 1
+        labels = [textwrap.fill(label, 110) for label in labels]
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(ncol, len(handles)), fontsize=7,
+                   frameon=False)
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+
+
+def acceptance_figure(results: list[EvalResult]):
+    """Per-position acceptance of each engine beside the reference decoder's, each bar labelled with its value."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.6), layout="constrained")
     shown = [r for r in results if r.status == "ok" and r.acceptance and r.acceptance.per_position]
     width = 0.8 / max(1, len(shown) + 1)
     for i, r in enumerate(shown):
         pp = r.acceptance.per_position
-        ax.bar([j + i * width for j in range(len(pp))], pp, width,
-               label=f"{r.engine} {r.engine_version}")
+        bars = ax.bar([j + i * width for j in range(len(pp))], pp, width, label=f"{r.engine} {r.engine_version}")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     refs = [r for r in shown if r.parity and r.parity.reference_per_position]
     if refs:
         pp = refs[0].parity.reference_per_position
-        ax.bar([j + len(shown) * width for j in range(len(pp))], pp, width, label="reference decoder", color="grey")
+        bars = ax.bar([j + len(shown) * width for j in range(len(pp))], pp, width, label="reference decoder",
+                      color="grey")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     for r in results:
         if r not in shown:
             ax.plot([], [], " ", label=f"{r.engine}: {r.reason or 'no per-position acceptance reported'}")
@@ -753,40 +939,56 @@ def plot_acceptance(results: list[EvalResult], path: Path) -> None:
     ax.set_xticks([j + width * (groups - 1) / 2 for j in range(k)], [str(j) for j in range(k)])
     ax.set_xlabel("draft position")
     ax.set_ylabel("share of drafts accepted at this position")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.08)  # room for the labels of bars near 1
     ax.set_title("Acceptance by position: " + _plot_context(results, ",\n"), fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _legend_below(fig, [ax])
+    return fig
+
+
+def plot_acceptance(results: list[EvalResult], path: Path) -> None:
+    _save(acceptance_figure(results), path)
 
 
 def _plot_context(results: list[EvalResult], before_prompts: str = ", ") -> str:
-    """What the plotted results belong to; a field that differs between engines (e.g. each engine's own drafter
-    export) lists every value."""
+    """What the plotted results belong to: the run, and the drafter by the run that trained it; a field that differs
+    between engines (e.g. each engine's own drafter) lists every value."""
     def values(field: str) -> str:
         return " / ".join(dict.fromkeys(str(getattr(r, field)) for r in results))
 
-    return (f"target {values('target')}, drafter {values('drafter')}{before_prompts}prompts {values('prompt_set')}, "
-            f"{values('hardware')}")
+    drafters = " / ".join(dict.fromkeys(r.drafter_label(export=False).removeprefix("drafter ") for r in results))
+    return (f"run {' / '.join(dict.fromkeys(repr(r.run) for r in results))}: target {values('target')}, "
+            f"drafter {drafters}{before_prompts}prompts {values('prompt_set')}, {values('hardware')}")
 
 
-def plot_throughput(results: list[EvalResult], path: Path) -> None:
-    import matplotlib
+def _errorbar(ax, xs: list, medians: list[float], ranges: list[tuple[float, float]], fmt: str, label: str,
+              value_format: str, above: bool) -> None:
+    """Medians joined by a line, each with its min-max bar over the repeats and its value written beside it."""
+    err = [[m - lo for m, (lo, _) in zip(medians, ranges)], [hi - m for m, (_, hi) in zip(medians, ranges)]]
+    ax.errorbar(xs, medians, yerr=err, fmt=fmt, capsize=3, label=label)
+    for x, m in zip(xs, medians):
+        ax.annotate(format(m, value_format), (x, m), textcoords="offset points", xytext=(0, 7 if above else -12),
+                    ha="center", fontsize=7)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+def throughput_figure(results: list[EvalResult]):
+    """Output tokens per second of both servers and the speedup per concurrency: medians over the repeats with
+    min-max bars, each point labelled with its value."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.6), layout="constrained")
     for r in results:
         if r.status != "ok" or not r.points:
             ax1.plot([], [], " ", label=f"{r.engine}: {_status(r)}")
             continue
         cs = [p.concurrency for p in r.points]
         name = f"{r.engine} {r.engine_version}"
-        ax1.plot(cs, [p.baseline.output_tokens_per_s for p in r.points], "o--", label=f"{name} baseline")
-        ax1.plot(cs, [p.speculative.output_tokens_per_s for p in r.points], "o-", label=f"{name} EAGLE-3")
-        ax2.plot(cs, [p.speedup for p in r.points], "o-", label=name)
+        _errorbar(ax1, cs, [p.baseline.output_tokens_per_s for p in r.points],
+                  [p.throughput_range("baseline") for p in r.points], "o--", f"{name} baseline", ".0f", False)
+        _errorbar(ax1, cs, [p.speculative.output_tokens_per_s for p in r.points],
+                  [p.throughput_range("speculative") for p in r.points], "o-", f"{name} EAGLE-3", ".0f", True)
+        _errorbar(ax2, cs, [p.speedup for p in r.points],
+                  [(p.speedup if p.speedup_min is None else p.speedup_min,
+                    p.speedup if p.speedup_max is None else p.speedup_max) for p in r.points],
+                  "s-", f"{name} speedup", ".2f", True)
     ax2.axhline(1.0, color="grey", lw=0.8)
     ticks = sorted({p.concurrency for r in results for p in r.points})
     for ax in (ax1, ax2):
@@ -794,29 +996,100 @@ def plot_throughput(results: list[EvalResult], path: Path) -> None:
         if ticks:
             ax.set_xticks(ticks, [str(c) for c in ticks])
             ax.minorticks_off()
+            ax.set_xlim(ticks[0] / 1.5, ticks[-1] * 1.5)
         ax.set_xlabel("concurrency")
-        ax.legend(fontsize=7)
-    ax1.set_ylabel("output tokens / s")
-    ax2.set_ylabel("speedup (EAGLE-3 / baseline)")
-    fig.suptitle(_plot_context(results), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        ax.margins(y=0.15)  # room for the value labels
+    repeats = sorted({p.repeats for r in results for p in r.points})
+    spread = "one repeat: no spread" if repeats in ([], [1]) else "bars: min-max over the repeats"
+    ax1.set_ylabel("output tokens / s (median)")
+    ax2.set_ylabel("speedup (EAGLE-3 / baseline, median)")
+    fig.suptitle(f"{_plot_context(results)}\nwarm-up excluded; {spread}", fontsize=9)
+    _legend_below(fig, [ax1, ax2])
+    return fig
+
+
+def plot_throughput(results: list[EvalResult], path: Path) -> None:
+    _save(throughput_figure(results), path)
+
+
+def training_figure(training: dict, run: str):
+    """Loss and per-draft-step accuracy over the training steps (held-out evaluations as points), the last value of
+    each curve and every held-out point labelled."""
+    plt = _pyplot()
+    history = training["history"]
+    train, val = history["train"], history.get("val") or []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.6), layout="constrained")
+
+    def label_last(ax, xs, ys, color, rank: int = 0) -> None:
+        """The curve's last value at its right end; curves ending close together are labelled one above another."""
+        ax.annotate(f"{ys[-1]:.2f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(4, -9 * rank),
+                    fontsize=7, color=color, va="center")
+
+    steps = [row["step"] for row in train]
+    line, = ax1.plot(steps, [row["loss"] for row in train], "-", lw=1, label="training loss")
+    label_last(ax1, steps, [row["loss"] for row in train], line.get_color())
+    if val:
+        vs = [row["step"] for row in val]
+        ax1.plot(vs, [row["loss"] for row in val], "o", color="black", label="held-out loss")
+        for x, y in zip(vs, [row["loss"] for row in val]):
+            ax1.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7)
+    k = max((len(row.get("accuracy") or []) for row in train + val), default=0)
+    curves = []
+    for i in range(k):
+        ys = [row["accuracy"][i] if len(row.get("accuracy") or []) > i else None for row in train]
+        line, = ax2.plot(steps, ys, "-", lw=1, label=f"draft step {i + 1} (training)")
+        curves.append(([x for x, y in zip(steps, ys) if y is not None], [y for y in ys if y is not None],
+                       line.get_color()))
+        if val:
+            vys = [row["accuracy"][i] for row in val if len(row.get("accuracy") or []) > i]
+            vxs = [row["step"] for row in val if len(row.get("accuracy") or []) > i]
+            ax2.plot(vxs, vys, "o", color=line.get_color(), label=f"draft step {i + 1} (held-out)")
+    for rank, (xs, ys, color) in enumerate(sorted((c for c in curves if c[1]), key=lambda c: -c[1][-1])):
+        label_last(ax2, xs, ys, color, rank)
+    for row in val:  # one label per held-out evaluation, draft step 1 first, below its points
+        acc = row.get("accuracy") or []
+        if acc:
+            ax2.annotate(" / ".join(f"{a:.2f}" for a in acc), (row["step"], min(acc)), textcoords="offset points",
+                         xytext=(0, -12), ha="center", fontsize=7)
+    for ax in (ax1, ax2):
+        ax.set_xlabel("training step")
+        ax.margins(x=0.08, y=0.1)
+    ax1.set_ylabel("loss")
+    ax2.set_ylabel("accuracy (draft token = target's next token)\nheld-out labels: draft step 1 / 2 / ...")
+    ax2.set_ylim(0, 1.05)
+    fig.suptitle(f"Training of the drafter of run {run!r} ({len(train)} steps)", fontsize=9)
+    _legend_below(fig, [ax1, ax2], ncol=4)
+    return fig
+
+
+def read_training(store, run: str) -> dict | None:
+    """The run's training record (`<run>/train/metrics.json`), None when the run has none (a nightly that
+    evaluates a drafter trained elsewhere)."""
+    key = f"{run}/train/metrics.json"
+    if store is None or not store.exists(key):
+        return None
+    return json.loads(store.get_bytes(key))
 
 
 def write_report(results: list[EvalResult], store, run: str) -> dict[str, str]:
-    """report.md, two PNGs and results.json under `<run>/eval/report/`; returns {file name: store key}."""
+    """report.md, the PNG plots (training curves when the run has a training record) and results.json under
+    `<run>/eval/report/`; returns {file name: store key}."""
     if not results:
         raise ConfigError("no evaluation results to report; run at least one engine first")
     prefix = f"{run}/eval/report"
+    training = read_training(store, run)
     keys = {}
     with tempfile.TemporaryDirectory(prefix="draftline-report-") as tmp:
         tmp = Path(tmp)
-        (tmp / "report.md").write_text(report_markdown(results))
+        (tmp / "report.md").write_text(report_markdown(results, training, run))
         (tmp / "results.json").write_text(json.dumps([r.model_dump(mode="json") for r in results], indent=2))
         plot_acceptance(results, tmp / "acceptance_by_position.png")
         plot_throughput(results, tmp / "throughput_speedup.png")
-        for name in ("report.md", "results.json", "acceptance_by_position.png", "throughput_speedup.png"):
+        names = ["report.md", "results.json", "acceptance_by_position.png", "throughput_speedup.png"]
+        if training is not None and (training.get("history") or {}).get("train"):
+            _save(training_figure(training, run), tmp / TRAINING_PLOT)
+            names.append(TRAINING_PLOT)
+        for name in names:
             keys[name] = f"{prefix}/{name}"
             store.put_file(keys[name], tmp / name)
     return keys

@@ -106,3 +106,13 @@ def test_captured_from_sglang_0_5_14_no_sglang_runs_here_log_shows_eagle3_prefil
     assert breakable == {"prefill_batches": 8, "prefill_batches_with_cuda_graph": 8}
     # Decode batches carry "cuda graph: True" too; they are not prefills.
     assert adapter.log_facts("Decode batch, #running-req: 1, cuda graph: True, gen throughput (token/s): 9") == {}
+
+
+def test_captured_from_sglang_0_5_14_no_sglang_runs_here_its_prefill_graph_warning_is_relayed():
+    """SGLang's line on turning the EAGLE-3 target's prefill graph off, from the captured H200 log, is one of the
+    engine's warnings the report relays; the baseline's log has none."""
+    adapter = SglangAdapter()
+    spec = adapter.log_facts((CAPTURED / "server-log-eagle3.txt").read_text())
+    assert spec["warnings"] == ["Disable prefill CUDA graph for EAGLE target on tc_piecewise to avoid FP4/MoE "
+                                "decode-replay corruption (#28386)."]
+    assert "warnings" not in adapter.log_facts((CAPTURED / "server-log-baseline.txt").read_text())

@@ -218,3 +218,30 @@ def test_sglang_missing_here_is_reported_as_skipped_not_as_a_failure():
             check_installed("sglang")
     else:
         assert check_installed("sglang")
+
+
+def test_sglang_contract_not_run_against_sglang_warnings_that_bear_on_the_figures_are_relayed():
+    """Not run against SGLang: these log lines are written from the warnings in SGLang's server_args.py (the texts of
+    its logger.warning calls, in its log format "[time] WARNING file:line: message"), which no SGLang here ever
+    logged. The overlap scheduler and CUDA graphs it turns off change what its speedup means."""
+    from draftline.engines.sglang import SglangAdapter
+
+    log = "\n".join([
+        "[2026-02-10 22:23:57] INFO server_args.py:1806: Attention backend not specified. Use flashinfer backend by "
+        "default.",
+        "[2026-02-10 22:23:57] WARNING server_args.py:2314: Overlap scheduler is disabled when spec v2 is off or using "
+        "unsupported speculative algorithm. You can set env SGLANG_ENABLE_SPEC_V2=True to enable the experimental "
+        "overlap scheduler. ",
+        "[2026-02-10 22:23:57] WARNING server_args.py:2330: Mixed chunked prefill is disabled because of using eagle "
+        "speculative decoding.",
+        "[2026-02-10 22:23:57] WARNING server_args.py:1850: Cuda graph is disabled because of using torch native "
+        "attention backend",
+        "[2026-02-10 22:23:58] WARNING server_args.py:2314: Overlap scheduler is disabled when spec v2 is off or using "
+        "unsupported speculative algorithm. You can set env SGLANG_ENABLE_SPEC_V2=True to enable the experimental "
+        "overlap scheduler. ",
+    ])
+    assert SglangAdapter().log_facts(log) == {"warnings": [
+        "Overlap scheduler is disabled when spec v2 is off or using unsupported speculative algorithm.",
+        "Mixed chunked prefill is disabled because of using eagle speculative decoding.",
+        "Cuda graph is disabled because of using torch native attention backend",
+    ]}

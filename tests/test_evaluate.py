@@ -189,7 +189,7 @@ def test_report_names_every_number_and_says_plainly_when_sglang_was_skipped(tmp_
             assert fact in row
     assert sum("skipped: needs a GPU worker with sglang" in r for r in rows) == 2
     assert "skipped: skipped" not in md
-    assert "| 1 | 100.0 | 90.0 | 0.90x | 1.12 |" in md
+    assert "| 1 | 4 x 1 | 200 / 180 | 100.0 | 90.0 | 0.90x | 1.12 | 0.500 / 0.600 | 0.500 / 0.600 |" in md
     assert "Integration suspected: vllm 0.32.0" in md
 
     store = open_store(str(tmp_path / "store"))
@@ -476,3 +476,173 @@ def test_report_names_the_arguments_each_server_ran_with():
     assert ("| sglang | 0.5.14 | NVIDIA H200 | t | d | p.jsonl | --attention-backend triton | "
             "--cuda-graph-backend-prefill breakable |") in md
     assert "| vllm | 0.25.0 | NVIDIA H200 | t | d | p.jsonl | none | none |" in md
+
+
+# ---------------------------------------------------------------------------------------------- the report as a benchmark
+
+
+def _requests(ttfts: list[float], latency: float = 1.0, tokens: int = 20) -> list[RequestResult]:
+    return [RequestResult(prompt_id=f"p{i}", output_tokens=tokens, latency_s=latency + t, ttft_s=t, text="x")
+            for i, t in enumerate(ttfts)]
+
+
+def test_a_run_gives_p90_time_to_first_token_and_repeats_give_median_run_figures_over_pooled_requests():
+    """A single slow first request moves a mean; p50 and p90 of TTFT say how requests fared, and over repeats the
+    run figures are the median run's while request percentiles take every measured request."""
+    ttfts = [0.1 * i for i in range(1, 11)]  # 0.1 .. 1.0 s
+    m = summarize(_requests(ttfts), concurrency=1, duration_s=10.0)
+    assert m.ttft_p50_s == pytest.approx(0.55) and m.ttft_p90_s == pytest.approx(0.91)
+    from draftline.engines.client import summarize_repeats
+
+    runs = [(summarize(rs, 1, d), rs) for rs, d in ((_requests([0.1] * 4), 4.0), (_requests([0.2] * 4), 2.0),
+                                                   (_requests([5.0] + [0.1] * 3), 8.0))]
+    med = summarize_repeats(runs)
+    assert med.requests == 4 and med.output_tokens == 80
+    assert med.output_tokens_per_s == pytest.approx(20.0) and med.duration_s == pytest.approx(4.0)
+    assert med.ttft_p50_s == pytest.approx(0.1) and med.ttft_p90_s == pytest.approx(0.2)  # over all 12 requests
+    assert med.latency_p90_s == pytest.approx(1.2)
+    assert summarize_repeats(runs[:1]) == runs[0][0]
+
+
+def _repeated_point(c: int, base_tps: list[float], spec_tps: list[float], acc: Acceptance | None) -> ConcurrencyPoint:
+    def runs(tps_list, ttft):
+        out = []
+        for tps in tps_list:
+            rs = _requests([ttft] * 5 + [4 * ttft], latency=0.5)
+            out.append((summarize(rs, c, sum(r.output_tokens for r in rs) / tps), rs))
+        return out
+
+    return ConcurrencyPoint.of_repeats(runs(base_tps, 0.05), runs(spec_tps, 0.03), acc, 1.0)
+
+
+def test_report_gives_run_size_repeats_median_spread_latency_and_ttft_percentiles_and_says_warm_up_is_excluded(
+        tmp_path):
+    base = _result(_drafter(tmp_path, "vllm"))
+    acc = base.acceptance
+    two = base.model_copy(update={"points": [_repeated_point(1, [100.0, 80.0], [120.0, 110.0], acc),
+                                             _repeated_point(4, [300.0, 310.0], [360.0, 380.0], acc)]})
+    p = two.points[0]
+    assert p.repeats == 2 and len(p.baseline_runs) == len(p.speculative_runs) == 2
+    assert p.baseline.output_tokens_per_s == pytest.approx(90.0) and p.speedup == pytest.approx(115.0 / 90.0)
+    assert (p.speedup_min, p.speedup_max) == (pytest.approx(110 / 100), pytest.approx(120 / 80))
+    md = report_markdown([two])
+    header = next(line for line in md.splitlines() if line.startswith("| engine | version | hardware | target | "
+                                                                       "drafter | prompt set | k |"))
+    for column in ("requests x repeats", "output tokens base / spec", "latency p50 / p90 base (s)",
+                   "TTFT p50 / p90 base (s)", "TTFT p50 / p90 spec (s)"):
+        assert column in header
+    # 6 requests twice at each point, 120 output tokens per repeat; medians with min-max; latency and TTFT p50 / p90
+    # over the 12 requests (5 of each repeat at 0.05 s to the first token, one at 0.2 s).
+    assert ("| 1 | 6 x 2 | 120 / 120 | 90.0 (80.0-100.0) | 115.0 (110.0-120.0) | 1.28x (1.10x-1.50x) | 1.12 | "
+            "0.550 / 0.685 | 0.530 / 0.611 | 0.050 / 0.185 | 0.030 / 0.111 |") in md
+    assert "warm-up is excluded from every figure" in md and "2 repeats, median (min-max)" in md
+    assert "one repeat" not in md
+    one = base.model_copy(update={"points": [_repeated_point(1, [100.0], [120.0], acc)]})
+    md1 = report_markdown([one])
+    assert "one repeat: no spread" in md1 and "| 1 | 6 x 1 | 120 / 120 | 100.0 | 120.0 | 1.20x | 1.12 |" in md1
+    # Results written before repeats were recorded still load, as one repeat.
+    old = EvalResult.model_validate(json.loads(base.model_dump_json(exclude={"points": {0: {"repeats"}}})))
+    assert old.points[0].repeats == 1 and old.points[0].baseline.ttft_p90_s is None
+
+
+def _overlaps_data(fig) -> list[str]:
+    """What the figure's legends cover: any data point, bar or value label of any axes, in display coordinates."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+    assert legends, "the figure has no legend"
+    covered = []
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        for ax in fig.axes:
+            if box.overlaps(ax.get_window_extent(renderer)):
+                covered.append(f"the plotting area of {ax.get_ylabel()!r}")
+            for line in ax.get_lines():
+                for x, y in ax.transData.transform(line.get_xydata()):
+                    if box.contains(x, y):
+                        covered.append(f"a point of {line.get_label()!r}")
+            for patch in ax.patches:
+                if box.overlaps(patch.get_window_extent(renderer)):
+                    covered.append("a bar")
+            for text in ax.texts:
+                if box.overlaps(text.get_window_extent(renderer)):
+                    covered.append(f"the label {text.get_text()!r}")
+    return covered
+
+
+def _training_record(steps: int = 40) -> dict:
+    train = [{"step": s, "loss": 18.0 / s ** 0.3, "lr": 1e-4, "grad_norm": 1.0,
+              "accuracy": [min(0.9, 0.02 * s), min(0.85, 0.018 * s), min(0.8, 0.016 * s)]} for s in range(1, steps + 1)]
+    val = [{"step": s, "loss": 7.0 - s / 20, "per_step_loss": [2.0, 2.1, 2.2], "accuracy": [0.55, 0.52, 0.50],
+            "acceptance_length": 1.98, "tokens": 1000} for s in (steps // 2, steps)]
+    return {"run": "demo", "steps": steps, "history": {"train": train, "val": val}}
+
+
+def test_plot_legends_never_cover_data_and_every_point_carries_its_value(tmp_path):
+    """The complaint: the throughput plot's legend covered its key point. Legends sit below the axes, every point
+    and bar is labelled with its value, and the titles name the run."""
+    from draftline.evaluate import acceptance_figure, throughput_figure, training_figure
+
+    drafter = _drafter(tmp_path, "vllm")
+    lineage = {"run": "demo", "format": "vllm"}
+    acc = _result(drafter).acceptance
+    # A speedup point in the upper right, where a legend placed inside the axes lands.
+    r = with_parity(_result(drafter).model_copy(update={
+        "run": "demo", "drafter": "vllm", "drafter_lineage": lineage,
+        "points": [_repeated_point(1, [175.0, 150.0], [196.0, 190.0], acc),
+                   _repeated_point(4, [373.0, 380.0], [474.0, 480.0], acc)]}), REFERENCE, 0.8)
+    fig = throughput_figure([r])
+    try:
+        assert _overlaps_data(fig) == []
+        texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+        for p in r.points:
+            assert f"{p.speedup:.2f}" in texts
+            assert f"{p.baseline.output_tokens_per_s:.0f}" in texts and f"{p.speculative.output_tokens_per_s:.0f}" in texts
+        title = fig._suptitle.get_text()
+        assert "run 'demo'" in title and "drafter of run 'demo'" in title and "drafter vllm" not in title
+        assert "warm-up excluded" in title
+    finally:
+        plt_close(fig)
+    fig = acceptance_figure([r])
+    try:
+        assert _overlaps_data(fig) == []
+        texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+        assert all(f"{x:.2f}" in texts for x in r.acceptance.per_position + REFERENCE["per_position_acceptance"])
+        assert "drafter of run 'demo'" in fig.axes[0].get_title()
+    finally:
+        plt_close(fig)
+    fig = training_figure(_training_record(), "demo")
+    try:
+        assert _overlaps_data(fig) == []
+        assert "run 'demo'" in fig._suptitle.get_text()
+        texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+        # Every held-out evaluation's accuracy per draft step, and its loss.
+        assert "0.55 / 0.52 / 0.50" in texts and "5.00" in texts
+    finally:
+        plt_close(fig)
+
+
+def plt_close(fig) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_report_has_the_runs_training_curves_or_says_it_has_no_training_record(tmp_path):
+    drafter = _drafter(tmp_path, "vllm")
+    ok = with_parity(_result(drafter), REFERENCE, 0.8)
+    store = open_store(str(tmp_path / "store"))
+    keys = write_report([ok], store, "nightly")
+    assert "training_curves.png" not in keys
+    md = store.get_bytes(keys["report.md"]).decode()
+    assert "No training record at `nightly/train/metrics.json`" in md and "training_curves.png" not in md
+
+    store.put_bytes("demo/train/metrics.json", json.dumps(_training_record()).encode())
+    keys = write_report([ok], store, "demo")
+    assert store.get_bytes(keys["training_curves.png"])[:8] == b"\x89PNG\r\n\x1a\n"
+    md = store.get_bytes(keys["report.md"]).decode()
+    training = md.split("## Training")[1].split("\n## ")[0]
+    assert "From `demo/train/metrics.json`: 40 steps." in training
+    assert "per-step accuracy (draft step 1 first) 0.800, 0.720, 0.640" in training
+    assert "Held-out at step 40: loss 5.000, per-step accuracy 0.550, 0.520, 0.500, acceptance length 1.98" in training
+    assert "![training curves](training_curves.png)" in md

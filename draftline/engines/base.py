@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
@@ -65,6 +66,36 @@ class EngineAdapter(ABC):
         """What the server's own log says about how it ran (which passes were CUDA graphs, say), read after it
         stopped, for the report's explanations; empty when the log holds nothing draftline reads."""
         return {}
+
+
+class WarningPattern(NamedTuple):
+    """A warning an engine logs that changes what its figures mean: the regular expression that finds the start
+    of the message, and how many of its sentences say what it means (the rest is usually a remedy or a link)."""
+
+    pattern: str
+    sentences: int = 1
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=\S)")
+
+
+def relayed_warnings(log_text: str, patterns: list[WarningPattern]) -> list[str]:
+    """The messages of the log lines that match `patterns`, each cut after its first `sentences` sentences, once
+    each in the order first logged (an engine's API server, engine core and workers often log the same one)."""
+    found: dict[str, None] = {}
+    compiled = [(re.compile(p.pattern), p.sentences) for p in patterns]
+    for line in _ANSI.sub("", log_text).splitlines():
+        for regex, sentences in compiled:
+            m = regex.search(line)
+            if m:
+                message = line[m.start():].strip()
+                ends = list(_SENTENCE_END.finditer(message))
+                if len(ends) >= sentences:
+                    message = message[:ends[sentences - 1].start()]
+                found.setdefault(message.rstrip(), None)
+                break
+    return list(found)
 
 
 def http_answer(method: str, url: str, **kwargs) -> Any:

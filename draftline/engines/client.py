@@ -2,7 +2,8 @@
 
 Per request: latency, time to first token (TTFT), time per output token after the first (TPOT), output tokens
 (from the server's own usage count, not from chunk counting: speculative engines stream several tokens per
-chunk). Per run: output tokens per second over the wall time of the whole run.
+chunk). Per run: output tokens per second over the wall time of the whole run. Over repeats of the same run
+(`summarize_repeats`): the median run figures, and the request percentiles over every measured request.
 """
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class RunMetrics(BaseModel):
     ttft_mean_s: float | None
     ttft_p50_s: float | None
     tpot_mean_s: float | None
+    ttft_p90_s: float | None = None  # absent from results written before it was measured
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -113,8 +115,29 @@ def summarize(results: list[RequestResult], concurrency: int, duration_s: float)
         requests_per_s=len(results) / duration_s if duration_s > 0 else 0.0,
         latency_mean_s=statistics.fmean(lat), latency_p50_s=_percentile(lat, 0.5), latency_p90_s=_percentile(lat, 0.9),
         ttft_mean_s=statistics.fmean(ttft) if ttft else None, ttft_p50_s=_percentile(ttft, 0.5) if ttft else None,
-        tpot_mean_s=statistics.fmean(tpot) if tpot else None,
+        ttft_p90_s=_percentile(ttft, 0.9) if ttft else None, tpot_mean_s=statistics.fmean(tpot) if tpot else None,
     )
+
+
+def summarize_repeats(runs: list[tuple[RunMetrics, list[RequestResult]]]) -> RunMetrics:
+    """Several measured runs of the same requests at one concurrency as one RunMetrics: the run figures (requests,
+    output tokens, duration, tokens and requests per second) are the median over the runs, the request figures
+    (latency, TTFT and TPOT) are taken over every request of every run."""
+    if not runs:
+        raise ValueError("no runs to summarize")
+    if len(runs) == 1:
+        return runs[0][0]
+    metrics = [m for m, _ in runs]
+    pooled = summarize([r for _, results in runs for r in results], metrics[0].concurrency, 1.0)
+
+    def median(field: str) -> float:
+        return statistics.median(getattr(m, field) for m in metrics)
+
+    return pooled.model_copy(update={
+        "requests": round(median("requests")), "output_tokens": round(median("output_tokens")),
+        "duration_s": median("duration_s"), "output_tokens_per_s": median("output_tokens_per_s"),
+        "requests_per_s": median("requests_per_s"),
+    })
 
 
 async def _sse_events(response: httpx.Response):

