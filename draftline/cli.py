@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import traceback
 
-from draftline.errors import DraftlineError
+from draftline.errors import BUG_LINE, ConfigError, DraftlineError
 
 _STAGES = {
     "run": "run the whole pipeline as a Prefect flow (traces, extraction, training, export, evaluation)",
@@ -78,8 +80,9 @@ def _run_stage(args) -> int:
     cfg = load_with_overrides(args.config, args.store, args.run)
     from draftline import stages
 
-    stages.run_stage(args.command, cfg)
-    return 0
+    result = stages.run_stage(args.command, cfg)
+    # `run` is the pipeline in a process of its own, which printed its own sentence; its exit code is ours.
+    return result.returncode if isinstance(result, subprocess.CompletedProcess) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,9 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _validate(args)
         return _run_stage(args)
-    except DraftlineError as exc:
+    except ConfigError as exc:
         print(f"draftline: {exc}", file=sys.stderr)
         return 2
+    except DraftlineError as exc:  # a stage failed; its first line is the cause, the rest is a log tail
+        print(f"draftline: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        print(f"draftline: {BUG_LINE}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

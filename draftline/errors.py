@@ -5,6 +5,11 @@ class DraftlineError(Exception):
     """Base of all draftline errors."""
 
 
+# What every entry point prints after the traceback of an exception that is not a DraftlineError.
+BUG_LINE = ("This is not a draftline error (those are one sentence naming what to fix): it is a bug in draftline or "
+            "in a library it calls; the traceback shows where. Please report it with this output.")
+
+
 class ConfigError(DraftlineError, ValueError):
     """Bad input: a config, prompt file, model or drafter directory, or store URI. Retrying cannot help."""
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -12,6 +14,8 @@ from typing import Iterator
 from draftline.config import TracesConfig
 from draftline.errors import ConfigError, EngineError
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
+
+log = logging.getLogger(__name__)
 
 STAGE = "traces"
 SUFFIX = ".jsonl"
@@ -246,8 +250,9 @@ def generate_trace_shard(cfg: TracesConfig, target_dir: str | Path, prompts: lis
     done = finished_shard(store, run, STAGE, shard_index, spec)
     if done is not None:
         return {**done.metadata, "computed": False}
+    started = time.monotonic()
     return _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec,
-                                _generate(cfg, target_dir, mine, dtype, device))
+                                _generate(cfg, target_dir, mine, dtype, device), started)
 
 
 def _length_limit(cfg: TracesConfig, target_dir: str) -> int:
@@ -284,7 +289,9 @@ def _generate(cfg, target_dir, mine, dtype, device) -> tuple[list, list]:
     return (full, resp), tok
 
 
-def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, generated) -> dict:
+def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, generated,
+                         started: float | None = None) -> dict:
+    """Publish one shard's traces; with `started` (when its generation began) the log line gives tokens/s."""
     (prompt_ids, responses), tok = generated
     lines, seen = [], set()
     dropped = {"prompt_too_long": 0, "response_too_short": 0, "duplicate": 0}
@@ -317,6 +324,11 @@ def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, g
     data = ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8")
     meta = {**stats, "sequences": len(lines), "tokens": prompt_tokens + response_tokens}
     publish_shard(store, run, STAGE, shard_index, SUFFIX, spec, meta, data=data)
+    rate = ""
+    if started is not None:
+        rate = f", {response_tokens / max(1e-9, time.monotonic() - started):.0f} generated tokens/s"
+    log.info("traces: shard %d published: %d traces, %d response tokens%s", shard_index, len(lines), response_tokens,
+             rate)
     return {**meta, "computed": True}
 
 
@@ -348,7 +360,19 @@ def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str) -> 
     store.put_bytes(stats_key, stats_bytes)
     write_stage_manifest(store, run, STAGE, records, [{
         "key": stats_key, "size": len(stats_bytes), "sha256": hashlib.sha256(stats_bytes).hexdigest(), "metadata": {}}])
+    if stats["count"] == 0:
+        raise ConfigError(f"traces: none of the {stats['prompts']} prompts gave a trace ({_drop_reasons(cfg, dropped)})"
+                          "; nothing is left to extract or train on")
     return stats
+
+
+def _drop_reasons(cfg: TracesConfig, dropped: dict[str, int]) -> str:
+    """Each reason a prompt was dropped, with the setting that decides it."""
+    remedy = {"prompt_too_long": f"longer than traces.max_total_tokens={cfg.max_total_tokens} or the target's context",
+              "response_too_short": f"answered in fewer than traces.min_response_tokens={cfg.min_response_tokens} "
+                                    "tokens",
+              "duplicate": "duplicates (traces.drop_duplicates)"}
+    return "; ".join(f"{n} {remedy.get(k, k)}" for k, n in dropped.items() if n)
 
 
 def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, dtype: str = "bfloat16",
@@ -369,6 +393,10 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
         spec = _shard_spec(cfg, target_dir, mine, dtype)
         if finished_shard(store, run, STAGE, i, spec) is None:
             pending.append((i, mine, spec))
+    log.info("traces: %d of %d shards to generate (%d prompts, %s backend)%s", len(pending), n,
+             sum(len(mine) for _, mine, _ in pending), cfg.backend,
+             f"; {n - len(pending)} already published" if len(pending) < n else "")
+    started = time.monotonic()
     if cfg.backend == "vllm" and not cfg.endpoint and len(pending) > 1:
         # Starting vLLM costs a minute: answer all pending shards through one server, then split them back.
         everything = [p for _, mine, _ in pending for p in mine]
@@ -378,9 +406,13 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
             part = ((pids[at:at + len(mine)], resp[at:at + len(mine)]), tok)
             _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, part)
             at += len(mine)
+        log.info("traces: %d prompts answered in %.0f s, the server's start included", len(everything),
+                 time.monotonic() - started)
     else:
         for i, mine, spec in pending:
-            _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, _generate(cfg, target_dir, mine, dtype, device))
+            began = time.monotonic()
+            _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec,
+                                 _generate(cfg, target_dir, mine, dtype, device), began)
     stats = finalize_traces(cfg, prompts, store, run)
     return {**stats, "computed_shards": [i for i, _, _ in pending]}
 

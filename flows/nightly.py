@@ -4,7 +4,9 @@
 """
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from datetime import datetime, timezone
 from typing import Any
 
@@ -12,6 +14,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from draftline.config import PipelineConfig
+from draftline.errors import BUG_LINE
 from draftline.regression import RegressionDetected
 from flows import deployed
 from flows.deployed import StageRuns
@@ -100,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accept-new-baseline", action="store_true", help="record tonight as good whatever it shows")
     parser.add_argument("--store", help="override store.root")
     args = parser.parse_args(argv)
+    # The temporary Prefect server started here sends no telemetry (it logs a traceback on machines without
+    # internet); a user's own setting wins.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         config = load_with_overrides(args.config, args.store, None)
     except DraftlineError as exc:
@@ -110,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     except RegressionDetected as exc:
         print(f"draftline: {exc}", file=sys.stderr)
         return 1
+    except DraftlineError as exc:
+        print(f"draftline: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        print(f"draftline: {BUG_LINE}", file=sys.stderr)
+        return 3
     print(_message({"verdict": result["verdict"]}))
     return 0
 

@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+import traceback
 from typing import Any
 
 from prefect import flow
 
 from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config
-from draftline.errors import ConfigError
+from draftline.errors import BUG_LINE, ConfigError
 from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
+from tasks.common import timed_stage
 
 
 @flow(name="pipeline", log_prints=True)
@@ -33,11 +36,16 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
     deployed.require_live_workers(deployed.deployments_needed(config, engine_runs, stage_runs))
     # The same three stages, as subflows of this run or as flow runs of their deployments: same inputs, same outputs.
     stage_flows = deployed if stage_runs == "deployments" else stages
-    traces = stage_flows.generate_traces(config)
-    hidden_manifest = stage_flows.extract_hidden_states(config)
-    drafter = stage_flows.train_drafter(config, hidden_manifest)
-    report = evaluate(config, drafter["exports"], engine_runs, stage_runs)
-    return {"traces": traces, "hidden": hidden_manifest, "drafter": drafter, "report": report}
+    times: list[dict] = []
+    with timed_stage("traces", times):
+        traces = stage_flows.generate_traces(config)
+    with timed_stage("extraction", times):
+        hidden_manifest = stage_flows.extract_hidden_states(config)
+    with timed_stage("training and export", times):
+        drafter = stage_flows.train_drafter(config, hidden_manifest)
+    with timed_stage("evaluation", times):
+        report = evaluate(config, drafter["exports"], engine_runs, stage_runs)
+    return {"traces": traces, "hidden": hidden_manifest, "drafter": drafter, "report": report, "stage_times": times}
 
 
 def resolve_config(config: PipelineConfig | None, config_file: str | None,
@@ -71,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", help="override store.root")
     parser.add_argument("--run", help="override the run name")
     args = parser.parse_args(argv)
+    # The temporary Prefect server started here sends no telemetry (it logs a traceback on machines without
+    # internet); a user's own setting wins.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         if args.config_json:
             config = parse_config(json.loads(args.config_json), PipelineConfig, "--config-json")
@@ -97,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         if report:
             print(f"draftline: the report, with the failed engine's row, is at {report}", file=sys.stderr)
         return 1
-    print_summary(config, result["report"], elapsed_s=time.monotonic() - started)
+    except Exception:
+        traceback.print_exc()
+        print(f"draftline: {BUG_LINE}", file=sys.stderr)
+        return 3
+    print_summary(config, result["report"], elapsed_s=time.monotonic() - started, stage_times=result["stage_times"])
     return 0
 
 

@@ -1,22 +1,28 @@
-"""What every draftline task shares: retry only transient failures, cache on inputs + source, artifacts that link the store."""
+"""What every draftline task shares: retry only transient failures, cache on inputs + source, artifacts that link the
+store, the library's log lines in the run's log, and each stage's wall time with its cache hits."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
+import logging
 import re
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.logging.handlers import APILogHandler
 from prefect.tasks import exponential_backoff
 
 # transformers resolves its names lazily and that first import is not thread-safe; tasks run in threads, so
 # the names the stages use are resolved here, once, on import.
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-from draftline.errors import is_transient
+from draftline.errors import BUG_LINE, DraftlineError, is_transient
 from draftline.store import Store, open_store
 
 RUN_ID_FILE = "run-id"
@@ -45,6 +51,77 @@ class StoreRun(CachePolicy):
 # shard index), its source and the store's copy of the run, persisted in Prefect's result storage, so finished
 # stages are skipped across runs while their artifacts exist.
 CACHED = INPUTS + TASK_SOURCE + StoreRun()
+
+
+# The state names of this process's cached tasks as they complete: "Cached" when the result came from cache and
+# the task's body did not run.
+_OUTCOMES: list[str] = []
+
+
+def _record_outcome(task, task_run, state) -> None:
+    _OUTCOMES.append(state.name)
+
+
+# The options of every task whose result a rerun may take from cache.
+CACHED_TASK: dict[str, Any] = {"cache_policy": CACHED, "persist_result": True, "on_completion": [_record_outcome]}
+
+
+@contextlib.contextmanager
+def timed_stage(name: str, rows: list[dict]) -> Iterator[None]:
+    """Append {stage, wall_s, cached} to rows once the stage's block is done: cached is True when Prefect served
+    every task the stage ran from cache, None when the stage ran its tasks in other processes (deployments)."""
+    first, started = len(_OUTCOMES), time.monotonic()
+    yield
+    outcomes = _OUTCOMES[first:]
+    rows.append({"stage": name, "wall_s": round(time.monotonic() - started, 1),
+                 "cached": all(o == "Cached" for o in outcomes) if outcomes else None})
+
+
+class _RunLogHandler(APILogHandler):
+    """Prefect's API log handler, for records logged inside a flow or task run only (the library also logs from
+    plain threads and outside any run, where Prefect would warn on every line)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if FlowRunContext.get() is not None or TaskRunContext.get() is not None:
+            super().emit(record)
+
+
+def relay_library_logs() -> None:
+    """draftline's own log lines (training steps, shards done, engine start phases) at INFO and above go to the
+    terminal and to the run's log in the Prefect UI, as Prefect's own lines do."""
+    library = logging.getLogger("draftline")
+    if not any(isinstance(h, _RunLogHandler) for h in library.handlers):
+        library.addHandler(_RunLogHandler())
+    if library.level == logging.NOTSET or library.level > logging.INFO:
+        library.setLevel(logging.INFO)
+
+
+class _DraftlineErrorsWithoutTraceback(logging.Filter):
+    """A draftline error is the user's to act on and says so in its sentence: Prefect's failure lines keep that
+    sentence and drop the traceback. Any other exception is a bug: its traceback stays, with a line saying so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "_record_outcome" in str(record.msg):  # Prefect announces every hook it runs; this one is bookkeeping
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, DraftlineError):
+            record.exc_info, record.exc_text = None, None
+        elif isinstance(exc, Exception) and not getattr(record, "_draftline_marked", False):
+            record.msg = f"{record.msg}\n{BUG_LINE}"
+            record._draftline_marked = True
+        return True
+
+
+def quiet_draftline_errors() -> None:
+    """Install the filter on the loggers Prefect's engines report task and flow failures on (once per process)."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DraftlineErrorsWithoutTraceback) for f in logger.filters):
+            logger.addFilter(_DraftlineErrorsWithoutTraceback())
+
+
+relay_library_logs()
+quiet_draftline_errors()
 
 
 def retry_if_transient(task, task_run, state) -> bool:

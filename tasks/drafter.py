@@ -5,10 +5,10 @@ from prefect import get_run_logger, task
 
 from draftline.config import PipelineConfig
 from draftline import stages
-from tasks.common import CACHED, store_at, transient_retries
+from tasks.common import CACHED_TASK, store_at, transient_retries
 
 
-@task(name="train-drafter", cache_policy=CACHED, persist_result=True, **transient_retries(retries=1))
+@task(name="train-drafter", **CACHED_TASK, **transient_retries(retries=1))
 def train_drafter(config: PipelineConfig, hidden_manifest_uri: str) -> dict:
     """Train on the run's hidden-state shards; a retry or rerun resumes from the last checkpoint in the store.
 
@@ -17,7 +17,7 @@ def train_drafter(config: PipelineConfig, hidden_manifest_uri: str) -> dict:
     return stages.train(config, store_at(config.store.root), on_line=get_run_logger().info)
 
 
-@task(name="export-drafter", cache_policy=CACHED, persist_result=True, **transient_retries())
+@task(name="export-drafter", **CACHED_TASK, **transient_retries())
 def export_drafter(config: PipelineConfig, training: dict) -> dict[str, str]:
     """One directory per engine format; returns {format: store URI of the export}."""
     return stages.export(config, store_at(config.store.root))

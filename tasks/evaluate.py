@@ -5,10 +5,10 @@ from prefect import task
 
 from draftline import stages
 from draftline.config import EngineConfig, PipelineConfig
-from tasks.common import CACHED, publish_link, publish_markdown, publish_table, store_at, transient_retries
+from tasks.common import CACHED_TASK, publish_link, publish_markdown, publish_table, store_at, transient_retries
 
 
-@task(name="evaluate-engine", cache_policy=CACHED, persist_result=True,
+@task(name="evaluate-engine", **CACHED_TASK,
       **transient_retries(retries=2, base_delay_s=15.0))
 def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str]) -> str:
     """Baseline and EAGLE-3 runs of one engine; returns the store key of its EvalResult JSON.
@@ -29,7 +29,7 @@ def reference_key(config: PipelineConfig) -> str:
     return stages.reference_key(config)
 
 
-@task(name="reference-acceptance", cache_policy=CACHED, persist_result=True, **transient_retries(retries=1))
+@task(name="reference-acceptance", **CACHED_TASK, **transient_retries(retries=1))
 def reference_acceptance(config: PipelineConfig, exports: dict[str, str]) -> str:
     """Engine-independent acceptance of the drafter on the eval prompts; returns the store key of its JSON."""
     return stages.reference(config, exports, store_at(config.store.root))

@@ -6,17 +6,17 @@ from prefect import task
 
 from draftline import extract, stages
 from draftline.config import PipelineConfig
-from tasks.common import CACHED, store_at, transient_retries
+from tasks.common import CACHED_TASK, store_at, transient_retries
 
 
-@task(name="extract-shard", cache_policy=CACHED, persist_result=True, **transient_retries())
+@task(name="extract-shard", **CACHED_TASK, **transient_retries())
 def extract_shard(config: PipelineConfig, shard_index: int) -> dict:
     """Hidden states of one shard of traces; a shard already published intact is skipped by the library."""
     return extract.extract_shard(config.extract, config.target.path, store_at(config.store.root), config.run,
                                  shard_index, dtype=config.target.dtype)
 
 
-@task(name="extract-stage", cache_policy=CACHED, persist_result=True, **transient_retries())
+@task(name="extract-stage", **CACHED_TASK, **transient_retries())
 def extract_stage(config: PipelineConfig) -> dict:
     """Every pending shard through one supervised vLLM server (a start costs minutes; finished shards are skipped);
     the result names the stage manifest's URI under "manifest"."""
@@ -26,7 +26,7 @@ def extract_stage(config: PipelineConfig) -> dict:
     return {**result, "manifest": store.uri(f"{config.run}/{extract.STAGE}/manifest.json")}
 
 
-@task(name="extract-manifest", cache_policy=CACHED, persist_result=True, **transient_retries())
+@task(name="extract-manifest", **CACHED_TASK, **transient_retries())
 def extract_manifest(config: PipelineConfig, shard_results: list[dict]) -> str:
     """Write the stage manifest once every shard exists; returns its store URI."""
     store = store_at(config.store.root)

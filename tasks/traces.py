@@ -5,10 +5,10 @@ from prefect import task
 
 from draftline import stages, traces
 from draftline.config import PipelineConfig
-from tasks.common import CACHED, store_at, transient_retries
+from tasks.common import CACHED_TASK, store_at, transient_retries
 
 
-@task(name="trace-shard", cache_policy=CACHED, persist_result=True, **transient_retries())
+@task(name="trace-shard", **CACHED_TASK, **transient_retries())
 def trace_shard(config: PipelineConfig, shard_index: int) -> dict:
     """Answer one shard of prompts (transformers backend or a served vLLM endpoint); skips a shard already published."""
     prompts = traces.load_prompts(config.traces)
@@ -16,14 +16,14 @@ def trace_shard(config: PipelineConfig, shard_index: int) -> dict:
                                        config.run, shard_index, dtype=config.target.dtype)
 
 
-@task(name="trace-stage", cache_policy=CACHED, persist_result=True, **transient_retries())
+@task(name="trace-stage", **CACHED_TASK, **transient_retries())
 def trace_stage(config: PipelineConfig) -> dict:
     """All pending shards through one offline vLLM engine (a start costs minutes; finished shards are skipped)."""
     return traces.generate_traces(config.traces, config.target.path, store_at(config.store.root), config.run,
                                   dtype=config.target.dtype)
 
 
-@task(name="trace-stats", cache_policy=CACHED, persist_result=True, **transient_retries())
+@task(name="trace-stats", **CACHED_TASK, **transient_retries())
 def trace_stats(config: PipelineConfig, shard_results: list[dict]) -> dict:
     """Stats and stage manifest once every shard is published (shard_results only orders this after them)."""
     prompts = traces.load_prompts(config.traces)

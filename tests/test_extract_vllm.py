@@ -243,3 +243,6 @@ def test_engine_errors_that_pass_with_the_moment_are_retried_and_input_errors_ar
     assert root_cause(worker) == ("AttributeError: 'Kimi_K25Config' object has no attribute "
                                   "'media_placeholder_token_id'", True)
     assert root_cause("loading weights\nno exception here") is None
+    usage = "usage: api_server.py [-h] [--host HOST]\n                     [model_tag]\n"
+    assert root_cause(usage + "api_server.py: error: unrecognized arguments: --no-such-flag") == (
+        "the engine refused its command line: unrecognized arguments: --no-such-flag", True)

