@@ -320,6 +320,9 @@ class RegressionConfig(Strict):
     max_speedup_drop: float = Field(0.15, ge=0.0, le=1.0)
     max_throughput_drop: float = Field(0.20, ge=0.0, le=1.0)
     parity_floor: float = Field(0.8, ge=0.0, le=1.0)
+    # The engine's mean acceptance length over the training's offline estimate for the same drafter and k: a fall of
+    # this ratio is a drafter whose validation no longer predicts what the engine accepts, even when acceptance held.
+    max_estimate_gap_drop: float = Field(0.10, ge=0.0, le=1.0)
     median_window: int = Field(7, ge=1)
 
 

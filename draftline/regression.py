@@ -4,7 +4,9 @@ store, and a verdict that compares tonight's figures with the last good run and 
 The cause is told apart with the reference decoder, which does not depend on any engine:
 - parity drop: the engine accepts less than the reference on the same drafter -> integration (engine or export);
 - reference drop: the reference accepts less too -> the drafter or the target changed;
-- throughput-only drop: acceptance held, the tokens per second fell -> engine (or machine) performance.
+- throughput-only drop: acceptance held, the tokens per second fell -> engine (or machine) performance;
+- estimate gap: the engine's acceptance over the training's offline estimate fell -> what the drafter validated on
+  no longer predicts what it is served with.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from draftline.evaluate import EvalResult
 SCHEMA = "draftline-regression/1"
 EVENT_NAME = "draftline.regression.detected"
 
-CauseKind = Literal["aux-layer-ids", "integration", "drafter-or-target", "engine-performance", "engine-failure", "unexplained"]
+CauseKind = Literal["aux-layer-ids", "integration", "drafter-or-target", "engine-performance", "engine-failure", "unexplained",
+                    "estimate-gap"]
 CAUSE_TITLES: dict[str, str] = {
     "aux-layer-ids": "integration: aux-layer ids",
     "integration": "parity drop: integration (engine or export)",
@@ -32,7 +35,10 @@ CAUSE_TITLES: dict[str, str] = {
     "engine-performance": "throughput-only drop: engine performance",
     "engine-failure": "the engine failed to serve",
     "unexplained": "acceptance drop that draftline cannot attribute",
+    "estimate-gap": "acceptance fell away from the training estimate",
 }
+GAP_METRIC = "acceptance over the training estimate"
+ESTIMATE_FIGURE = "training's offline estimate"
 Status = Literal["baseline", "pass", "regressed", "skipped", "failed"]
 
 
@@ -62,6 +68,10 @@ class Figures(BaseModel):
     acceptance_length: float | None = None
     reference_acceptance_length: float | None = None
     parity: float | None = None
+    # The training's offline estimate of mean acceptance length for this drafter at this k, and the engine's measured
+    # mean acceptance length over it; None where the training record is unknown (and in records older than both).
+    offline_acceptance_length: float | None = None
+    acceptance_over_offline: float | None = None
     per_position: list[float] | None = None
     speedup: dict[int, float] = {}
     throughput: dict[int, float] = {}  # EAGLE-3 output tokens per second, by concurrency
@@ -79,11 +89,32 @@ def lineage_name(lineage: dict[str, Any] | None, fallback: str) -> str:
     return fallback
 
 
+def offline_acceptance_length(training_record: dict[str, Any] | bytes | str | None, k: int | None = None
+                              ) -> float | None:
+    """The training's offline estimate of mean acceptance length from its record (`<run>/train/metrics.json`, as a
+    dict or its bytes): final_val's per-TTT-step accuracies over the first `k` steps, the depth the engine drafts
+    (training validates `train.ttt_steps` steps, 7 by default, so its recorded acceptance_length is for a deeper
+    draft than k=3). None without a record or a validation, or when `k` is deeper than the training validated."""
+    if training_record is None:
+        return None
+    record = json.loads(training_record) if isinstance(training_record, (bytes, str)) else training_record
+    accuracy = (record.get("final_val") or {}).get("accuracy")
+    if not accuracy or (k is not None and k > len(accuracy)):
+        return None
+    from draftline.drafter.ttt import acceptance_length  # the training's own definition of the estimate
+
+    return acceptance_length([float(a) for a in accuracy[:k]])
+
+
 def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, lineage: str | None = None,
-               target: str | None = None, target_fingerprint: str | None = None) -> Figures:
-    """The watched figures of one EvalResult; `lineage` and `target` name its history series when given."""
+               target: str | None = None, target_fingerprint: str | None = None,
+               training_record: dict[str, Any] | bytes | None = None) -> Figures:
+    """The watched figures of one EvalResult; `lineage` and `target` name its history series when given, and
+    `training_record` (the evaluated drafter's training metrics.json) gives the offline estimate."""
     acc = result.acceptance
     parity = result.parity
+    measured = acc.mean_acceptance_length if acc else None
+    offline = offline_acceptance_length(training_record, result.num_speculative_tokens)
     return Figures(
         engine=result.engine, engine_version=result.engine_version, status=result.status, reason=result.reason,
         hardware=result.hardware, target=target or result.target, drafter=result.drafter,
@@ -91,9 +122,11 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
         target_fingerprint=target_fingerprint,
         prompt_set=result.prompt_set, prompt_set_sha256=result.prompt_set_sha256,
         num_speculative_tokens=result.num_speculative_tokens,
-        acceptance_length=acc.mean_acceptance_length if acc else None,
+        acceptance_length=measured,
         reference_acceptance_length=parity.reference_mean_acceptance_length if parity else None,
         parity=parity.value if parity else None,
+        offline_acceptance_length=offline,
+        acceptance_over_offline=measured / offline if measured is not None and offline else None,
         per_position=acc.per_position if acc else None,
         speedup={p.concurrency: p.speedup for p in result.points},
         throughput={p.concurrency: p.speculative.output_tokens_per_s for p in result.points},
@@ -234,6 +267,8 @@ class Verdict(BaseModel):
                 "causes": [c.kind for c in e.causes], "cause_sentences": [c.sentence() for c in e.causes],
                 "mean_acceptance_length": f.acceptance_length,
                 "reference_acceptance_length": f.reference_acceptance_length, "parity": f.parity,
+                "offline_acceptance_length": f.offline_acceptance_length,
+                "acceptance_over_offline": f.acceptance_over_offline,
                 "speedup": {str(k): v for k, v in f.speedup.items()},
                 "throughput": {str(k): v for k, v in f.throughput.items()},
                 "last_good_at": e.last_good_at,
@@ -241,6 +276,8 @@ class Verdict(BaseModel):
                                "mean_acceptance_length": e.last_good.acceptance_length,
                                "reference_acceptance_length": e.last_good.reference_acceptance_length,
                                "parity": e.last_good.parity,
+                               "offline_acceptance_length": e.last_good.offline_acceptance_length,
+                               "acceptance_over_offline": e.last_good.acceptance_over_offline,
                                "speedup": {str(k): v for k, v in e.last_good.speedup.items()}}
                               if e.last_good else None),
                 "findings": [{"metric": x.metric, "concurrency": x.concurrency, "new": x.new,
@@ -362,6 +399,7 @@ def _watched(current: Figures, cfg: RegressionConfig) -> list[tuple[str, int | N
         ("mean acceptance length", None, lambda f: f.acceptance_length, cfg.max_acceptance_drop, False),
         ("reference acceptance length", None, lambda f: f.reference_acceptance_length, cfg.max_acceptance_drop,
          False),
+        (GAP_METRIC, None, lambda f: f.acceptance_over_offline, cfg.max_estimate_gap_drop, False),
     ]
     for c in sorted(current.speedup):
         out.append(("speedup", c, lambda f, c=c: f.speedup.get(c), cfg.max_speedup_drop, True))
@@ -420,14 +458,18 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
                     last_good_at=last_rec.recorded_at if last_rec else None, median=old_median,
                     median_runs=len(pool), drop_vs_last_good=d_last, drop_vs_median=d_median, limit=limit,
                 ))
-        parity_median = _median([r.figures.parity for r in window])
-        if parity_median is not None:
-            verdict.median["parity with the reference decoder"] = parity_median
+        for figure, values in (("parity with the reference decoder", [r.figures.parity for r in window]),
+                               (ESTIMATE_FIGURE, [r.figures.offline_acceptance_length for r in window])):
+            if _median(values) is not None:
+                verdict.median[figure] = _median(values)
         if any(r.figures.hardware != current.hardware for r in window):
             verdict.notes.append("throughput and speedup are compared only with runs on the same hardware "
                                  f"({current.hardware})")
         if last.figures.engine_version != current.engine_version:
             verdict.notes.append(f"engine version changed: {last.figures.engine_version} -> {current.engine_version}")
+        if current.offline_acceptance_length is None and any(r.figures.offline_acceptance_length for r in window):
+            verdict.notes.append("no training estimate for tonight's drafter (its training record was not found or "
+                                 "validated fewer steps than k): the acceptance's gap to it is not compared")
     elif not verdict.findings and not verdict.causes:
         verdict.status = "baseline"
         return verdict
@@ -489,20 +531,61 @@ def classify(verdict: EngineVerdict) -> list[Cause]:
         causes.append(Cause(kind="engine-performance", explanation=(
             f"acceptance held ({_fmt(last.acceptance_length if last else None)} -> {_fmt(cur.acceptance_length)}) "
             f"but tokens per second fell{version_change}; {where}")))
+    gap = next((f for f in verdict.findings if f.metric == GAP_METRIC), None)
+    if gap is not None:
+        causes.append(Cause(kind="estimate-gap", explanation=_estimate_gap(
+            verdict, gap, ref_drop, parity_low or (acc_drop and not ref_drop))))
     return causes
+
+
+def _estimate_gap(verdict: EngineVerdict, gap: Finding, ref_drop: bool, engine_drop: bool) -> str:
+    """Measured and estimated acceptance, the history's ratio, and what the gap means given what else moved."""
+    cur, last = verdict.figures, verdict.last_good
+    seen = []
+    if gap.last_good is not None:
+        seen.append(f"{gap.last_good:.2f} at the last good run")
+    if gap.median is not None and gap.median_runs > 1:
+        seen.append(f"{gap.median:.2f} as the median of {gap.median_runs} good runs")
+    text = (f"{cur.engine} accepts {_fmt(cur.acceptance_length)} tokens per step where the training estimated "
+            f"{_fmt(cur.offline_acceptance_length)} at k={cur.num_speculative_tokens} (ratio "
+            f"{_fmt(cur.acceptance_over_offline)}; the history's ratio was {' and '.join(seen) or 'n/a'})")
+    if cur.reference_acceptance_length is not None and cur.offline_acceptance_length:
+        text += (f"; the engine-independent reference decoder accepts {cur.reference_acceptance_length:.2f} (ratio "
+                 f"{cur.reference_acceptance_length / cur.offline_acceptance_length:.2f})")
+    old = last.offline_acceptance_length if last else None
+    moved = f"{_fmt(last.acceptance_length if last else None)} -> {_fmt(cur.acceptance_length)}"
+    if old is None or cur.offline_acceptance_length is None:
+        return text + "; the last good run has no estimate, so the training and the serving cannot be told apart"
+    if abs(old - cur.offline_acceptance_length) >= 0.005:
+        return text + (f"; the estimate moved {old:.2f} -> {cur.offline_acceptance_length:.2f} while the engine's "
+                       f"acceptance went {moved}: this training's validation does not predict serving; compare its "
+                       "validation data with the eval prompts, and the aux layers and target it was trained on with "
+                       "what the engine serves")
+    if last and last.drafter_fingerprint and cur.drafter_fingerprint and \
+            last.drafter_fingerprint != cur.drafter_fingerprint:
+        return text + (f"; the drafter files changed ({last.drafter_fingerprint[:12]} -> {cur.drafter_fingerprint[:12]}) "
+                       "under the same training estimate: the export moved, not the training")
+    if ref_drop:
+        return text + ("; with the same drafter and estimate, a drop of the reference decoder as well means the prompts "
+                       "or the target changed")
+    if engine_drop:
+        return text + "; with the same drafter and estimate the gap is the engine's, as the parity drop says"
+    return text + (f"; with the same drafter and estimate the engine's acceptance slipped ({moved}) by less than the "
+                   "acceptance limit but more than the estimate-gap limit")
 
 
 def judge_all(results: list[EvalResult], history: History, cfg: RegressionConfig,
               fingerprints: dict[str, str] | None = None, lineage: str | None = None,
               drafter: str | None = None, target: str | None = None, target_fingerprint: str | None = None,
-              now: datetime | None = None) -> Verdict:
-    """The verdict over every engine's result; `fingerprints` maps engine -> digest of the export it loaded."""
+              now: datetime | None = None, training_record: dict[str, Any] | bytes | None = None) -> Verdict:
+    """The verdict over every engine's result; `fingerprints` maps engine -> digest of the export it loaded, and
+    `training_record` is the evaluated drafter's training metrics.json (its offline acceptance estimate)."""
     if not results:
         raise ConfigError("no evaluation results to compare; the nightly evaluation produced none")
     fingerprints = fingerprints or {}
     verdicts = []
     for r in results:
-        fig = figures_of(r, fingerprints.get(r.engine), lineage, target, target_fingerprint)
+        fig = figures_of(r, fingerprints.get(r.engine), lineage, target, target_fingerprint, training_record)
         verdicts.append(judge(fig, history.records(fig.target, fig.engine, fig.lineage), cfg))
     first = verdicts[0].figures
     return Verdict(checked_at=(now or datetime.now(timezone.utc)).isoformat(), target=first.target,
@@ -642,6 +725,10 @@ def comparison_rows(verdict: Verdict, cfg: RegressionConfig) -> list[dict[str, A
         acc_limit = f"-{cfg.max_acceptance_drop:.0%}"
         items: list[tuple[str, int | None, float | None, float | None, str]] = [
             ("mean acceptance length", None, f.acceptance_length, last.acceptance_length if last else None, acc_limit),
+            (ESTIMATE_FIGURE, None, f.offline_acceptance_length, last.offline_acceptance_length if last else None,
+             "not watched"),
+            (GAP_METRIC, None, f.acceptance_over_offline, last.acceptance_over_offline if last else None,
+             f"-{cfg.max_estimate_gap_drop:.0%}"),
             ("reference acceptance length", None, f.reference_acceptance_length,
              last.reference_acceptance_length if last else None, acc_limit),
             ("parity with the reference decoder", None, f.parity, last.parity if last else None,
@@ -668,7 +755,8 @@ def comparison_markdown(verdict: Verdict, cfg: RegressionConfig, plot_name: str 
     state = "REGRESSED" if verdict.regressed else "passed"
     lines = [f"# Nightly regression check: {state}", "",
              f"Checked {verdict.checked_at}: drafter {verdict.drafter} (lineage {verdict.lineage}) on target "
-             f"{verdict.target}. Limits: acceptance length -{cfg.max_acceptance_drop:.0%}, speedup "
+             f"{verdict.target}. Limits: acceptance length -{cfg.max_acceptance_drop:.0%}, acceptance over the training "
+             f"estimate -{cfg.max_estimate_gap_drop:.0%}, speedup "
              f"-{cfg.max_speedup_drop:.0%}, throughput -{cfg.max_throughput_drop:.0%} against the last good run or "
              f"the median of up to {cfg.median_window} good runs; parity floor {cfg.parity_floor:.2f}.", ""]
     for e in verdict.engines:
@@ -708,6 +796,8 @@ def plot_history(verdict: Verdict, history: dict[str, list[HistoryRecord]], path
         xs = list(range(-len(past), 1))
         ax1.plot(xs, [f.acceptance_length for f in figs], "o-", label=f"{e.engine} engine")
         ax1.plot(xs, [f.reference_acceptance_length for f in figs], "s--", label=f"{e.engine} run: reference decoder")
+        if any(f.offline_acceptance_length is not None for f in figs):
+            ax1.plot(xs, [f.offline_acceptance_length for f in figs], "^:", label=f"{e.engine} run: training estimate")
         for c in sorted(e.figures.speedup):
             ax2.plot(xs, [f.speedup.get(c) for f in figs], "o-", label=f"{e.engine} @ concurrency {c}")
         bad = [x for x, r in zip(xs, past) if not r.good]

@@ -17,10 +17,12 @@ from draftline.errors import ConfigError
 from draftline.evaluate import ConcurrencyPoint, EvalResult, with_parity
 from draftline.regression import (
     History,
+    HistoryRecord,
     comparison_markdown,
     comparison_rows,
     figures_of,
     judge_all,
+    offline_acceptance_length,
     record,
     write_comparison,
 )
@@ -81,10 +83,10 @@ def history(tmp_path):
 CFG = RegressionConfig()
 
 
-def night(history, results, n, cfg=CFG, accept=False, fingerprints=None, target_fingerprint=None):
+def night(history, results, n, cfg=CFG, accept=False, fingerprints=None, target_fingerprint=None, training=None):
     """One nightly check at T0 + n days, recorded; returns the verdict."""
     verdict = judge_all(results, history, cfg, fingerprints=fingerprints, target_fingerprint=target_fingerprint,
-                        now=T0 + timedelta(days=n))
+                        now=T0 + timedelta(days=n), **({"training_record": training} if training is not None else {}))
     record(verdict, results, history, accept=accept)
     return verdict
 
@@ -257,6 +259,103 @@ def test_figures_take_lineage_from_draftline_json_fields():
     assert figures_of(eval_result(lineage={"training_run": "prod-7"})).lineage == "prod-7"
     assert figures_of(eval_result(lineage={})).lineage == "vllm"  # falls back to the drafter's name
     assert figures_of(eval_result(), lineage="pinned").lineage == "pinned"
+
+
+def training_record(accuracy: list[float]) -> dict:
+    """A training metrics.json as draftline.drafter.train writes it: validation over train.ttt_steps=7 steps."""
+    from draftline.drafter.ttt import acceptance_length
+
+    return {"run": "demo", "steps": 400, "aux_layer_ids": [1, 3, 5], "convention": "vllm",
+            "final_val": {"step": 400, "loss": 2.1, "accuracy": accuracy, "acceptance_length": acceptance_length(accuracy)}}
+
+
+# Offline estimates at k=3: 1 + 0.4 + 0.2 + 0.1 = 1.70 and 1 + 0.7 + 0.49 + 0.343 = 2.533.
+FIRST_TRAINING = training_record([0.4, 0.5, 0.5, 0.5, 0.4, 0.4, 0.3])
+RETRAINED = training_record([0.7, 0.7, 0.7, 0.6, 0.6, 0.5, 0.5])
+
+
+def test_offline_estimate_is_the_trainings_own_over_the_engines_k_and_the_ratio_is_recorded(history):
+    # The record's acceptance_length is over all 7 validated steps; the engine drafts k=3.
+    assert FIRST_TRAINING["final_val"]["acceptance_length"] == pytest.approx(1.7804)
+    assert offline_acceptance_length(FIRST_TRAINING, 3) == pytest.approx(1.70)
+    assert offline_acceptance_length(json.dumps(RETRAINED).encode(), 3) == pytest.approx(2.533)
+    assert offline_acceptance_length(FIRST_TRAINING, 8) is None  # deeper than the training validated
+    assert offline_acceptance_length({"final_val": None}, 3) is None and offline_acceptance_length(None, 3) is None
+
+    verdict = night(history, [eval_result(acc=1.50)], 0, training=FIRST_TRAINING)
+    f = verdict.engines[0].figures
+    assert f.offline_acceptance_length == pytest.approx(1.70)
+    assert f.acceptance_over_offline == pytest.approx(1.50 / 1.70)
+    [stored] = history.records("demo-llama", "vllm", "demo")
+    assert stored.figures.acceptance_over_offline == pytest.approx(1.50 / 1.70)
+    assert verdict.event_payload()["engines"]["vllm"]["acceptance_over_offline"] == pytest.approx(1.50 / 1.70)
+    # Without a training record the figures say unknown rather than guess.
+    assert figures_of(eval_result()).offline_acceptance_length is None
+    assert figures_of(eval_result()).acceptance_over_offline is None
+
+
+def test_a_widening_gap_to_the_training_estimate_fails_with_its_own_cause(history):
+    night(history, [eval_result(acc=1.50, ref=1.52)], 0, fingerprints={"vllm": "1" * 64}, training=FIRST_TRAINING)
+    # Retrained in the same lineage: validation says 2.53 at k=3, the engine and the reference accept about as
+    # much as before. Acceptance stays within its own -10 %; its ratio to the estimate falls 0.88 -> 0.58.
+    verdict = night(history, [eval_result(acc=1.46, ref=1.48)], 1, fingerprints={"vllm": "2" * 64},
+                    training=RETRAINED)
+    e = verdict.engines[0]
+    assert verdict.regressed and e.status == "regressed"
+    assert [x.metric for x in e.findings] == ["acceptance over the training estimate"]
+    assert [c.kind for c in e.causes] == ["estimate-gap"]
+    text = e.causes[0].sentence()
+    assert text.startswith("acceptance fell away from the training estimate: ")
+    assert "vllm accepts 1.46 tokens per step where the training estimated 2.53 at k=3 (ratio 0.58" in text
+    assert "the history's ratio was 0.88 at the last good run" in text
+    assert "the estimate moved 1.70 -> 2.53 while the engine's acceptance went 1.50 -> 1.46" in text
+    assert "reference decoder accepts 1.48 (ratio 0.58)" in text
+    assert "acceptance over the training estimate fell from 0.88" in verdict.message()
+    assert verdict.event_payload()["causes"] == ["estimate-gap"]
+    # The same figures without the estimate pass: acceptance alone did not fall beyond its limit.
+    assert not judge_all([eval_result(acc=1.46, ref=1.48)], history, CFG, now=T0 + timedelta(days=2)).regressed
+
+
+def test_with_the_same_estimate_parity_and_reference_drops_keep_their_causes_and_the_gap_says_what_it_means(history):
+    night(history, [eval_result(acc=1.50, ref=1.52)], 0, fingerprints={"vllm": "1" * 64}, training=FIRST_TRAINING)
+    parity = night(history, [eval_result(acc=1.03, ref=1.52, speedup=0.78)], 1, fingerprints={"vllm": "1" * 64},
+                   training=FIRST_TRAINING)
+    assert [c.kind for c in parity.engines[0].causes] == ["integration", "estimate-gap"]
+    assert "the gap is the engine's, as the parity drop says" in parity.engines[0].causes[1].explanation
+    reference = night(history, [eval_result(acc=1.12, ref=1.13, speedup=0.85)], 2, fingerprints={"vllm": "1" * 64},
+                      training=FIRST_TRAINING)
+    assert [c.kind for c in reference.engines[0].causes] == ["drafter-or-target", "estimate-gap"]
+    assert ("with the same drafter and estimate, a drop of the reference decoder as well means the prompts or the "
+            "target changed") in reference.engines[0].causes[1].explanation
+
+
+def test_history_records_from_before_the_estimate_still_load_and_compare(history):
+    night(history, [eval_result(acc=1.50)], 0)
+    [key] = history.store.list("history/")
+    old = json.loads(history.store.get_bytes(key))
+    for name in ("offline_acceptance_length", "acceptance_over_offline"):
+        old["figures"].pop(name, None)
+    history.store.put_bytes(key, json.dumps(old).encode())
+    [loaded] = history.records("demo-llama", "vllm", "demo")
+    assert isinstance(loaded, HistoryRecord) and loaded.figures.acceptance_over_offline is None
+    assert loaded.figures.offline_acceptance_length is None
+    # Tonight brings an estimate: nothing to compare its ratio with yet, so acceptance alone decides.
+    verdict = night(history, [eval_result(acc=1.48)], 1, training=RETRAINED)
+    assert verdict.engines[0].status == "pass", verdict.message()
+    assert verdict.engines[0].figures.acceptance_over_offline == pytest.approx(1.48 / 2.533, abs=1e-3)
+
+
+def test_comparison_shows_the_estimate_and_the_ratio_beside_measured_acceptance(history):
+    night(history, [eval_result(acc=1.50, ref=1.52)], 0, training=FIRST_TRAINING)
+    verdict = judge_all([eval_result(acc=1.46, ref=1.48)], history, CFG, now=T0 + timedelta(days=1),
+                        training_record=RETRAINED)
+    figures = [r["figure"] for r in comparison_rows(verdict, CFG)]
+    at = figures.index("mean acceptance length")
+    assert figures[at + 1:at + 3] == ["training's offline estimate", "acceptance over the training estimate"]
+    md = comparison_markdown(verdict, CFG)
+    assert "| training's offline estimate | 2.53 | 1.70 | 1.70 |" in md
+    assert "| acceptance over the training estimate | 0.58 | 0.88 | 0.88 | -34.7% | -10% | REGRESSED |" in md
+    assert "acceptance over the training estimate -10%" in md
 
 
 def _export(folder, weights: bytes, exported_at: str = "2026-11-01T00:00:00Z"):
