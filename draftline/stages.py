@@ -134,6 +134,12 @@ def trained_aux_layer_ids(config: PipelineConfig, store: Store, exports: dict[st
     return [int(i) for i in ids] if ids else None
 
 
+def lineage_training_record(store: Store, exports: dict[str, str]) -> dict | None:
+    """The training record (metrics.json) the exports' lineage names, parsed; None when none can be read."""
+    found = _lineage_training_record(store, exports)
+    return json.loads(found[1]) if found else None
+
+
 def _lineage_training_record(store: Store, exports: dict[str, str]) -> tuple[str, bytes] | None:
     """(uri, bytes) of the training record named by an export's lineage (`training_metrics`), when it can be read."""
     for prefix in exports.values():

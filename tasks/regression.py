@@ -5,7 +5,7 @@ from prefect import task
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from draftline import regression
+from draftline import regression, stages
 from draftline.config import PipelineConfig
 from tasks.common import publish_link, publish_markdown, publish_table, store_at, transient_retries
 
@@ -29,9 +29,12 @@ def judge(config: PipelineConfig, drafter: dict, history_prefix: str, evaluation
         store, config.run, [e.engine for e in config.eval.engines], config.target.display_name,
         config.eval.prompts.rsplit("/", 1)[-1], config.eval.reference.num_speculative_tokens,
         drafter=production.uri, drafter_lineage=production.lineage, missing_reason=evaluation_error)
+    # The production drafter's own training record (through its lineage), not this run's: it holds the offline
+    # estimate the measured acceptance is compared with.
     verdict = regression.judge_all(results, regression.History(store, history_prefix), config.regression,
                                    fingerprints=production.fingerprints, lineage=lineage, drafter=production.uri,
-                                   target=config.target.display_name, target_fingerprint=_target_fingerprint(config))
+                                   target=config.target.display_name, target_fingerprint=_target_fingerprint(config),
+                                   training_record=stages.lineage_training_record(store, production.exports))
     return {"verdict": verdict.model_dump(mode="json"), "results": [r.model_dump(mode="json") for r in results]}
 
 

@@ -109,6 +109,10 @@ def test_nightly_on_vllm_cpu_baseline_then_wrong_ids_then_perturbed_drafter(trai
     assert [e["status"] for e in verdict["engines"]] == ["baseline", "skipped"]
     assert vllm["figures"]["parity"] >= 0.8, vllm["figures"]
     assert vllm["figures"]["reference_acceptance_length"] > 1.2, vllm["figures"]  # a drafter worth watching
+    # The production drafter's training estimate, read through its lineage, is recorded beside what vLLM measured.
+    assert vllm["figures"]["offline_acceptance_length"] > 1.0, vllm["figures"]
+    assert vllm["figures"]["acceptance_over_offline"] == pytest.approx(
+        vllm["figures"]["acceptance_length"] / vllm["figures"]["offline_acceptance_length"], rel=1e-3)
 
     # SGLang-convention ids in a vLLM export whose lineage names the trained layers: refused before any server
     # starts, and the night fails with that cause (parity drops are judged in tests/test_regression.py).
@@ -136,7 +140,8 @@ def test_nightly_on_vllm_cpu_baseline_then_wrong_ids_then_perturbed_drafter(trai
     assert "reference drop: the drafter or the target changed" in noisy.message, noisy.message
     assert "the drafter files changed" in noisy.message
     [event] = read_events(prefect_server.api_url, str(noisy.state_details.flow_run_id))
-    assert event.payload["causes"] == ["drafter-or-target"]
+    # Same training record, so the same estimate: the measured acceptance fell away from it too.
+    assert event.payload["causes"] == ["drafter-or-target", "estimate-gap"]
 
     records = history.records("tiny-llama", "vllm", trained_demo.run)
     assert [(r.status, r.good) for r in records] == [("baseline", True), ("failed", False), ("failed", False),
