@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from draftline.config import ExtractConfig, ServerSettings
+from draftline.drafter.data import read_shard_tensors
 from draftline.errors import ConfigError
 from draftline.extract import extract_hidden_states
 from draftline.extract_vllm import check_architecture, check_devices, devices_needed
@@ -110,6 +111,37 @@ def _per_token(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).norm(dim=1) / b.float().norm(dim=1)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_vllm_backend_writes_the_transformers_backends_fp8_layout(tmp_path, target_dirs):
+    """extract.storage fp8-e4m3 through vLLM (one server, the Llama, two small shards): the same tensors, dtypes,
+    shapes and metadata as the transformers backend's fp8 shards, and states that read back within the bf16 test's
+    tolerance plus e4m3's rounding on each side (at most 2^-4 of a token's norm each; draftline/state_storage.py)."""
+    from transformers import AutoTokenizer
+
+    path = target_dirs["llama"]
+    tok = AutoTokenizer.from_pretrained(path)
+    store = open_store(str(tmp_path))
+    shape = dict(batch_tokens=96, tokens_per_shard=160, storage="fp8-e4m3")
+    for run in ("vllm", "hf"):
+        write_traces(store, run, tok, tok.vocab_size, shards=2, per_shard=3)
+    result = extract_hidden_states(ExtractConfig(backend="vllm", vllm=EAGER, **shape), path, store, "vllm")
+    extract_hidden_states(ExtractConfig(**shape), path, store, "hf")
+    assert result["storage"] == "fp8-e4m3" and result["shards"] > 1
+    assert all(e.metadata["storage"] == "fp8-e4m3" for e in store.read_manifest("vllm/hidden"))
+    for pv, ph in zip(_shards(tmp_path, "vllm"), _shards(tmp_path, "hf")):
+        (v, vm), (h, hm) = _shard(pv), _shard(ph)
+        assert {k: (t.dtype, t.shape) for k, t in v.items()} == {k: (t.dtype, t.shape) for k, t in h.items()}
+        assert v["aux_hidden_states"].dtype == torch.float8_e4m3fn and v["aux_hidden_states_scale"].shape[1] == 3
+        assert vm["storage"] == hm["storage"] == "fp8-e4m3" and vm.keys() == hm.keys()
+        rv = read_shard_tensors(store, f"vllm/hidden/{pv.name}")
+        rh = read_shard_tensors(store, f"hf/hidden/{ph.name}")
+        for key in ("aux_hidden_states", "last_hidden_states"):
+            assert rv[key].dtype == torch.bfloat16
+            err = _per_token(rv[key], rh[key])
+            assert err.max() <= TOLERANCE + 2 * 2.0 ** -4, (key, float(err.max()))
+
+
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
 def test_the_final_norm_draftline_applies_is_the_targets_own(target_dirs, kind):
     model, _ = load_target(target_dirs[kind], "bfloat16", "cpu")
@@ -129,6 +161,7 @@ def test_a_killed_vllm_extraction_resumes_without_recomputing_finished_shards(tm
     script = tmp_path / "stage.py"
     script.write_text(textwrap.dedent(f"""
         from draftline.config import ExtractConfig, ServerSettings
+from draftline.drafter.data import read_shard_tensors
         from draftline.extract import extract_hidden_states
         from draftline.store import open_store
         if __name__ == "__main__":

@@ -1,0 +1,150 @@
+"""What fp8 shards cost in acceptance: the demo's traces extracted once per extract.storage, the same training budget,
+then the reference decoder and vLLM on the same eval prompts. Also the bytes per token of each storage's shards.
+
+Run after `make demo` (it reads ./runs/demo/traces):
+    .venv/bin/python benchmarks/storage_acceptance.py [--storages bf16,fp8-e4m3] [--store runs/storage-acceptance]
+Each storage gets its own run in --store (`storage-<name>`) with a copy of the demo's traces; the stages resume from
+what the store already holds, so a rerun after a crash continues. Only the vLLM engine of the demo config is
+evaluated (SGLang needs a GPU worker) and the reference decoder skips its aux-layer-shift decodes (irrelevant here),
+but keeps its other-precision decode: how far numerics alone move acceptance, a spread to compare against.
+If ./runs/demo/hidden holds shards (written by `make demo`, possibly before extract.storage existed), the bf16 run's
+shards are checked to read back equal to them. Prints a table and writes benchmarks/results/storage-acceptance-cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from draftline import stages  # noqa: E402
+from draftline.config import load_config  # noqa: E402
+from draftline.drafter.data import hidden_shard_keys, read_shard_tensors  # noqa: E402
+from draftline.evaluate import EvalResult  # noqa: E402
+from draftline.store import open_store  # noqa: E402
+
+
+def stored_bytes_per_token(store, run: str) -> dict:
+    manifest = store.read_manifest(f"{run}/hidden")
+    tokens = sum(e.metadata["tokens"] for e in manifest)
+    size = sum(e.size for e in manifest)
+    return {"tokens": tokens, "shard_bytes": size, "bytes_per_token": size / tokens,
+            "storage": sorted({e.metadata.get("storage", "bf16") for e in manifest})}
+
+
+def same_as_demo_shards(store, run: str, demo_store) -> bool | None:
+    """Do this run's shards read back equal to the demo's own (same traces, same target)? None: no demo shards."""
+    try:
+        demo_keys = hidden_shard_keys(demo_store, "demo")
+    except Exception:
+        return None
+    keys = hidden_shard_keys(store, run)
+    if len(keys) != len(demo_keys):
+        return False
+    import torch
+
+    for ours, theirs in zip(keys, demo_keys):
+        a, b = read_shard_tensors(store, ours), read_shard_tensors(demo_store, theirs)
+        if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+            return False
+    return True
+
+
+def run_storage(base, storage: str, root: Path, traces: Path) -> dict:
+    run = f"storage-{storage}"
+    if not (root / run / "traces" / "manifest.json").is_file():
+        shutil.copytree(traces, root / run / "traces", dirs_exist_ok=True)
+    vllm = [e for e in base.eval.engines if e.engine == "vllm"]
+    config = base.model_copy(update={
+        "run": run,
+        "store": base.store.model_copy(update={"root": str(root)}),
+        "extract": base.extract.model_copy(update={"storage": storage}),
+        "eval": base.eval.model_copy(update={
+            "engines": vllm, "reference": base.eval.reference.model_copy(update={"aux_shifts": []})}),
+    })
+    store = open_store(str(root))
+    times = {}
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        out = fn()
+        times[name] = round(time.perf_counter() - t, 1)
+        print(f"[{storage}] {name}: {times[name]} s", flush=True)
+        return out
+
+    extraction = timed("extract", lambda: stages.extract(config, store))
+    training = timed("train", lambda: stages.train(config, store))
+    exports = timed("export", lambda: stages.export(config, store))
+    keys = timed("vllm", lambda: [stages.evaluate_engine(config, e, exports, store) for e in vllm])
+    ref_key = timed("reference", lambda: stages.reference(config, exports, store))
+    timed("report", lambda: stages.report(config, store, keys, ref_key))
+    ref = json.loads(store.get_bytes(ref_key))
+    engine = EvalResult.model_validate_json(store.get_bytes(keys[0]))
+    other = ref.get("other_precision_acceptance") or {}
+    return {
+        "run": run, "seconds": times, "shards": stored_bytes_per_token(store, run),
+        "extract_tokens_per_s": extraction.get("tokens_per_s"),
+        "train_steps": training["steps"], "weights_digest": training.get("weights_digest"),
+        "final_val": {k: (training.get("final_val") or {}).get(k) for k in ("loss", "accuracy", "acceptance_length")},
+        "reference": {"mean_acceptance_length": ref["mean_acceptance_length"],
+                      "per_position_acceptance": ref["per_position_acceptance"], "num_drafts": ref["num_drafts"],
+                      "other_precision": {k: other.get(k) for k in ("dtype", "mean_acceptance_length", "kept_share")}
+                      if other else None},
+        "vllm": {"engine_version": engine.engine_version, "status": engine.status,
+                 "mean_acceptance_length": engine.acceptance.mean_acceptance_length if engine.acceptance else None,
+                 "per_position_acceptance": engine.acceptance.per_position if engine.acceptance else None,
+                 "by_concurrency": {str(p.concurrency): p.acceptance.mean_acceptance_length
+                                    for p in engine.points if p.acceptance},
+                 "parity": engine.parity.value if engine.parity else None},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--storages", default="bf16,fp8-e4m3", help="extract.storage values, comma-separated")
+    ap.add_argument("--store", default=str(REPO / "runs" / "storage-acceptance"), help="store folder for the runs")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "storage-acceptance-cpu.json"))
+    args = ap.parse_args()
+    base = load_config(REPO / "configs" / "demo.yaml")
+    traces = REPO / "runs" / "demo" / "traces"
+    if not (traces / "manifest.json").is_file():
+        sys.exit(f"{traces} has no manifest.json: run `make demo` first")
+    os.chdir(REPO)  # the demo config's paths are relative to the repository root
+    root = Path(args.store).resolve()
+    storages = [s for s in args.storages.split(",") if s]
+    runs = {s: run_storage(base, s, root, traces) for s in storages}
+    demo_store = open_store(str(REPO / "runs"))
+    if "bf16" in runs:
+        runs["bf16"]["reads_equal_to_demo_shards"] = same_as_demo_shards(open_store(str(root)), "storage-bf16",
+                                                                         demo_store)
+    result = {"hardware": f"{platform.machine()}, {os.cpu_count()}-core CPU", "date": date.today().isoformat(),
+              "target": base.target.path, "train_max_steps": base.train.max_steps,
+              "traces": str(traces.relative_to(REPO)), "runs": runs}
+    if "bf16" in runs and len(runs) > 1:
+        b = runs["bf16"]
+        for s, r in runs.items():
+            if s == "bf16":
+                continue
+            r["bytes_per_token_vs_bf16"] = r["shards"]["bytes_per_token"] / b["shards"]["bytes_per_token"]
+            for where in ("reference", "vllm"):
+                x, y = r[where]["mean_acceptance_length"], b[where]["mean_acceptance_length"]
+                r[f"{where}_acceptance_vs_bf16"] = x / y if x and y else None
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'storage':<10} {'B/token':>8} {'reference tau':>14} {'vLLM tau':>9} {'parity':>7}")
+    for s, r in runs.items():
+        print(f"{s:<10} {r['shards']['bytes_per_token']:>8.0f} {r['reference']['mean_acceptance_length']:>14.3f} "
+              f"{r['vllm']['mean_acceptance_length'] or float('nan'):>9.3f} {r['vllm']['parity'] or float('nan'):>7.3f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
