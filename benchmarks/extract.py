@@ -1,21 +1,28 @@
-"""Hidden-state extraction speed: matmul peak, hooked forward (MFU), disk bandwidth, full extraction, the naive way.
+"""Hidden-state extraction speed: matmul peak, hooked forward (MFU), disk bandwidth, full extraction per shard
+storage layout (bf16 and fp8-e4m3 side by side), the naive way.
 
 GPU (H200):  python benchmarks/extract.py --compile --writer-threads 6 --writer-sweep 3,8  (torch + transformers only)
 CPU smoke:   python benchmarks/extract.py --cpu      (the same measurements on a tiny random Llama, seconds)
 vLLM:        python benchmarks/extract.py --backend vllm [--target-shape 8b | --cpu]  (benchmarks/extract_vllm.py)
 
-The full extraction runs first, with --writer-threads shard writers, paced (at most
-HiddenStateExtractor.max_queued_batches batches queued on the device) and unpaced, with a timeline of its last run;
-the disk is probed before it, after it and at the end; the shard writers are then measured alone at each count of
---writer-threads and --writer-sweep.
+--layouts (default bf16,fp8-e4m3) are the extract.storage values measured: the full extraction runs once per layout,
+first, right after the disk probes, each with --writer-threads shard writers, paced (at most
+HiddenStateExtractor.max_queued_batches batches queued on the device), and again without writes. The last layout
+listed is the primary one: the unpaced run, the timeline, the writer sweep and the top-level figures are its own.
+The disk is probed before the full runs, after them and at the end; the shard writers are then measured alone at
+each count of --writer-threads and --writer-sweep.
 
-Prints a table and writes benchmarks/results/extract-<hw>.json. Every figure comes from ONE run:
+Prints a table and writes benchmarks/results/extract-compact-<hw>.json (extract-<hw>.json for --layouts bf16). Every
+figure comes from ONE run:
   forward_mfu                   = 2 x decoder-layer params x tokens/s / measured bf16 matmul peak
+  fraction_of_forward           = full-extraction tokens/s / hooked-forward-alone tokens/s (per layout; goal >= 0.8)
   fraction_of_binding_ceiling   = full-extraction tokens/s / min(forward tokens/s, fsync'd disk B/s / bytes per token)
 where the disk's B/s is the best it wrote in the run: the single-file probes or the shard writers alone (several
-files at once, fsync'd, into a fresh folder), whichever was faster, so the ceiling is never understated.
-We store 3 aux states + the last state in bf16: 4 x H x 2 B = 8 x H bytes per token, the floor the issue names,
-plus 9 bytes of input_ids (int64) and loss_mask (uint8); nothing else (no other layers, no logits, no fp32).
+files at once, fsync'd, into a fresh folder), whichever was faster, so the ceiling is never understated. The
+forward alone captures bf16 and writes nothing, whatever the layout: quantizing is part of the extraction's cost.
+bf16 stores 3 aux states + the last state as 4 x H x 2 B = 8 x H bytes per token; fp8-e4m3 4 x H bytes plus four
+float32 scales (16 B); both plus 9 bytes of input_ids (int64) and loss_mask (uint8). `shard_bytes_per_token` is
+measured on the shards the run wrote (headers included).
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from draftline.extract import (  # noqa: E402
     HiddenStateExtractor, HostShard, ShardPlan, length_buckets, run_overlapped, write_hidden_shard,
 )
+from draftline.state_storage import FP8_E4M3, STORAGES, quantize_slots  # noqa: E402
 from draftline import store as store_module  # noqa: E402
 from draftline.store import BackgroundFlush, LocalStore  # noqa: E402
 from draftline.target import decoder_layers, default_aux_layer_ids  # noqa: E402
@@ -227,6 +235,10 @@ class FreshFolder:
             shutil.rmtree(self.current, ignore_errors=True)
             os.sync()
 
+    def shard_bytes(self) -> int:
+        """Bytes of the shard files the current run wrote."""
+        return sum(p.stat().st_size for p in self.current.rglob("shard-*.safetensors")) if self.current else 0
+
 
 def as_traces(sequences: list[list[int]]) -> list[dict]:
     return [{"id": f"t{j}", "input_ids": s, "loss_mask": [1] * len(s)} for j, s in enumerate(sequences)]
@@ -297,6 +309,9 @@ def writer_only(extractor: HiddenStateExtractor, shards: list[list[list[int]]], 
     pinned = extractor.device.type == "cuda"
     aux = torch.randn((n, 3 * h)).to(torch.bfloat16)
     last = torch.randn((n, h)).to(torch.bfloat16)
+    aux_scale = last_scale = torch.empty(0)
+    if extractor.storage == FP8_E4M3:  # the host buffers as the extractor leaves them in this layout
+        (aux, aux_scale), (last, last_scale) = quantize_slots(aux, 3), quantize_slots(last, 1)
     if pinned:
         aux, last = aux.pin_memory(), last.pin_memory()
     hosts = []
@@ -304,7 +319,9 @@ def writer_only(extractor: HiddenStateExtractor, shards: list[list[list[int]]], 
         lengths = list(map(len, s))
         cu = torch.tensor([0] + lengths).cumsum(0)
         m = int(cu[-1])
-        hosts.append(HostShard(list(range(len(s))), cu, [aux[:m]], [last[:m]]))
+        scales = (dict(aux_scale_blocks=[aux_scale[:m]], last_scale_blocks=[last_scale[:m]])
+                  if extractor.storage == FP8_E4M3 else {})
+        hosts.append(HostShard(list(range(len(s))), cu, [aux[:m]], [last[:m]], storage=extractor.storage, **scales))
     traces = [as_traces(s) for s in shards]
 
     def run():
@@ -363,6 +380,8 @@ def bench(args) -> dict:
     t_fwd = timed(forward_only(extractor, fwd_seqs, batch_tokens), device)
     fwd_tps = len(fwd_seqs) * seq_len / t_fwd
     mfu = 2 * params * fwd_tps / peak
+    primary = args.layouts[-1]
+    extractor.storage = primary
     bytes_per_token = extractor.bytes_per_token + 8 + 1  # + input_ids (int64) and loss_mask (uint8)
     copy_bw = device_to_host_copy(device, batch_tokens * extractor.bytes_per_token)
     total_tokens = sum(map(len, (x for s in shards for x in s)))
@@ -371,6 +390,31 @@ def bench(args) -> dict:
         disk_early = disk_bandwidth(Path(tmp), args.disk_probe_bytes, early_flush=True)
         disk = max(disk_plain, disk_early)  # the ceiling is the best this disk did
 
+        # The full extraction of each layout first, right after the disk probes: this disk wrote 2 to 3 GB/s early
+        # in a run and 1.1 to 1.8 GB/s after some 70 GB of other measurements (2026-12-01), so its place matters.
+        layouts, timeline = {}, []
+        for layout in args.layouts:
+            extractor.storage = layout
+            folder = FreshFolder(Path(tmp) / f"store-{layout}")
+            t_full = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
+                                           args.max_batches_in_flight, timeline), device, repeat=2, prepare=folder.next)
+            shard_bytes = folder.shard_bytes()
+            folder.remove()
+            folder = FreshFolder(Path(tmp) / f"store-no-write-{layout}")
+            t_no_write = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
+                                               args.max_batches_in_flight, write_shards=False),
+                               device, repeat=1, prepare=folder.next)
+            layouts[layout] = {
+                "bytes_per_token": extractor.bytes_per_token + 8 + 1, "shard_bytes_per_token": shard_bytes / total_tokens,
+                "full_extraction_tokens_per_s": total_tokens / t_full,
+                "fraction_of_forward": total_tokens / t_full / fwd_tps,
+                "full_extraction_without_writes_tokens_per_s": total_tokens / t_no_write,
+                "full_extraction_timeline": timeline_summary(timeline),  # of the last repeat
+            }
+        extractor.storage = primary
+        full_tps = layouts[primary]["full_extraction_tokens_per_s"]
+        t_no_write = total_tokens / layouts[primary]["full_extraction_without_writes_tokens_per_s"]
+        full_timeline = layouts[primary]["full_extraction_timeline"]
         def writers(n: int, tag: str, repeat: int = 2, warmup: int = 0) -> float:
             folder = FreshFolder(Path(tmp) / f"writer-only-{tag}")
             t = timed(writer_only(extractor, shards, folder, n), device, repeat=repeat, warmup=warmup,
@@ -378,15 +422,6 @@ def bench(args) -> dict:
             folder.remove()  # the disk holds the shards of one writer run at a time
             return total_tokens / t
 
-        # The full extraction first, right after the disk probes: this disk wrote 2 to 3 GB/s early in a run and
-        # 1.1 to 1.8 GB/s after some 70 GB of other measurements (2026-12-01), so its place in the run matters.
-        timeline: list = []
-        folder = FreshFolder(Path(tmp) / "store")
-        t_full = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
-                                       args.max_batches_in_flight, timeline), device, repeat=2, prepare=folder.next)
-        full_tps = total_tokens / t_full
-        full_timeline = timeline_summary(timeline)  # of the last repeat
-        folder.remove()
         disk_after_full = disk_bandwidth(Path(tmp), args.disk_probe_bytes, early_flush=True)
         # As before the pacing: the host runs ahead until CUDA's launch queue blocks it (holding the GIL).
         folder = FreshFolder(Path(tmp) / "store-unpaced")
@@ -394,10 +429,6 @@ def bench(args) -> dict:
             t_unpaced = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
                                               args.max_batches_in_flight), device, repeat=1, prepare=folder.next)
         folder.remove()
-        folder = FreshFolder(Path(tmp) / "store-no-write")
-        t_no_write = timed(full_extraction(extractor, shards, batch_tokens, folder, args.writer_threads,
-                                           args.max_batches_in_flight, write_shards=False),
-                           device, repeat=1, prepare=folder.next)
         # How many shard writers: each count measured alone on the same shards (after the full extraction).
         sweep = {n: writers(n, f"w{n}") for n in sorted({args.writer_threads, *args.writer_sweep})}
         best = max(sweep, key=sweep.get)
@@ -420,10 +451,16 @@ def bench(args) -> dict:
     # shard writers alone also measure the disk; the ceiling takes the best this disk did in the run.
     disk = max(disk_probe, sweep[best] * bytes_per_token)
     ceiling = min(fwd_tps, disk / bytes_per_token)
+    for figures in layouts.values():
+        bound = min(fwd_tps, disk / figures["bytes_per_token"])
+        figures.update({"disk_bound_tokens_per_s": disk / figures["bytes_per_token"],
+                        "binding_ceiling": "forward" if fwd_tps <= disk / figures["bytes_per_token"] else "disk",
+                        "fraction_of_binding_ceiling": figures["full_extraction_tokens_per_s"] / bound})
     host_buffers = sum(b.numel() for b in extractor.host_pool._free)
     return {
         "hardware": name, "torch": torch.__version__,
         "target": "tiny Llama (CPU smoke), random weights, fp32, SDPA" if args.cpu else "Llama-3.2-1B-shaped, random weights, bf16, SDPA",
+        "layout": primary, "fraction_of_forward": full_tps / fwd_tps,
         "compiled": args.compile, "layers": L, "hidden": H, "decoder_layer_params": params,
         "aux_layer_ids": extractor.aux_layer_ids, "seq_len": seq_len, "batch_tokens": batch_tokens,
         "tokens_per_shard": per_shard * seq_len, "shards": args.shards,
@@ -438,7 +475,8 @@ def bench(args) -> dict:
         "disk_fsync_write_gb_per_s_early_flush": disk_early / 1e9,
         "disk_fsync_write_gb_per_s_early_flush_after_full": disk_after_full / 1e9,
         "disk_fsync_write_gb_per_s_early_flush_at_end": disk_at_end / 1e9,
-        "bytes_per_token": bytes_per_token, "bytes_per_token_floor": 8 * H,
+        "bytes_per_token": bytes_per_token, "bytes_per_token_floor": extractor.bytes_per_token,
+        "shard_bytes_per_token": layouts[primary]["shard_bytes_per_token"],
         "disk_bound_tokens_per_s": disk / bytes_per_token,
         "writer_only_tokens_per_s": sweep[best],
         "writer_only_tokens_per_s_by_threads": {str(n): v for n, v in sweep.items()},
@@ -456,7 +494,8 @@ def bench(args) -> dict:
         "host_buffer_gb": host_buffers / 1e9,
         "naive_tokens_per_s": naive_tps, "speedup_vs_naive": full_tps / naive_tps,
         "load_average_1m": os.getloadavg()[0],
-        "goals": {"forward_mfu": 0.6, "fraction_of_binding_ceiling": 0.8},
+        "layouts": layouts,
+        "goals": {"forward_mfu": 0.6, "fraction_of_binding_ceiling": 0.8, "fraction_of_forward": 0.8},
     }
 
 
@@ -478,6 +517,14 @@ def write_result(result: dict, out: str | None, default_name: str, title: str) -
     print(f"wrote {path}")
 
 
+def parse_layouts(value: str) -> list[str]:
+    layouts = [v for v in value.split(",") if v]
+    bad = [v for v in layouts if v not in STORAGES]
+    if bad or not layouts:
+        raise argparse.ArgumentTypeError(f"{value!r}: layouts are extract.storage values: {', '.join(STORAGES)}")
+    return layouts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="smoke run on the CPU: a tiny random Llama, small sizes (seconds)")
@@ -492,6 +539,9 @@ def main() -> None:
     ap.add_argument("--writer-sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                     help="more writer counts to measure, e.g. 6,8; the full extraction uses the fastest")
     ap.add_argument("--max-batches-in-flight", type=int, default=None, help="host batch buffers at most (extract.max_batches_in_flight)")
+    ap.add_argument("--layouts", type=parse_layouts, default=["bf16", FP8_E4M3],
+                    help="extract.storage layouts to measure side by side, comma-separated; the last is the primary "
+                         "(default bf16,fp8-e4m3)")
     ap.add_argument("--workdir", default=None, help="folder on the disk to measure (default: the temp dir)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/extract-<hw>.json)")
     ap.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
@@ -522,7 +572,8 @@ def main() -> None:
         sys.exit("no CUDA device: run with --cpu for a smoke run")
     result = bench(args)
     hw = "cpu" if args.cpu else "".join(c for c in result["hardware"].lower().split()[-1] if c.isalnum())
-    write_result(result, args.out, f"extract-{hw}.json", "hidden-state extraction benchmark")
+    name = f"extract-{hw}.json" if args.layouts == ["bf16"] else f"extract-compact-{hw}.json"
+    write_result(result, args.out, name, "hidden-state extraction benchmark")
 
 
 if __name__ == "__main__":
