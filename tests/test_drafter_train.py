@@ -178,3 +178,51 @@ def test_training_a_run_without_extracted_shards_names_the_missing_stage(tmp_pat
 
     with pytest.raises(ConfigError, match=r"other-run/hidden/ holds no hidden-state shards; run the extraction stage"):
         hidden_shard_keys(open_store(str(tmp_path)), "other-run")
+
+
+def _own_copy(tiny_hidden_run, tmp_path):
+    """The tiny run's extracted shards (and their manifest) in a store of the test's own."""
+    from draftline.store import copy_tree
+
+    store = open_store(str(tmp_path / "store"))
+    copy_tree(open_store(str(tiny_hidden_run.store_root)), "tiny/hidden", store, "tiny/hidden")
+    return store
+
+
+def test_a_hidden_shard_damaged_after_extraction_stops_training_naming_it(tiny_hidden_run, tmp_path):
+    from draftline.errors import IntegrityError
+
+    store = _own_copy(tiny_hidden_run, tmp_path)
+    key = "tiny/hidden/shard-00000.safetensors"
+    path = Path(store.path(key))
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # one bit of one hidden state: safetensors itself would read it without complaint
+    path.write_bytes(bytes(data))
+    cfg = TrainConfig(max_steps=2, val_every=2, checkpoint_every=2, **SMALL)
+    with pytest.raises(IntegrityError, match=r"shard-00000\.safetensors"):
+        train_drafter(store, "tiny", tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg)
+    assert not store.exists("tiny/train/checkpoints/latest.json")  # nothing was trained on it
+
+
+def test_shards_extracted_again_under_the_same_names_are_not_resumed_on(tiny_hidden_run, tmp_path):
+    """A checkpoint belongs to the shards' contents: switching extract.storage rewrites every shard under its old name,
+    and the training that follows refuses the old checkpoint in one sentence instead of resuming on other data."""
+    from transformers import LlamaForCausalLM
+
+    from draftline.config import ExtractConfig
+    from draftline.extract import extract_hidden_states
+    from draftline.store import copy_tree
+
+    store = _own_copy(tiny_hidden_run, tmp_path)
+    copy_tree(open_store(str(tiny_hidden_run.store_root)), "tiny/traces", store, "tiny/traces")
+    cfg = TrainConfig(max_steps=4, val_every=4, checkpoint_every=4, **SMALL)
+    first = train_drafter(store, "tiny", tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg)
+    assert first["resumed_from"] is None and first["steps"] == 4
+    again = extract_hidden_states(ExtractConfig(tokens_per_shard=600, batch_tokens=512, device="cpu",
+                                                storage="fp8-e4m3"), tiny_hidden_run.target_dir, store, "tiny",
+                                  dtype="float32",
+                                  model=LlamaForCausalLM.from_pretrained(tiny_hidden_run.target_dir).to(torch.bfloat16))
+    assert again["computed_shards"], again  # the same shard names, new contents
+    with pytest.raises(ConfigError, match=r"step-00000004\.pt was written by a run with another config or data; use "
+                                          r"a new run name, or delete .*checkpoints to start over"):
+        train_drafter(store, "tiny", tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg)

@@ -41,15 +41,30 @@ def _local_path(store, key: str) -> Path | None:
     return Path(path(key)) if callable(path) else None
 
 
-def read_shard_tensors(store, key: str, names=None) -> dict[str, torch.Tensor]:
+def hidden_shard_entries(store, run: str, keys: list[str]) -> dict:
+    """The extraction stage's manifest entry (size, sha256) of each shard key it lists; {} without a manifest."""
+    manifest = store.read_manifest(f"{run}/hidden")
+    return {} if manifest is None else {k: manifest[k] for k in keys if k in manifest}
+
+
+# Local shards already checked against their manifest entry in this process: (uri, sha256).
+_VERIFIED: set[tuple[str, str]] = set()
+
+
+def read_shard_tensors(store, key: str, names=None, expect=None) -> dict[str, torch.Tensor]:
     """Tensors of one shard (only `names` if given), hidden states in bf16 whatever the shard's storage (fp8 states
-    are dequantized with their scales); remote shards pass through a temporary local file."""
+    are dequantized with their scales); remote shards pass through a temporary local file. With `expect` (its
+    manifest entry) the bytes are checked first, once per process for a local shard (one extra read) and while
+    downloading for a remote one: a shard damaged after extraction raises IntegrityError naming it."""
     local = _local_path(store, key)
     if local is not None:
+        if expect is not None and (store.uri(key), expect.sha256) not in _VERIFIED:
+            store.verify(key, expect)
+            _VERIFIED.add((store.uri(key), expect.sha256))
         return _load(local, names)
     with tempfile.TemporaryDirectory(prefix="draftline-shard-") as tmp:
         path = Path(tmp) / "shard.safetensors"
-        store.get_file(key, path)
+        store.get_file(key, path, expect=expect)
         return _load(path, names)
 
 
@@ -129,10 +144,12 @@ class BatchStream:
     """
 
     def __init__(self, store, keys: list[str], tokens_per_batch: int, max_seq_len: int, seed: int,
-                 cursor: Cursor | None = None, shuffle: bool = True, epochs: int | None = None):
+                 cursor: Cursor | None = None, shuffle: bool = True, epochs: int | None = None,
+                 expected: dict | None = None):
         if not keys:
             raise ConfigError("no hidden-state shards to train on; lower train.val_fraction or extract more traces")
         self.store, self.keys = store, list(keys)
+        self.expected = expected or {}  # key -> manifest entry each shard is checked against
         self.tokens_per_batch, self.max_seq_len = tokens_per_batch, max_seq_len
         self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
         self.cursor = cursor or Cursor()
@@ -145,7 +162,7 @@ class BatchStream:
 
     def _fetch(self, epoch: int, pos: int) -> list[Sequence]:
         key = self.keys[self._shard_order(epoch)[pos]]
-        seqs = shard_sequences(read_shard_tensors(self.store, key), self.max_seq_len)
+        seqs = shard_sequences(read_shard_tensors(self.store, key, expect=self.expected.get(key)), self.max_seq_len)
         if self.shuffle:
             seqs = [seqs[i] for i in _permutation(len(seqs), self.seed, epoch, pos, 1)]
         return seqs

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from draftline.config import DrafterConfig, TrainConfig
-from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_keys, pack_rows, rank_rows,
-                                    read_shard_metadata, split_shards)
+from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_entries, hidden_shard_keys, pack_rows,
+                                    rank_rows, read_shard_metadata, split_shards)
 from draftline.drafter.model import (LINEAGE_FILE, MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids,
                                      config_for_target, target_rope_theta)
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan  # noqa: F401  (acceptance_length is re-exported)
@@ -146,11 +146,12 @@ def train_device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def prepare_vocab(store, prefix: str, train_keys: list[str], vocab_size: int, draft_vocab_size: int, d: Dist):
+def prepare_vocab(store, prefix: str, train_keys: list[str], vocab_size: int, draft_vocab_size: int, d: Dist,
+                  expected: dict | None = None):
     """d2t/t2d from the training shards, computed once (rank 0) and kept at `<prefix>/vocab.pt` for resumes and ranks."""
     key = f"{prefix}/vocab.pt"
     if d.main and not store.exists(key):
-        counts = counts_from_hidden_shards(store, train_keys, vocab_size)
+        counts = counts_from_hidden_shards(store, train_keys, vocab_size, expected)
         d2t, t2d, report = build_vocab(counts, draft_vocab_size)
         buf = io.BytesIO()
         torch.save({"d2t": d2t, "t2d": t2d, "report": report.to_dict()}, buf)
@@ -266,6 +267,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         torch.cuda.set_device(device)
 
     keys = hidden_shard_keys(store, run)
+    entries = hidden_shard_entries(store, run, keys)  # every shard is checked against these before it is used
     train_keys, val_keys = split_shards(keys, cfg.val_fraction)
     meta = read_shard_metadata(store, keys[0])
     if meta.get("convention", "vllm") != "vllm":
@@ -278,7 +280,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
              else Eagle3Drafter.from_target_config(target_cfg, drafter_cfg, aux_ids))
     model.load_target_weights(embed)
     d2t, t2d, vocab_report = prepare_vocab(store, prefix, train_keys, model.config.vocab_size,
-                                           model.config.draft_vocab_size, d)
+                                           model.config.draft_vocab_size, d, entries)
     model.set_vocab(d2t, t2d)
     warm = warm_start(model, cfg.warm_start, embed, cfg.warm_start_remap_vocab, target_cfg) if cfg.warm_start else None
     if d.main:
@@ -300,7 +302,9 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                                   **({"fused": True} if device.type == "cuda" else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
-    fingerprint = run_fingerprint(drafter_cfg, cfg, aux_ids, keys)
+    # The shards' contents, not only their names: re-extracted shards (another storage, another target) start over.
+    fingerprint = run_fingerprint(drafter_cfg, cfg, aux_ids, [[k, entries[k].sha256 if k in entries else None]
+                                                              for k in keys])
     step, cursor, history, resumed_from = 0, Cursor(), {"train": [], "val": []}, None
     latest = latest_checkpoint(store, prefix)
     if latest is not None:
@@ -319,7 +323,8 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         if d.main:
             log.info("resumed from %s at step %d", store.uri(latest["key"]), step)
 
-    stream = BatchStream(store, train_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, cursor=cursor)
+    stream = BatchStream(store, train_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, cursor=cursor,
+                         expected=entries)
     aux_width, hidden = 3 * model.config.target_hidden_size, model.config.target_hidden_size
     weights = torch.tensor([cfg.step_weight_decay ** j for j in range(cfg.ttt_steps)], device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -336,7 +341,8 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     def validate() -> dict:
         ttt.eval()
         sums = torch.zeros(4, cfg.ttt_steps, device=device)
-        vstream = BatchStream(store, val_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, shuffle=False, epochs=1)
+        vstream = BatchStream(store, val_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, shuffle=False, epochs=1,
+                              expected=entries)
         try:
             with torch.no_grad(), autocast:
                 while (vb := vstream.next_batch()) is not None:

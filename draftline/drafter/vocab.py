@@ -71,13 +71,14 @@ def build_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tens
     return d2t, t2d, report
 
 
-def counts_from_hidden_shards(store, keys: list[str], vocab_size: int) -> torch.Tensor:
-    """Token counts over the loss-masked tokens of hidden-state shards (reads only input_ids and loss_mask)."""
+def counts_from_hidden_shards(store, keys: list[str], vocab_size: int, expected: dict | None = None) -> torch.Tensor:
+    """Token counts over the loss-masked tokens of hidden-state shards (reads only input_ids and loss_mask; with
+    `expected`, each shard's bytes are checked against its manifest entry first)."""
     from draftline.drafter.data import read_shard_tensors
 
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for key in keys:
-        tensors = read_shard_tensors(store, key, names=("input_ids", "loss_mask"))
+        tensors = read_shard_tensors(store, key, names=("input_ids", "loss_mask"), expect=(expected or {}).get(key))
         counts += count_tokens(tensors["input_ids"], tensors["loss_mask"], vocab_size)
     return counts
 

