@@ -67,6 +67,10 @@ def production_drafters(trained_demo, tmp_path_factory) -> dict[str, Path]:
     perturbed(trained_demo.drafter_vllm, root / "perturbed" / "vllm")
     perturbed(sglang, root / "perturbed" / "sglang")
     folders["perturbed"] = root / "perturbed"
+    # As the export stage writes them, every lineage names the training record (these were exported from folders).
+    for name in ("good", "wrong-ids", "perturbed"):
+        for lineage_file in (root / name).glob("*/draftline.json"):
+            lineage_file.write_text(json.dumps({**json.loads(lineage_file.read_text()), "training_metrics": record}))
     return folders
 
 
