@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import traceback
 
-from draftline.errors import BUG_LINE, ConfigError, DraftlineError
+from draftline.errors import ConfigError, report_failure
 
 _STAGES = {
     "run": "run the whole pipeline as a Prefect flow (traces, extraction, training, export, evaluation)",
@@ -91,16 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _validate(args)
         return _run_stage(args)
-    except ConfigError as exc:
-        print(f"draftline: {exc}", file=sys.stderr)
-        return 2
-    except DraftlineError as exc:  # a stage failed; its first line is the cause, the rest is a log tail
-        print(f"draftline: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 1
-    except Exception:
-        traceback.print_exc()
-        print(f"draftline: {BUG_LINE}", file=sys.stderr)
-        return 3
+    except Exception as exc:  # noqa: BLE001 - every failure becomes its sentence and exit code
+        return report_failure(exc, bad_input=isinstance(exc, ConfigError))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,23 @@ BUG_LINE = ("This is not a draftline error (those are one sentence naming what t
             "in a library it calls; the traceback shows where. Please report it with this output.")
 
 
+def report_failure(exc: BaseException, bad_input: bool = False) -> int:
+    """What an entry point prints on stderr for an exception, and its exit code. A draftline error: with
+    `bad_input` (found before any stage ran) every line and 2, else its first line (the rest is a log tail) and 1.
+    Anything else is a bug: its traceback, BUG_LINE and 3."""
+    import sys
+    import traceback
+
+    if isinstance(exc, DraftlineError):
+        lines = str(exc).splitlines() if bad_input else str(exc).splitlines()[:1]
+        for line in lines:
+            print(f"draftline: {line}", file=sys.stderr)
+        return 2 if bad_input else 1
+    traceback.print_exception(exc)
+    print(f"draftline: {BUG_LINE}", file=sys.stderr)
+    return 3
+
+
 class ConfigError(DraftlineError, ValueError):
     """Bad input: a config, prompt file, model or drafter directory, or store URI. Retrying cannot help."""
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from datetime import datetime, timezone
 from typing import Any
 
@@ -14,7 +13,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from draftline.config import PipelineConfig
-from draftline.errors import BUG_LINE
+from draftline.errors import report_failure
 from draftline.regression import RegressionDetected
 from flows import deployed
 from flows.deployed import StageRuns
@@ -116,13 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     except RegressionDetected as exc:
         print(f"draftline: {exc}", file=sys.stderr)
         return 1
-    except DraftlineError as exc:
-        print(f"draftline: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 1
-    except Exception:
-        traceback.print_exc()
-        print(f"draftline: {BUG_LINE}", file=sys.stderr)
-        return 3
+    except Exception as exc:  # noqa: BLE001 - every failure becomes its sentence and exit code
+        return report_failure(exc)
     print(_message({"verdict": result["verdict"]}))
     return 0
 

@@ -5,13 +5,12 @@ import json
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 from prefect import flow
 
 from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config
-from draftline.errors import BUG_LINE, ConfigError
+from draftline.errors import ConfigError, report_failure
 from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
@@ -101,17 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         result = pipeline(config)
-    except DraftlineError as exc:
-        print(f"draftline: {str(exc).splitlines()[0]}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes its sentence and exit code
+        code = report_failure(exc)
         # Only an engine's failure comes after the report is rewritten with its row; other stages leave it as it was.
         report = report_location(config) if isinstance(exc, (EngineError, AuxLayerIdsError)) else None
         if report:
             print(f"draftline: the report, with the failed engine's row, is at {report}", file=sys.stderr)
-        return 1
-    except Exception:
-        traceback.print_exc()
-        print(f"draftline: {BUG_LINE}", file=sys.stderr)
-        return 3
+        return code
     print_summary(config, result["report"], elapsed_s=time.monotonic() - started, stage_times=result["stage_times"])
     return 0
 
