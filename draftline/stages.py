@@ -144,7 +144,10 @@ def _lineage_training_record(store: Store, exports: dict[str, str]) -> tuple[str
     """(uri, bytes) of the training record named by an export's lineage (`training_metrics`), when it can be read."""
     for prefix in exports.values():
         lineage_key = f"{prefix}/draftline.json"
-        if not store.exists(lineage_key):
+        try:
+            if not store.exists(lineage_key):
+                continue
+        except ConfigError:  # an export outside this store (a path, not a key): its lineage is not read here
             continue
         uri = json.loads(store.get_bytes(lineage_key)).get("training_metrics")
         if not uri:

@@ -433,13 +433,14 @@ def test_served_acceptance_agrees_with_vllms_offline_metrics_on_the_same_prompts
     line = next((x for x in proc.stdout.splitlines() if x.startswith("OFFLINE_METRICS ")), None)
     assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
     offline = json.loads(line.split(" ", 1)[1])
-    served = result.points[0].acceptance  # concurrency 1: each prompt once, as offline
+    point = result.points[0]  # concurrency 1: each prompt once per measured repeat, as offline once
+    served = point.acceptance
     offline_len = 1 + offline["accepted"] / offline["drafts"]
     print(f"served (concurrency 1): length {served.mean_acceptance_length:.3f} over {served.num_drafts} drafts, "
           f"per position {served.per_position}; offline: length {offline_len:.3f} over {offline['drafts']} drafts, "
           f"accepted per position {offline['per_position']}")
     assert served.mean_acceptance_length == pytest.approx(offline_len, abs=OFFLINE_TOLERANCE)
-    assert served.num_drafts == pytest.approx(offline["drafts"], rel=0.1)
+    assert served.num_drafts == pytest.approx(point.repeats * offline["drafts"], rel=0.1)
     offline_pp = [a / offline["drafts"] for a in offline["per_position"]]
     assert served.per_position == pytest.approx(offline_pp, abs=OFFLINE_TOLERANCE)
 

@@ -161,7 +161,6 @@ def test_a_killed_vllm_extraction_resumes_without_recomputing_finished_shards(tm
     script = tmp_path / "stage.py"
     script.write_text(textwrap.dedent(f"""
         from draftline.config import ExtractConfig, ServerSettings
-from draftline.drafter.data import read_shard_tensors
         from draftline.extract import extract_hidden_states
         from draftline.store import open_store
         if __name__ == "__main__":

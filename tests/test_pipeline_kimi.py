@@ -45,7 +45,7 @@ def kimi_config(store: Path) -> dict:
                            checkpoint_every=40, num_threads=1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
     config["eval"].update(max_prompts=8, max_new_tokens=32)
     vllm = next(e for e in config["eval"]["engines"] if e["engine"] == "vllm")
-    vllm.update(concurrency=[1], ready_timeout_s=600)
+    vllm.update(concurrency=[1], ready_timeout_s=600, repeats=1)  # one measured repeat: parity, not spread
     assert config["traces"]["backend"] == config["extract"]["backend"] == "vllm"
     return config
 

@@ -81,7 +81,9 @@ def demo_config(trained_demo, store_root: Path) -> PipelineConfig:
         "traces": {"prompts": str(ASSETS / "prompts" / "train_prompts.jsonl")},
         "eval": {"prompts": str(trained_demo.eval_prompts), "max_new_tokens": 32, "temperature": 0.0,
                  "reference": {"num_speculative_tokens": K},
+                 # One measured repeat per point: this test judges acceptance, not spread (test_engines_vllm does).
                  "engines": [{"engine": "vllm", "num_speculative_tokens": K, "concurrency": [1], "max_model_len": 512,
+                              "repeats": 1,
                               # No torch.compile warm-up: six server starts here, each minutes longer with it.
                               "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "extra_args": ["--enforce-eager"],
                               "ready_timeout_s": 600, "retries": 0},

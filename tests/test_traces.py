@@ -98,8 +98,12 @@ def test_length_filters_are_counted(tmp_path, target_dirs, tiny_prompts):
     store = open_store(str(tmp_path))
     cfg = TracesConfig(prompts=str(tiny_prompts), max_new_tokens=4, min_response_tokens=4, max_total_tokens=14,
                        traces_per_shard=20)
-    stats = generate_traces(cfg, target_dirs["llama"], store, "f")
-    traces = list(iter_traces(store, "f"))
+    try:
+        stats = generate_traces(cfg, target_dirs["llama"], store, "f")
+        traces = list(iter_traces(store, "f"))
+    except ConfigError as exc:  # every prompt filtered out: the stage says why, and its counts stay in stats.json
+        assert str(exc).startswith("traces: none of the 11 prompts gave a trace (") and "max_total_tokens=14" in str(exc)
+        stats, traces = json.loads(store.get_bytes("f/traces/stats.json")), []
     assert stats["count"] == len(traces)
     assert stats["dropped"]["prompt_too_long"] + stats["dropped"]["response_too_short"] + len(traces) == 11
     assert stats["dropped"]["prompt_too_long"] > 0  # the chat prompts are longer than 14 tokens
