@@ -12,7 +12,8 @@ local store with the same fsync'd shard writes (extract.writer_threads writers):
   engine_alone_tokens_per_s                 = the same requests to the same vLLM server without a spool key:
                                               vLLM's prefill with the capture layer, no host copy, no writes
   fraction_of_binding_ceiling               = full / min(engine alone, fsync'd disk B/s / bytes per token)
-and, to show the two backends hold the same states, the median per-token relative L2 difference of each captured
+once per --layouts value (extract.storage; the last is the primary layout, whose figures are also the top-level
+keys), and, to show the two backends hold the same states, the median per-token relative L2 difference of each captured
 tensor between the two stores' first shards.
 """
 from __future__ import annotations
@@ -59,6 +60,15 @@ def write_random_traces(store, run: str, sequences: list[list[int]], per_shard: 
     store.write_manifest(f"{run}/traces", entries)
 
 
+def _states(f, key: str) -> torch.Tensor:
+    """A shard's state tensor as values (fp8-e4m3 shards dequantized with their scales)."""
+    from draftline.state_storage import SCALE_SUFFIX, dequantize_rows
+
+    if key + SCALE_SUFFIX in f.keys():
+        return dequantize_rows(f.get_tensor(key), f.get_tensor(key + SCALE_SUFFIX))
+    return f.get_tensor(key)
+
+
 def median_difference(a_path: Path, b_path: Path) -> dict:
     from safetensors import safe_open
 
@@ -67,7 +77,7 @@ def median_difference(a_path: Path, b_path: Path) -> dict:
         out = {}
         for name, key, cut in [(f"aux{j}", "aux_hidden_states", slice(j * H, (j + 1) * H)) for j in range(3)] + [
                 ("last", "last_hidden_states", slice(None))]:
-            x, y = a.get_tensor(key)[:, cut].float(), b.get_tensor(key)[:, cut].float()
+            x, y = _states(a, key)[:, cut].float(), _states(b, key)[:, cut].float()
             out[name] = float(((x - y).norm(dim=1) / y.norm(dim=1)).median())
     return out
 
@@ -78,14 +88,17 @@ def bench_vllm(args) -> dict:
     from draftline.engines.launch import launch
     from draftline.engines.vllm import capture_server_spec, installed_version
     from draftline.extract import extract_hidden_states, load_shard_traces, plan_hidden_shards, trace_entries
-    from draftline.extract_vllm import CapturedTarget, SpoolClient, _capture_shards, check_architecture
+    from draftline.extract_vllm import CapturedTarget, SpoolClient, _capture_shards, check_architecture, write_final_norm
+    from draftline.state_storage import bytes_per_token
     from draftline.store import LocalStore
-    from draftline.target import default_aux_layer_ids, final_norm_of, read_target_config, target_fingerprint
+    from draftline.target import default_aux_layer_ids, read_target_config, target_fingerprint
 
     cpu = args.cpu
     seq_len = args.seq_len or (128 if cpu else 2048)
     n_seq = args.sequences or (24 if cpu else 128)
     per_shard = max(1, (args.tokens_per_shard or (1024 if cpu else 65536)) // seq_len)
+    layouts = list(args.layouts)
+    primary = layouts[-1]
     work = Path(tempfile.mkdtemp(prefix="extract-vllm-", dir=args.workdir))
     try:
         t = time.perf_counter()
@@ -96,59 +109,69 @@ def bench_vllm(args) -> dict:
         aux = default_aux_layer_ids(L)
         sequences = random_sequences(n_seq, seq_len, vocab)
         tokens = n_seq * seq_len
-        bytes_per_token = 8 * H + 9
         disk = disk_bandwidth(work, (64 << 20) if cpu else args.disk_probe_bytes, early_flush=True)
         shape = dict(batch_tokens=(1024 if cpu else 16384), tokens_per_shard=per_shard * seq_len,
                      writer_threads=args.writer_threads, aux_layer_ids=aux)
         device = "cpu" if cpu else "cuda"
+        figures = {layout: {"bytes_per_token": bytes_per_token(H, layout) + 9} for layout in layouts}  # + id, mask
 
-        # transformers backend: a one-shard warm-up loads the target (kept per process), then the timed stage
+        # transformers backend: a one-shard warm-up loads the target (kept per process), then one timed stage per layout
         hf_store = LocalStore(str(work / "hf"))
         write_random_traces(hf_store, "warm", sequences[:per_shard], per_shard)
         extract_hidden_states(ExtractConfig(device=device, **shape), target, hf_store, "warm")
-        write_random_traces(hf_store, "run", sequences, per_shard)
-        hf = extract_hidden_states(ExtractConfig(device=device, **shape), target, hf_store, "run")
-        hf_tps = tokens / hf["seconds"]
+        for layout in layouts:
+            write_random_traces(hf_store, layout, sequences, per_shard)
+            hf = extract_hidden_states(ExtractConfig(device=device, storage=layout, **shape), target, hf_store, layout)
+            figures[layout]["transformers_full_extraction_tokens_per_s"] = tokens / hf["seconds"]
         import draftline.extract as extract_module
         extract_module._EXTRACTORS.clear()  # free the transformers copy of the target before vLLM loads its own
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-        # vLLM backend: one server; the library's capture into a fresh store, then the same requests untagged
+        # vLLM backend: one server; the library's capture per layout into a fresh store, then the same requests untagged
         check_architecture(target)
         vstore = LocalStore(str(work / "vllm"))
-        write_random_traces(vstore, "run", sequences, per_shard)
-        cfg = ExtractConfig(backend="vllm", requests_in_flight=args.requests_in_flight, **shape)
         settings = ServerSettings(dtype="bfloat16", extra_args=list(args.server_arg), retries=0,
                                   ready_timeout_s=900)
         spool = Path(tempfile.mkdtemp(prefix="spool-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-        spec = capture_server_spec(settings, target, aux + [L], spool, seq_len + 1)
-        source = CapturedTarget(target_fingerprint(target), aux, H, "torch.bfloat16")
-        entries = {e.key: e for e in trace_entries(vstore, "run")}
-        plans = plan_hidden_shards(cfg, vstore, "run")
-        jobs = [(p, load_shard_traces(vstore, p, entries)) for p in plans]
+        spec = capture_server_spec(settings, target, aux + [L], spool, seq_len + 1, write_final_norm(target, spool))
         t = time.perf_counter()
         with launch(spec, settings, work / "logs") as server:
             start_s = time.perf_counter() - t
+            for layout in layouts:
+                write_random_traces(vstore, layout, sequences, per_shard)
+                cfg = ExtractConfig(backend="vllm", requests_in_flight=args.requests_in_flight, storage=layout, **shape)
+                source = CapturedTarget(target_fingerprint(target), aux, H, "torch.bfloat16", storage=layout)
+                entries = {e.key: e for e in trace_entries(vstore, layout)}
+                jobs = [(p, load_shard_traces(vstore, p, entries)) for p in plan_hidden_shards(cfg, vstore, layout)]
+                client = SpoolClient(server.base_url, spool, workers=args.requests_in_flight, storage=layout)
+                try:
+                    t = time.perf_counter()
+                    _capture_shards(client, jobs, cfg, vstore, layout, source,
+                                    {k: e.sha256 for k, e in entries.items()}, print)
+                    figures[layout]["full_extraction_tokens_per_s"] = tokens / (time.perf_counter() - t)
+                finally:
+                    client.close()
             client = SpoolClient(server.base_url, spool, workers=args.requests_in_flight)
             try:
-                t = time.perf_counter()
-                _capture_shards(client, jobs, cfg, vstore, "run", source, {k: e.sha256 for k, e in entries.items()},
-                                final_norm_of(target), print)
-                full_s = time.perf_counter() - t
                 t = time.perf_counter()
                 body = lambda seq: {"model": "target", "prompt": seq, "max_tokens": 1, "temperature": 0.0}  # noqa: E731
                 list(client.pool.map(lambda seq: client.http.post(f"{server.base_url}/v1/completions",
                                                                   json=body(seq)).raise_for_status(), sequences))
-                alone_s = time.perf_counter() - t
+                alone_tps = tokens / (time.perf_counter() - t)
             finally:
                 client.close()
         shutil.rmtree(spool, ignore_errors=True)
-        full_tps, alone_tps = tokens / full_s, tokens / alone_s
-        disk_tps = disk / bytes_per_token
-        ceiling = min(alone_tps, disk_tps)
-        diff = median_difference(work / "vllm" / "run" / "hidden" / "shard-00000.safetensors",
-                                 work / "hf" / "run" / "hidden" / "shard-00000.safetensors")
+        for layout, f in figures.items():
+            f["disk_bound_tokens_per_s"] = disk / f["bytes_per_token"]
+            f["binding_ceiling"] = "engine" if alone_tps <= f["disk_bound_tokens_per_s"] else "disk"
+            f["binding_ceiling_tokens_per_s"] = min(alone_tps, f["disk_bound_tokens_per_s"])
+            f["fraction_of_binding_ceiling"] = f["full_extraction_tokens_per_s"] / f["binding_ceiling_tokens_per_s"]
+            f["vllm_over_transformers"] = (f["full_extraction_tokens_per_s"]
+                                           / f["transformers_full_extraction_tokens_per_s"])
+            f["median_relative_l2_vllm_vs_transformers"] = median_difference(
+                work / "vllm" / layout / "hidden" / "shard-00000.safetensors",
+                work / "hf" / layout / "hidden" / "shard-00000.safetensors")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     hw = torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or platform.machine())
@@ -158,12 +181,7 @@ def bench_vllm(args) -> dict:
         "layers": L, "hidden": H, "aux_layer_ids": aux, "sequences": n_seq, "seq_len": seq_len, "tokens": tokens,
         "tokens_per_shard": per_shard * seq_len, "writer_threads": args.writer_threads,
         "requests_in_flight": args.requests_in_flight, "server_args": list(args.server_arg),
-        "target_build_s": build_s, "engine_start_s": start_s,
-        "bytes_per_token": bytes_per_token, "disk_fsync_write_gb_per_s": disk / 1e9, "disk_bound_tokens_per_s": disk_tps,
-        "engine_alone_tokens_per_s": alone_tps,
-        "binding_ceiling": "engine" if alone_tps <= disk_tps else "disk", "binding_ceiling_tokens_per_s": ceiling,
-        "full_extraction_tokens_per_s": full_tps, "fraction_of_binding_ceiling": full_tps / ceiling,
-        "transformers_full_extraction_tokens_per_s": hf_tps, "vllm_over_transformers": full_tps / hf_tps,
-        "median_relative_l2_vllm_vs_transformers": diff,
+        "target_build_s": build_s, "engine_start_s": start_s, "disk_fsync_write_gb_per_s": disk / 1e9,
+        "engine_alone_tokens_per_s": alone_tps, "primary_layout": primary, **figures[primary], "layouts": figures,
         "goals": {"fraction_of_binding_ceiling": 0.8, "vllm_over_transformers": 1.0},
     }

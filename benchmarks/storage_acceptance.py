@@ -3,6 +3,9 @@ then the reference decoder and vLLM on the same eval prompts. Also the bytes per
 
 Run after `make demo` (it reads ./runs/demo/traces):
     .venv/bin/python benchmarks/storage_acceptance.py [--storages bf16,fp8-e4m3] [--store runs/storage-acceptance]
+On a GPU, on the 1.04B inflated demo target (the demo's function, so the demo's traces are its traces):
+    PYTHONPATH=<vllm site>:. python3 benchmarks/storage_acceptance.py --shape 1b \
+        --config benchmarks/configs/storage-acceptance-h200-1b.yaml --out benchmarks/results/storage-acceptance-h200.json
 Each storage gets its own run in --store (`storage-<name>`) with a copy of the demo's traces; the stages resume from
 what the store already holds, so a rerun after a crash continues. Only the vLLM engine of the demo config is
 evaluated (SGLang needs a GPU worker) and the reference decoder skips its aux-layer-shift decodes (irrelevant here),
@@ -112,22 +115,38 @@ def main() -> None:
     ap.add_argument("--storages", default="bf16,fp8-e4m3", help="extract.storage values, comma-separated")
     ap.add_argument("--store", default=str(REPO / "runs" / "storage-acceptance"), help="store folder for the runs")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "storage-acceptance-cpu.json"))
+    ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"), help="the pipeline config of both runs")
+    ap.add_argument("--shape", default=None, help="inflate the demo target to this shape (draftline.demo.inflate) "
+                    "and use it as the config's target")
+    ap.add_argument("--traces", default=str(REPO / "runs" / "demo" / "traces"), help="the traces both runs share")
     args = ap.parse_args()
-    base = load_config(REPO / "configs" / "demo.yaml")
-    traces = REPO / "runs" / "demo" / "traces"
+    base = load_config(args.config)
+    root = Path(args.store).resolve()
+    if args.shape:
+        from extract_vllm import build_target  # benchmarks/extract_vllm.py
+
+        root.mkdir(parents=True, exist_ok=True)
+        target = root / f"demo-llama-{args.shape}"
+        if not (target / "config.json").is_file():
+            build_target(root, args.shape)
+        base = base.model_copy(update={"target": base.target.model_copy(update={"path": str(target)})})
+    traces = Path(args.traces).resolve()
     if not (traces / "manifest.json").is_file():
         sys.exit(f"{traces} has no manifest.json: run `make demo` first")
     os.chdir(REPO)  # the demo config's paths are relative to the repository root
-    root = Path(args.store).resolve()
     storages = [s for s in args.storages.split(",") if s]
     runs = {s: run_storage(base, s, root, traces) for s in storages}
     demo_store = open_store(str(REPO / "runs"))
-    if "bf16" in runs:
+    if "bf16" in runs and not args.shape:
         runs["bf16"]["reads_equal_to_demo_shards"] = same_as_demo_shards(open_store(str(root)), "storage-bf16",
                                                                          demo_store)
-    result = {"hardware": f"{platform.machine()}, {os.cpu_count()}-core CPU", "date": date.today().isoformat(),
-              "target": base.target.path, "train_max_steps": base.train.max_steps,
-              "traces": str(traces.relative_to(REPO)), "runs": runs}
+    import torch
+
+    hardware = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                else f"{platform.machine()}, {os.cpu_count()}-core CPU")
+    result = {"hardware": hardware, "date": date.today().isoformat(), "config": str(args.config),
+              "target": base.target.path, "shape": args.shape, "train_max_steps": base.train.max_steps,
+              "traces": str(traces), "runs": runs}
     if "bf16" in runs and len(runs) > 1:
         b = runs["bf16"]
         for s, r in runs.items():

@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:  # the benchmark runs this module on GPU machines that have torch and transformers only
     from draftline.config import ExtractConfig
 from draftline.errors import ConfigError, ShardWriteError, is_transient
+from draftline.safetensors_io import safetensors_chunks
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 from draftline.state_storage import BF16, FP8_DTYPE, FP8_E4M3, SCALE_SUFFIX, bytes_per_token, quantize_rows
 from draftline.target import (
@@ -369,35 +370,6 @@ def load_shard_traces(store, plan: ShardPlan, entries) -> list[dict]:
             cache = {key: _read_traces(store, key, expect=entries.get(key))}
         out.extend(cache[key][a:b])
     return out
-
-
-_ST_DTYPES = {torch.int64: "I64", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32",
-              FP8_DTYPE: "F8_E4M3"}
-
-
-def safetensors_chunks(tensors: dict[str, torch.Tensor | list[torch.Tensor]], metadata: dict[str, str]) -> list:
-    """A safetensors file as buffers to write in order: header, then each tensor's own memory (no copy).
-
-    A tensor may be given as row blocks (a list) whose concatenation along dim 0 it is: they are written one after
-    another. The header keys are sorted (safetensors' own writer orders metadata arbitrarily), so identical
-    extractions give identical bytes and sha256; resumption and checks by checksum rely on that.
-    """
-    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
-    offset, parts = 0, []
-    for name in sorted(tensors):
-        blocks = tensors[name] if isinstance(tensors[name], list) else [tensors[name]]
-        blocks = [t.contiguous() for t in blocks]
-        first = blocks[0]
-        if any(t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in blocks):
-            raise ValueError(f"the row blocks of {name!r} differ in dtype or row shape; they cannot form one tensor")
-        shape = [sum(t.shape[0] for t in blocks), *first.shape[1:]] if first.dim() else []
-        size = sum(t.numel() * t.element_size() for t in blocks)
-        header[name] = {"dtype": _ST_DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-        parts += [t.view(torch.uint8).reshape(-1).numpy() for t in blocks if t.numel()]
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment keeps tensors aligned
-    return [len(raw).to_bytes(8, "little"), raw] + parts
 
 
 def write_hidden_shard(store, run: str, plan: ShardPlan, spec: str, source, traces: list[dict],

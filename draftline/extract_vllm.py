@@ -1,6 +1,7 @@
 """Hidden-state extraction through a vLLM server (extract.backend: vllm): vLLM runs the target with its own
 parallelism and kernels, its extract_hidden_states method captures the layers, draftline's connector spools
-them, and this module assembles shards in the same format, order and store layout as the transformers backend."""
+them (already normed and, for fp8-e4m3, quantized on the device), and this module assembles shards in the same format,
+order and store layout as the transformers backend."""
 from __future__ import annotations
 
 import os
@@ -23,9 +24,10 @@ from draftline.extract import (
     length_buckets, plan_hidden_shards, shard_spec, write_hidden_shard,
 )
 from draftline.shards import finished_shard
-from draftline.state_storage import BF16, FP8_E4M3, quantize_slots
+from draftline.safetensors_io import map_safetensors
+from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STATE_NAMES
 from draftline.target import (
-    VLLM, final_norm_of, num_layers, read_target_config, target_fingerprint, validate_aux_layer_ids,
+    VLLM, final_norm_params, num_layers, read_target_config, target_fingerprint, validate_aux_layer_ids,
 )
 
 BACKEND = "vllm"
@@ -103,13 +105,24 @@ def check_architecture(target_dir: str | Path, settings: ServerSettings | None =
 
 # ---------------------------------------------------------------- requests
 
+def write_final_norm(target_dir: str | Path, folder: Path) -> Path:
+    """The target's final norm (weight and eps) in a file the capture connector loads onto its device."""
+    from safetensors.torch import save_file
+
+    weight, eps = final_norm_params(target_dir)
+    path = folder / "final-norm.safetensors"
+    save_file({"weight": weight.contiguous(), "eps": torch.tensor(eps, dtype=torch.float64)}, str(path))
+    return path
+
+
 class SpoolClient:
-    """Sends one completion per sequence (max_tokens 1, tagged with a spool key) and reads back what the connector
-    spooled for it."""
+    """Sends one completion per sequence (max_tokens 1, tagged with a spool key and the storage) and maps what the
+    connector spooled for it."""
 
     def __init__(self, base_url: str, spool_dir: Path, served_name: str = "target", workers: int = 64,
-                 wait_s: float = SPOOL_WAIT_S):
+                 wait_s: float = SPOOL_WAIT_S, storage: str = BF16):
         self.base_url, self.spool_dir, self.served_name, self.wait_s = base_url, spool_dir, served_name, wait_s
+        self.storage = storage
         self.http = httpx.Client(timeout=600.0, limits=httpx.Limits(max_connections=workers))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="draftline-capture")
 
@@ -120,14 +133,13 @@ class SpoolClient:
     def submit(self, key: str, token_ids: list[int]) -> Future:
         return self.pool.submit(self.capture, key, token_ids)
 
-    def capture(self, key: str, token_ids: list[int]) -> torch.Tensor:
-        """The states of `token_ids`, [tokens, captured layers, hidden] bf16, as vLLM computed them."""
-        from safetensors.torch import load_file
-
-        from draftline.engines.vllm_capture import error_path, spool_path
+    def capture(self, key: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The shard rows of `token_ids` as vLLM computed them (aux [n, 3h], the normed last state [n, h], and
+        their scales for fp8-e4m3), as views of the spooled file, which is already removed."""
+        from draftline.engines.vllm_capture import KEY_PARAM, STORAGE_PARAM, error_path, spool_path
 
         body = {"model": self.served_name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
-                "kv_transfer_params": {"draftline_key": key}}
+                "kv_transfer_params": {KEY_PARAM: key, STORAGE_PARAM: self.storage}}
         try:
             resp = self.http.post(f"{self.base_url}/v1/completions", json=body)
         except httpx.HTTPError as exc:  # the server died or hung mid-stage: a restart may get further
@@ -146,12 +158,17 @@ class SpoolClient:
                                   f"{self.wait_s:.0f} s; is the server running draftline's connector "
                                   "(kv_connector_module_path draftline.engines.vllm_capture)?", transient=True)
             time.sleep(0.01)
-        data = load_file(path)
-        os.remove(path)
+        data, meta = map_safetensors(path)
+        os.remove(path)  # the map keeps the pages until the shard is written
         if data["token_ids"].tolist() != list(token_ids):
             raise EngineError(f"vLLM's states for capture request {key} belong to other tokens; the spool folder "
                               f"{self.spool_dir} is shared with another run")
-        return data["hidden_states"]
+        expected = list(STATE_NAMES) + ([n + SCALE_SUFFIX for n in STATE_NAMES] if self.storage == FP8_E4M3 else [])
+        if meta.get("storage") != self.storage or any(n not in data for n in expected):
+            raise EngineError(f"vLLM's capture connector spooled {sorted(data)} in storage {meta.get('storage')!r} for "
+                              f"request {key}, not {self.storage!r} shard rows; the server runs another draftline's "
+                              "connector (kv_connector_module_path draftline.engines.vllm_capture)")
+        return {n: data[n] for n in expected}
 
 
 # ---------------------------------------------------------------- the stage
@@ -180,26 +197,15 @@ def _spool_root(cfg: ExtractConfig) -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def assemble_shard(states: list[torch.Tensor], order: list[int], norm: Callable[[torch.Tensor], torch.Tensor],
-                   storage: str = BF16) -> HostShard:
-    """Per-sequence captures [n, 4, H] (three aux layers, then the last layer before the norm) → a HostShard in
-    `order`, with the final norm applied to the last layer's output; fp8-e4m3 quantizes as the transformers
-    backend does (one scale per token and state)."""
-    cu = [0]
-    aux, last = [], []
-    host = HostShard(order, torch.tensor([0]), aux, last, storage=storage)
-    for i in order:
-        s = states[i]
-        cu.append(cu[-1] + s.shape[0])
-        a = s[:, :3, :].reshape(s.shape[0], -1).to(torch.bfloat16)
-        b = norm(s[:, 3, :].to(torch.bfloat16))
-        if storage == FP8_E4M3:
-            (a, a_scale), (b, b_scale) = quantize_slots(a, 3), quantize_slots(b, 1)
-            host.aux_scale_blocks.append(a_scale)
-            host.last_scale_blocks.append(b_scale)
-        aux.append(a)
-        last.append(b)
-    host.cu_seqlens = torch.tensor(cu, dtype=torch.int64)
+def assemble_shard(rows: list[dict[str, torch.Tensor]], order: list[int], storage: str = BF16) -> HostShard:
+    """Per-sequence shard rows as the connector spooled them → a HostShard in `order`: the blocks are the spooled
+    tensors themselves, so the shard writer reads each token once."""
+    aux, last = [rows[i]["aux_hidden_states"] for i in order], [rows[i]["last_hidden_states"] for i in order]
+    cu = torch.tensor([0] + [b.shape[0] for b in aux], dtype=torch.int64).cumsum(0)
+    host = HostShard(order, cu, aux, last, storage=storage)
+    if storage == FP8_E4M3:
+        host.aux_scale_blocks = [rows[i]["aux_hidden_states" + SCALE_SUFFIX] for i in order]
+        host.last_scale_blocks = [rows[i]["last_hidden_states" + SCALE_SUFFIX] for i in order]
     return host
 
 
@@ -211,7 +217,6 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
     depth = num_layers(target_dir)
     aux_ids = validate_aux_layer_ids(cfg.aux_layer_ids, depth)
     check_devices(cfg.vllm, "extract.vllm")
-    norm = final_norm_of(target_dir)
     text = read_target_config(target_dir)
     settings = cfg.vllm.resolved(dtype)
     source = CapturedTarget(target_fingerprint(target_dir), aux_ids, int(text.get("text_config", text)["hidden_size"]),
@@ -231,7 +236,7 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
             jobs.append((plan, traces))
         longest = max(len(t["input_ids"]) for _, traces in jobs for t in traces)
         _run_server(settings, target_dir, aux_ids + [depth], _max_model_len(settings, longest, target_dir), cfg,
-                    store, run, source, trace_sha, jobs, norm, log_dir, say, timing)
+                    store, run, source, trace_sha, jobs, log_dir, say, timing)
     finalize_hidden_states(store, run, len(plans))
     elapsed = time.perf_counter() - t0
     tokens = sum(p.tokens for p in pending)
@@ -244,7 +249,7 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
             "storage": source.storage}
 
 
-def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run, source, trace_sha, jobs, norm,
+def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run, source, trace_sha, jobs,
                 log_dir, say, timing: dict) -> None:
     from draftline.engines.launch import launch
     from draftline.engines.vllm import capture_server_spec
@@ -254,16 +259,17 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
     # The server's log goes to the store (<run>/hidden/logs); the local copy lives as long as the stage.
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="draftline-capture-logs-"))
     try:
-        spec = capture_server_spec(settings, Path(target_dir), layer_ids, spool, max_model_len)
+        spec = capture_server_spec(settings, Path(target_dir), layer_ids, spool, max_model_len,
+                                   write_final_norm(target_dir, spool))
         say(f"starting vLLM to capture layers {layer_ids} of {target_dir} (tensor parallel {settings.tensor_parallel_size})")
         started = time.perf_counter()
         with launch(spec, settings, logs, store=store, log_key_prefix=f"{run}/{STAGE}/logs") as server:
             timing["engine_start_s"] = round(time.perf_counter() - started, 3)
             say(f"vLLM ready after {timing['engine_start_s']:.0f} s")
-            client = SpoolClient(server.base_url, spool, workers=cfg.requests_in_flight)
+            client = SpoolClient(server.base_url, spool, workers=cfg.requests_in_flight, storage=source.storage)
             started = time.perf_counter()
             try:
-                _capture_shards(client, jobs, cfg, store, run, source, trace_sha, norm, say)
+                _capture_shards(client, jobs, cfg, store, run, source, trace_sha, say)
             finally:
                 client.close()
             timing["capture_s"] = round(time.perf_counter() - started, 3)
@@ -273,7 +279,7 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
             shutil.rmtree(logs, ignore_errors=True)
 
 
-def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sha, norm, say) -> None:
+def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sha, say) -> None:
     """Requests of the next shard run in the server while earlier shards are assembled and written by
     extract.writer_threads writers (several fsync'd files at once keep the disk busier than one)."""
 
@@ -285,7 +291,7 @@ def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sh
         lengths = [len(t["input_ids"]) for t in traces]
         order = [k for batch in length_buckets(lengths, cfg.batch_tokens) for k in batch]
         write_hidden_shard(store, run, plan, shard_spec(source, plan, trace_sha), source, traces,
-                           assemble_shard(states, order, norm, source.storage))
+                           assemble_shard(states, order, source.storage))
         say(f"hidden-state shard {plan.index} written: {plan.tokens} tokens, {plan.sequences} sequences "
             f"({time.perf_counter() - t0:.1f} s from its first request)")
 

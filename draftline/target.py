@@ -285,9 +285,15 @@ _RMS_NORM_TYPES = {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe
                    "kimi_k2"}
 
 
-def final_norm_of(path: str | Path) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The target's final norm as a function, from its checkpoint: what turns the last layer's output into what
-    the lm_head reads. The one definition used where an engine hands over the output before the norm."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama and DeepSeek compute their final norm: in float32, scaled by the weight in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * xf.to(x.dtype)
+
+
+def final_norm_params(path: str | Path) -> tuple[torch.Tensor, float]:
+    """The target's final norm weight and eps, from its checkpoint (see final_norm_of)."""
     cfg = read_target_config(path)
     text = cfg.get("text_config", cfg)
     kind = text.get("model_type")
@@ -299,15 +305,14 @@ def final_norm_of(path: str | Path) -> Callable[[torch.Tensor], torch.Tensor]:
                    key=len)
     if not names:
         raise ConfigError(f"target {path}: no final norm weight (*model.norm.weight) in its safetensors files")
-    weight = read_target_tensor(path, names[0], weight_map)
-    eps = float(text.get("rms_norm_eps", 1e-6))
+    return read_target_tensor(path, names[0], weight_map), float(text.get("rms_norm_eps", 1e-6))
 
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight.to(x.dtype) * xf.to(x.dtype)
 
-    return norm
+def final_norm_of(path: str | Path) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's final norm as a function, from its checkpoint: what turns the last layer's output into what
+    the lm_head reads. The one definition used where an engine hands over the output before the norm."""
+    weight, eps = final_norm_params(path)
+    return lambda x: rms_norm(x, weight, eps)
 
 
 def _safetensors_header(path: Path) -> bytes:

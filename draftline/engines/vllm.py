@@ -112,16 +112,19 @@ CAPTURE_MODULE = "draftline.engines.vllm_capture"
 
 
 def capture_server_spec(cfg: ServerSettings, target_dir: Path, layer_ids: list[int], spool_dir: Path,
-                        max_model_len: int, served_name: str = "target") -> ServerSpec:
+                        max_model_len: int, final_norm_file: Path, served_name: str = "target") -> ServerSpec:
     """A server that runs the target with vLLM's extract_hidden_states method and draftline's spooling connector.
 
-    layer_ids are vLLM's (id i = input of layer i; the layer count = the last layer's output before the final norm).
+    layer_ids are vLLM's (id i = input of layer i; the layer count = the last layer's output before the final norm);
+    final_norm_file holds the target's final norm (draftline.extract_vllm.write_final_norm), which the connector
+    applies to that last output on the device.
     """
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
     transfer = {"kv_connector": CAPTURE_CONNECTOR, "kv_connector_module_path": CAPTURE_MODULE,
                 "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"spool_dir": str(spool_dir), "writer_threads": 8}}
+                "kv_connector_extra_config": {"spool_dir": str(spool_dir), "final_norm_file": str(final_norm_file),
+                                              "writer_threads": 8}}
 
     def argv(port: int) -> list[str]:
         return (server_argv(cfg, target_dir, served_name, port, max_model_len)

@@ -2,10 +2,14 @@
 
 vLLM's `extract_hidden_states` speculative method writes the states of the layers named in
 `eagle_aux_hidden_state_layer_ids` into a cache-only KV layer ([blocks, states, block_size, hidden]). When a
-request finishes, this connector gathers its rows by block id, copies them to host memory and writes
-`<spool_dir>/<draftline_key>.safetensors` (`hidden_states` [tokens, states, hidden] and `token_ids`), renamed into
-place only when complete. The request names its key in `kv_transfer_params`; requests without one are ignored.
-Only tensor-parallel rank 0 writes: every rank holds the same full hidden states.
+request finishes, this connector gathers its rows by block id and, still on the device, turns them into a shard's
+rows: the aux states side by side, the last layer's output through the target's final norm (its weight and eps come
+from `kv_connector_extra_config.final_norm_file`), both quantized when the request asks for fp8-e4m3 storage. It
+copies those to host memory and writes `<spool_dir>/<draftline_key>.safetensors` (the shard's tensor names,
+`token_ids`, and the storage in the metadata), renamed into place only when complete. The request names its key and
+storage in `kv_transfer_params`; requests without a key are ignored. Only tensor-parallel rank 0 writes: every rank
+holds the same full hidden states. Doing the norm and the quantization here keeps the host's work per token to one
+copy into the spool and one read back by the shard writer, which is what bounds extraction on a fast GPU.
 
 This module runs inside vLLM's processes and is imported only there (it needs vllm).
 """
@@ -18,11 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file
 from vllm.config import get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
+
+from draftline.safetensors_io import write_safetensors
+from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STORAGES, quantize_slots
+from draftline.target import rms_norm
 
 try:  # SupportsHMA lets vLLM keep the hidden-state cache in its own KV group next to the target's attention
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -32,6 +40,7 @@ except ImportError:  # older vLLM: no hybrid allocator interface
 
 logger = init_logger(__name__)
 KEY_PARAM = "draftline_key"
+STORAGE_PARAM = "draftline_storage"
 PATH_PARAM = "draftline_path"
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
@@ -49,6 +58,7 @@ class _Save:
     path: str
     token_ids: list[int]
     block_ids: list[int]
+    storage: str = BF16
 
 
 @dataclass
@@ -65,6 +75,10 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self.spool_dir = str(extra.get("spool_dir") or "")
         if not self.spool_dir:
             raise ValueError("DraftlineHiddenStatesConnector needs kv_connector_extra_config.spool_dir")
+        self.final_norm_file = str(extra.get("final_norm_file") or "")
+        if not self.final_norm_file:
+            raise ValueError("DraftlineHiddenStatesConnector needs kv_connector_extra_config.final_norm_file")
+        self._norm: tuple[torch.Tensor, float] | None = None
         self._group = self._hidden_state_group(kv_cache_config)
         # scheduler side
         self._pending: dict[str, _Save] = {}
@@ -102,16 +116,20 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def request_finished(self, request, block_ids: list[int]):
-        key = (getattr(request, "kv_transfer_params", None) or {}).get(KEY_PARAM)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        key = params.get(KEY_PARAM)
         if key is None or request.prompt_token_ids is None:
             return False, None
+        storage = str(params.get(STORAGE_PARAM) or BF16)
         try:
             path = spool_path(self.spool_dir, str(key))
-        except ValueError as exc:  # never let a client's bad key stop the engine: the client times out instead
+            if storage not in STORAGES:
+                raise ValueError(f"{STORAGE_PARAM}={storage!r} is none of {', '.join(STORAGES)}")
+        except ValueError as exc:  # never let a client's bad request stop the engine: the client times out instead
             logger.warning("draftline capture: %s; request %s not captured", exc, request.request_id)
             return False, None
         self._pending[request.request_id] = _Save(request.request_id, path, list(request.prompt_token_ids),
-                                                  list(block_ids))
+                                                  list(block_ids), storage)
         return True, {PATH_PARAM: path}
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
@@ -139,6 +157,11 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if len(shape) != 4 or states not in (shape[1], shape[2]) or shape[1] == shape[2]:
             raise ValueError(f"cannot read {states} captured states from a cache of shape {shape}")
         self._token_axis = 2 if shape[1] == states else 1
+        if states != 4:
+            raise ValueError(f"draftline captures three aux layers and the last one; vLLM was asked for {states}")
+        if self._rank0:
+            norm = load_file(self.final_norm_file)
+            self._norm = (norm["weight"].to(self._cache.device), float(norm["eps"]))
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         return None
@@ -162,22 +185,40 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             return self._cache[slots // block_size, :, slots % block_size]
         return self._cache[slots // block_size, slots % block_size]
 
-    def _start_save(self, save: _Save) -> None:
+    def _shard_rows(self, save: _Save) -> dict[str, torch.Tensor]:
+        """The request's rows as a shard holds them, on the device: aux [n, 3h], the normed last state [n, h],
+        and with fp8-e4m3 their scales ([n, 3], [n, 1])."""
         rows = self._rows(save)
-        if rows.is_cuda:
-            stream = torch.cuda.Stream(rows.device)
-            stream.wait_stream(torch.cuda.current_stream(rows.device))
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            rows.record_stream(stream)  # keep the gathered rows alive until the side stream has read them
+        n = rows.shape[0]
+        weight, eps = self._norm
+        aux = rows[:, :3, :].reshape(n, -1)
+        last = rms_norm(rows[:, 3, :], weight, eps)
+        if save.storage != FP8_E4M3:
+            return {"aux_hidden_states": aux.contiguous(), "last_hidden_states": last.contiguous()}
+        (aux, aux_scale), (last, last_scale) = quantize_slots(aux, 3), quantize_slots(last, 1)
+        return {"aux_hidden_states": aux, "last_hidden_states": last,
+                "aux_hidden_states" + SCALE_SUFFIX: aux_scale.contiguous(),
+                "last_hidden_states" + SCALE_SUFFIX: last_scale.contiguous()}
+
+    def _start_save(self, save: _Save) -> None:
+        rows = self._shard_rows(save)
+        first = next(iter(rows.values()))
+        if first.is_cuda:
+            stream = torch.cuda.Stream(first.device)
+            stream.wait_stream(torch.cuda.current_stream(first.device))
+            host = {}
             with torch.cuda.stream(stream):
-                host.copy_(rows, non_blocking=True)
+                for name, t in rows.items():
+                    t.record_stream(stream)  # keep the device rows alive until the side stream has read them
+                    host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host[name].copy_(t, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(stream)
         else:
-            host, copied = rows.clone(), None
+            host, copied = {name: t.clone() for name, t in rows.items()}, None
         self._copies[save.req_id] = copied
-        tokens = torch.tensor(save.token_ids, dtype=torch.int64)
-        self._writes.append(self._writers.submit(_write, save.path, host, tokens, copied))
+        host["token_ids"] = torch.tensor(save.token_ids, dtype=torch.int64)
+        self._writes.append(self._writers.submit(_write, save.path, host, save.storage, copied))
 
     def get_finished(self, finished_req_ids: set[str]):
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
@@ -216,14 +257,14 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return ExampleHiddenStatesConnector.get_required_kvcache_layout(vllm_config)
 
 
-def _write(path: str, states: torch.Tensor, tokens: torch.Tensor, copied) -> None:
+def _write(path: str, tensors: dict[str, torch.Tensor], storage: str, copied) -> None:
     """Write one request's file atomically: a reader that sees the final name sees every byte."""
     if copied is not None:
         copied.synchronize()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        save_file({"hidden_states": states.contiguous(), "token_ids": tokens}, tmp)
+        write_safetensors(tmp, tensors, {"storage": storage})
         os.replace(tmp, path)
     except BaseException as exc:  # the client waits for the file: tell it why none will come
         with open(error_path(path), "w") as f:
