@@ -9,8 +9,9 @@ local store with the same fsync'd shard writes (extract.writer_threads writers):
   transformers_full_extraction_tokens_per_s = tokens / the transformers stage's time (its model load excluded)
   full_extraction_tokens_per_s              = tokens / the vLLM stage's capture time (first request to last shard
                                               written; the engine start is reported apart)
-  engine_alone_tokens_per_s                 = the same requests to the same vLLM server without a spool key:
-                                              vLLM's prefill with the capture layer, no host copy, no writes
+  engine_alone_tokens_per_s                 = as many requests of other random traces (none the prefix cache
+                                              holds) to the same vLLM server without a spool key: vLLM's prefill
+                                              with the capture layer, no host copy, no writes
   fraction_of_binding_ceiling               = full / min(engine alone, fsync'd disk B/s / bytes per token)
 once per --layouts value (extract.storage; the last is the primary layout, whose figures are also the top-level
 keys), and, to show the two backends hold the same states, the median per-token relative L2 difference of each captured
@@ -107,7 +108,10 @@ def bench_vllm(args) -> dict:
         text = read_target_config(target)
         L, H, vocab = text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]
         aux = default_aux_layer_ids(L)
-        sequences = random_sequences(n_seq, seq_len, vocab)
+        # Each measured pass gets its own random traces: vLLM's prefix cache would serve a repeat of earlier traces
+        # (their states included) without running the target, which measures the cache instead of the engine.
+        passes = {layout: random_sequences(n_seq, seq_len, vocab, seed=k + 1) for k, layout in enumerate(layouts)}
+        alone_sequences = random_sequences(n_seq, seq_len, vocab, seed=len(layouts) + 1)
         tokens = n_seq * seq_len
         disk = disk_bandwidth(work, (64 << 20) if cpu else args.disk_probe_bytes, early_flush=True)
         shape = dict(batch_tokens=(1024 if cpu else 16384), tokens_per_shard=per_shard * seq_len,
@@ -117,10 +121,10 @@ def bench_vllm(args) -> dict:
 
         # transformers backend: a one-shard warm-up loads the target (kept per process), then one timed stage per layout
         hf_store = LocalStore(str(work / "hf"))
-        write_random_traces(hf_store, "warm", sequences[:per_shard], per_shard)
+        write_random_traces(hf_store, "warm", random_sequences(per_shard, seq_len, vocab, seed=0), per_shard)
         extract_hidden_states(ExtractConfig(device=device, **shape), target, hf_store, "warm")
         for layout in layouts:
-            write_random_traces(hf_store, layout, sequences, per_shard)
+            write_random_traces(hf_store, layout, passes[layout], per_shard)
             hf = extract_hidden_states(ExtractConfig(device=device, storage=layout, **shape), target, hf_store, layout)
             figures[layout]["transformers_full_extraction_tokens_per_s"] = tokens / hf["seconds"]
         import draftline.extract as extract_module
@@ -139,7 +143,7 @@ def bench_vllm(args) -> dict:
         with launch(spec, settings, work / "logs") as server:
             start_s = time.perf_counter() - t
             for layout in layouts:
-                write_random_traces(vstore, layout, sequences, per_shard)
+                write_random_traces(vstore, layout, passes[layout], per_shard)
                 cfg = ExtractConfig(backend="vllm", requests_in_flight=args.requests_in_flight, storage=layout, **shape)
                 source = CapturedTarget(target_fingerprint(target), aux, H, "torch.bfloat16", storage=layout)
                 entries = {e.key: e for e in trace_entries(vstore, layout)}
@@ -157,7 +161,7 @@ def bench_vllm(args) -> dict:
                 t = time.perf_counter()
                 body = lambda seq: {"model": "target", "prompt": seq, "max_tokens": 1, "temperature": 0.0}  # noqa: E731
                 list(client.pool.map(lambda seq: client.http.post(f"{server.base_url}/v1/completions",
-                                                                  json=body(seq)).raise_for_status(), sequences))
+                                                                  json=body(seq)).raise_for_status(), alone_sequences))
                 alone_tps = tokens / (time.perf_counter() - t)
             finally:
                 client.close()
