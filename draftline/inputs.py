@@ -90,9 +90,22 @@ def _store(root: str) -> str:
     return f"store.root {root}: reachable" if root.startswith("s3://") else f"store.root {root}: a local folder"
 
 
-def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool = False) -> InputReport:
-    """Check every input the config names. `here=False`: the stages run on other machines, so a path that does not
-    exist on this one is reported as unchecked rather than as a problem."""
+# What each stage reads of the config's inputs on its own worker (a deployed stage checks these before its work).
+STAGE_INPUTS = {
+    "traces": ("target.path", "traces.prompts", "store.root"),
+    "extraction": ("target.path", "store.root"),
+    "training": ("target.path", "train.warm_start", "store.root"),
+    "reference": ("target.path", "eval.prompts", "store.root"),
+    "evaluation": ("target.path", "eval.prompts", "store.root"),
+}
+
+
+def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool = False,
+                 needs: tuple[str, ...] | None = None) -> InputReport:
+    """Check every input the config names (or only those in `needs`, e.g. STAGE_INPUTS["traces"]). `here=False`:
+    the stages run on other machines, so a path that does not exist on this one is reported as unchecked rather than
+    as a problem."""
+    wanted = (lambda name: True) if needs is None else (lambda name: name in needs)
     report = InputReport()
     paths = [("target.path", config.target.path, lambda: _target(config)),
              ("traces.prompts", config.traces.prompts, lambda: _prompts("traces.prompts", config.traces.prompts)),
@@ -100,15 +113,27 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
     if config.train.warm_start:
         paths.append(("train.warm_start", config.train.warm_start, lambda: _warm_start(config.train.warm_start)))
     for name, path, check in paths:
+        if not wanted(name):
+            continue
         if not here and not Path(path).exists():
             report.unchecked.append(f"{name} {path} is not on this machine (the stage's worker must have it)")
             continue
         _check(report, name, check)
-    if here and Path(config.target.path, "config.json").is_file():
+    if wanted("eval.engines") and here and Path(config.target.path, "config.json").is_file():
         _check(report, "eval.engines", lambda: _cpu_kernels(config))
     root = config.store.root
-    if root.startswith("s3://") and not reach_store:
-        report.unchecked.append(f"store.root {root}: not contacted (add --check-store)")
-    else:
-        _check(report, "store.root", lambda: _store(root))
+    if wanted("store.root"):
+        if root.startswith("s3://") and not reach_store:
+            report.unchecked.append(f"store.root {root}: not contacted (add --check-store)")
+        else:
+            _check(report, "store.root", lambda: _store(root))
+    return report
+
+
+def require_inputs(config: PipelineConfig, what: str, *, here: bool = True,
+                   needs: tuple[str, ...] | None = None) -> InputReport:
+    """check_inputs, raising one ConfigError that lists every problem (one sentence each) before `what` starts."""
+    report = check_inputs(config, here=here, needs=needs)
+    if report.problems:
+        raise ConfigError(f"{what} cannot start, its inputs are wrong:\n" + "\n".join(report.problems))
     return report

@@ -12,6 +12,7 @@ from draftline.errors import EngineError
 from flows import deployed
 from flows.deployed import StageRuns
 from tasks import evaluate as eval_tasks
+from tasks.inputs import check_inputs
 
 EngineRuns = Literal["in-process", "deployments"]
 
@@ -19,12 +20,14 @@ EngineRuns = Literal["in-process", "deployments"]
 @flow(name="evaluate-engine", log_prints=True)
 def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str]) -> str:
     """One engine's baseline and EAGLE-3 runs; deployed on that engine's work pool (gpu-vllm, gpu-sglang, cpu)."""
+    check_inputs(config, "evaluation")
     return eval_tasks.evaluate_engine(config, engine, exports)
 
 
 @flow(name="reference-acceptance", log_prints=True)
 def reference_acceptance(config: PipelineConfig, exports: dict[str, str]) -> str:
     """The reference decoder on its own worker (deployed on the gpu-train pool); returns the store key of its result."""
+    check_inputs(config, "reference")
     return eval_tasks.reference_acceptance(config, exports)
 
 

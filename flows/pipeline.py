@@ -15,6 +15,7 @@ from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
 from tasks.common import timed_stage
+from tasks.inputs import check_inputs
 
 
 @flow(name="pipeline", log_prints=True)
@@ -31,6 +32,9 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
     gives them, with the GPUs the config asks for; every pool they need must have a live worker before any starts.
     """
     config = resolve_config(config, config_file, overrides)
+    # Every input in seconds, before any stage; where stages run on other workers, what is missing here is theirs to
+    # check when their stage starts.
+    check_inputs(config, here=engine_runs == "in-process" and stage_runs == "in-process")
     # Nothing starts on a pool without a live worker: the run fails now, naming the pool and the command to start one.
     deployed.require_live_workers(deployed.deployments_needed(config, engine_runs, stage_runs))
     # The same three stages, as subflows of this run or as flow runs of their deployments: same inputs, same outputs.

@@ -9,6 +9,7 @@ from tasks import drafter as drafter_tasks
 from tasks import extract as extract_tasks
 from tasks import traces as trace_tasks
 from tasks.common import artifact_key, publish_table
+from tasks.inputs import check_inputs
 
 
 def _shard_by_shard(config: PipelineConfig, stage: str, shard_task, count: int) -> list:
@@ -30,6 +31,7 @@ def _shard_by_shard(config: PipelineConfig, stage: str, shard_task, count: int) 
 @flow(name="generate-traces", log_prints=True)
 def generate_traces(config: PipelineConfig) -> dict:
     """The target answers the training prompts; traces land in <store>/<run>/traces/."""
+    check_inputs(config, "traces")
     if trace_tasks.uses_offline_engine(config):
         stats = trace_tasks.trace_stage(config)
     else:
@@ -43,6 +45,7 @@ def generate_traces(config: PipelineConfig) -> dict:
 @flow(name="extract-hidden-states", log_prints=True)
 def extract_hidden_states(config: PipelineConfig) -> str:
     """The target re-reads every trace; aux and last hidden states land in <store>/<run>/hidden/."""
+    check_inputs(config, "extraction")
     if extract_tasks.uses_engine(config):
         stage = extract_tasks.extract_stage(config)
         publish_table(f"{config.run}-extraction",
@@ -59,6 +62,7 @@ def extract_hidden_states(config: PipelineConfig) -> str:
 @flow(name="train-drafter", log_prints=True)
 def train_drafter(config: PipelineConfig, hidden_manifest_uri: str = "") -> dict:
     """Train the EAGLE-3 head and export it for every configured engine."""
+    check_inputs(config, "training")
     training = drafter_tasks.train_drafter(config, hidden_manifest_uri)
     val = training.get("final_val") or {}
     publish_table(f"{config.run}-training", [{"steps": training.get("steps"), **{k: v for k, v in val.items()

@@ -284,3 +284,21 @@ def test_vllm_cpu_without_amx_is_refused_a_llama_draft_layer_beside_an_mla_targe
     assert cpu_block_size_conflict(kimi, {"kv_lora_rank": 64}, amx=False) is None  # an MLA draft layer
     assert cpu_block_size_conflict(kimi, {}, amx=True) is None  # AMX's MLA kernel takes any block size
     assert cpu_block_size_conflict(llama, {}, amx=False) is None  # no MLA in the target
+
+
+def test_each_stage_checks_only_the_inputs_it_reads_and_names_every_wrong_one():
+    """A deployed stage checks on its own worker what it reads: training does not read prompts, traces do."""
+    from draftline.inputs import STAGE_INPUTS, require_inputs
+
+    config = load_config(ROOT / "configs/demo.yaml", PipelineConfig,
+                         {"traces": {"prompts": "assets/prompts/none.jsonl"}, "eval": {"prompts": "nowhere.jsonl"}})
+    trained = require_inputs(config, "the training stage", needs=STAGE_INPUTS["training"])
+    assert [line.split(" ")[1] for line in trained.lines()] == ["target.path", "store.root"]
+    with pytest.raises(ConfigError) as info:
+        require_inputs(config, "the traces stage", needs=STAGE_INPUTS["traces"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "the traces stage cannot start, its inputs are wrong:"
+    assert len(lines) == 2 and "set traces.prompts to a .jsonl file" in lines[1], lines
+    with pytest.raises(ConfigError) as info:
+        require_inputs(config, "run demo")
+    assert "traces.prompts" in str(info.value) and "eval.prompts" in str(info.value)

@@ -1,6 +1,7 @@
 """The deployed pipeline on a real Prefect server with real process workers, as a user starts it: it reads
 configs/demo.yaml with a partial `--param overrides=...` merged in, names every bad field, refuses to start on pools
-without a live worker, and never waits forever for a child run that no worker takes. No stage does any work here:
+without a live worker, checks its inputs where they are read (the pipeline's worker, then each stage's), and never
+waits forever for a child run that no worker takes. No stage does any work here:
 each test ends before the first stage would run, so the module takes a couple of minutes."""
 from __future__ import annotations
 
@@ -111,16 +112,54 @@ def test_pools_without_a_live_worker_fail_the_run_before_anything_starts_naming_
     print(f"failed after {elapsed:.0f} s")
 
 
+def test_wrong_inputs_fail_an_in_process_run_before_any_stage_naming_each_field(server):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    _wait_for_worker(server, PREFIX + "cpu")
+    overrides = {"run": "t32-inputs-here", "target": {"path": "/nonexistent/target"},
+                 "eval": {"prompts": "assets/prompts/none.jsonl"}}
+    run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"', 'stage_runs="in-process"')
+    message = run.state.message
+    for named in ("run t32-inputs-here cannot start", "point target.path at a transformers checkpoint directory",
+                  "set eval.prompts to a .jsonl file"):
+        assert named in message, message
+    # Its only task is the check: no stage's subflow (each has a task run in its parent) began.
+    tasks = _read(server, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
+    assert [t.name.rsplit("-", 1)[0] for t in tasks] == ["check-inputs"], [t.name for t in tasks]
+
+
+def _start_workers(server, pools) -> None:
+    for pool in pools:
+        if pool not in server.workers:
+            server.workers[pool] = server.start_worker(PREFIX + pool, server.tmp / f"worker-{pool}.log")
+    for pool in pools:
+        _wait_for_worker(server, PREFIX + pool)
+
+
+def test_an_input_missing_on_a_stage_worker_fails_that_stage_naming_the_field(server):
+    """The pipeline's worker lets a path it lacks pass (its stages run on other workers, which may have it); the
+    traces stage checks it on its own worker before loading anything, and the run fails with that stage's sentence."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    _start_workers(server, ("gpu-vllm", "gpu-train"))
+    overrides = {"run": "t32-inputs-there", "target": {"path": "/nonexistent/target"}}
+    run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"')
+    message = run.state.message
+    assert ("the generate-traces run t32-inputs-there-generate-traces ended Failed" in message
+            and "the traces stage cannot start" in message
+            and "point target.path at a transformers checkpoint directory" in message), message
+    later = _read(server, lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(
+        name=FlowRunFilterName(any_=["t32-inputs-there-extract-hidden-states"]))))
+    assert not later, "extraction started after the traces stage refused its inputs"
+
+
 def test_a_child_run_no_worker_takes_is_cancelled_after_the_configured_time(server):
     """Live workers on every pool, but the traces pool's queue paused: the child waits, the pipeline gives up after
     child_runs.start_timeout_s with the pool named, the child is cancelled, and it hangs off the pipeline's task."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    for pool in ("gpu-vllm", "gpu-train"):
-        server.workers[pool] = server.start_worker(PREFIX + pool, server.tmp / f"worker-{pool}.log")
+    _start_workers(server, ("gpu-vllm", "gpu-train"))
     server.cli("work-queue", "pause", "default", "--pool", PREFIX + "gpu-vllm")
-    for pool in ("gpu-vllm", "gpu-train"):
-        _wait_for_worker(server, PREFIX + pool)
     overrides = {"run": "t32-timeout", "train": {"max_steps": 7}, "child_runs": {"start_timeout_s": 15}}
     run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"')
     message = run.state.message

@@ -225,7 +225,8 @@ def test_traces_longer_than_the_configured_model_length_are_refused_before_vllm_
 
 def test_the_capture_client_names_what_went_wrong_with_a_request_s_states(tmp_path):
     """Against a small HTTP server that answers completions (tests/misbehaving_server.py, no vLLM): the connector's
-    error file, states of other tokens, states that never arrive and a dead server each give one EngineError."""
+    error file, states of other tokens, rows in another layout, states that never arrive and a dead server each give
+    one EngineError."""
     from safetensors.torch import save_file
 
     from draftline.engines.launch import launch
@@ -246,6 +247,10 @@ def test_the_capture_client_names_what_went_wrong_with_a_request_s_states(tmp_pa
                        "token_ids": torch.tensor([9, 9])}, spool_path(str(spool), "k2"))
             with pytest.raises(EngineError, match="belong to other tokens"):
                 client.capture("k2", [1, 2])
+            save_file({"hidden_states": torch.zeros(2, 4, 8, dtype=torch.bfloat16),
+                       "token_ids": torch.tensor([1, 2])}, spool_path(str(spool), "k5"))
+            with pytest.raises(EngineError, match="not 'bf16' shard rows; the server runs another draftline's"):
+                client.capture("k5", [1, 2])
             with pytest.raises(EngineError, match="never reached") as info:
                 client.capture("k3", [1, 2])
             assert info.value.transient
