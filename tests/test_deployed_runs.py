@@ -145,7 +145,7 @@ def test_an_input_missing_on_a_stage_worker_fails_that_stage_naming_the_field(se
     overrides = {"run": "t32-inputs-there", "target": {"path": "/nonexistent/target"}}
     run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"')
     message = run.state.message
-    assert ("the generate-traces run t32-inputs-there-generate-traces ended Failed" in message
+    assert ("the generate-traces/generate-traces run t32-inputs-there-generate-traces ended Failed" in message
             and "the traces stage cannot start" in message
             and "point target.path at a transformers checkpoint directory" in message), message
     later = _read(server, lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(
