@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 from draftline.errors import ConfigError, report_failure
@@ -78,10 +77,14 @@ def _validate(args) -> int:
 def _run_stage(args) -> int:
     cfg = load_with_overrides(args.config, args.store, args.run)
     from draftline import stages
+    from draftline.progress import terminal_progress
 
-    result = stages.run_stage(args.command, cfg)
-    # `run` is the pipeline in a process of its own, which printed its own sentence; its exit code is ours.
-    return result.returncode if isinstance(result, subprocess.CompletedProcess) else 0
+    if args.command == "run":
+        # The pipeline in a process of its own, which prints through Prefect and its own sentence; its exit code is ours.
+        return stages.run_stage(args.command, cfg).returncode
+    with terminal_progress():
+        stages.run_stage(args.command, cfg)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,8 @@ class ConcurrencyPoint(BaseModel):
     # servers' repeats are not paired, so every pairing is one the measurements allow.
     speedup_min: float | None = None
     speedup_max: float | None = None
+    # Each EAGLE-3 repeat's own acceptance (the same requests again): the engine's run-to-run spread.
+    acceptance_runs: list[Acceptance] = []
 
     def throughput_range(self, side: Literal["baseline", "speculative"]) -> tuple[float, float]:
         """Min and max output tokens per second over the repeats (the median twice when only it was kept)."""
@@ -76,7 +78,8 @@ class ConcurrencyPoint(BaseModel):
 
     @classmethod
     def of_repeats(cls, baseline: list[tuple[RunMetrics, list]], speculative: list[tuple[RunMetrics, list]],
-                   acceptance: Acceptance | None, identical_outputs: float | None) -> "ConcurrencyPoint":
+                   acceptance: Acceptance | None, identical_outputs: float | None,
+                   acceptance_runs: list[Acceptance | None] = ()) -> "ConcurrencyPoint":
         """The point of `repeats` measured runs on each server, (metrics, request results) each."""
         base, spec = summarize_repeats(baseline), summarize_repeats(speculative)
 
@@ -89,7 +92,8 @@ class ConcurrencyPoint(BaseModel):
                    speedup=ratio(spec.output_tokens_per_s, base.output_tokens_per_s), acceptance=acceptance,
                    identical_outputs=identical_outputs, repeats=min(len(baseline), len(speculative)),
                    baseline_runs=[m for m, _ in baseline], speculative_runs=[m for m, _ in speculative],
-                   speedup_min=ratio(min(s_tps), max(b_tps)), speedup_max=ratio(max(s_tps), min(b_tps)))
+                   speedup_min=ratio(min(s_tps), max(b_tps)), speedup_max=ratio(max(s_tps), min(b_tps)),
+                   acceptance_runs=[a for a in acceptance_runs if a is not None])
 
 
 class EngineWarning(BaseModel):
@@ -360,6 +364,12 @@ def parity_power(reference: Any, points: list[ConcurrencyPoint], threshold: floa
                   if p.acceptance and p.acceptance.mean_acceptance_length is not None]
     if len(engine_acc) > 1 and ref_acc > 0:
         sources["engine across its concurrency points"] = (max(engine_acc) - min(engine_acc)) / ref_acc
+    # The same requests again at one point: how far the engine's acceptance moves from run to run by itself.
+    repeat_gaps = [max(a) - min(a) for p in points
+                   if len(a := [r.mean_acceptance_length for r in p.acceptance_runs
+                                if r.mean_acceptance_length is not None]) > 1]
+    if repeat_gaps and ref_acc > 0:
+        sources["engine across repeats of the same requests"] = max(repeat_gaps) / ref_acc
     noise = max(sources.values()) if sources else None
     upper = min(1.0 - noise, PARITY_THRESHOLD_CEILING) if noise is not None else PARITY_THRESHOLD_CEILING
     detectable = None if kept is None else kept < upper
@@ -463,12 +473,14 @@ def _served_name(target_dir: Path) -> str:
 
 class ServerRuns(NamedTuple):
     """One server's load runs, one (metrics, acceptance, request results) per concurrency, what its log said, and
-    per concurrency each measured repeat's (metrics, request results). The metrics of `runs` are the repeats'
-    medians (client.summarize_repeats), its request results those of every repeat, its acceptance over them all."""
+    per concurrency each measured repeat's (metrics, request results) and acceptance. The metrics of `runs` are the
+    repeats' medians (client.summarize_repeats), its request results those of every repeat, its acceptance over them
+    all."""
 
     runs: list[tuple[RunMetrics, Acceptance | None, list]]
     log_facts: dict[str, Any]
     repeats: list[list[tuple[RunMetrics, list]]] = []
+    repeat_acceptance: list[list[Acceptance | None]] = []
 
 
 def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None,
@@ -479,7 +491,7 @@ def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter
     served = _served_name(target_dir)
     spec = adapter.server_spec(cfg, target_dir, drafter_dir, served)
     requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature)
-    out, repeats = [], []
+    out, repeats, repeat_acceptance = [], [], []
     log_prefix = f"{prefix}/logs" if prefix else None
     with launch(spec, cfg, log_dir, store=store, log_key_prefix=log_prefix) as server:
         for c in cfg.concurrency:
@@ -488,15 +500,21 @@ def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter
             run_load(server.base_url, round_robin(prompts, c), c, requester)
             before = adapter.acceptance_before(server.base_url)
             requests = requests_for(prompts, c, cfg.requests_per_point)
-            runs = [run_load(server.base_url, requests, c, requester) for _ in range(cfg.repeats)]
+            runs, accepted = [], []
+            for _ in range(cfg.repeats):
+                start = adapter.acceptance_before(server.base_url)
+                runs.append(run_load(server.base_url, requests, c, requester))
+                accepted.append(adapter.acceptance_after(server.base_url, start, runs[-1][1],
+                                                         cfg.num_speculative_tokens))
             results = [r for _, rs in runs for r in rs]
             acceptance = adapter.acceptance_after(server.base_url, before, results, cfg.num_speculative_tokens)
             out.append((summarize_repeats(runs), acceptance, results))
             repeats.append(runs)
+            repeat_acceptance.append(accepted)
         if prefix:
             _put_json(store, f"{prefix}/responses/{spec.name}.json", adapter.snapshot(server.base_url, served))
     log_text = server.log_path.read_text(errors="replace") if server.log_path.is_file() else ""
-    return ServerRuns(out, adapter.log_facts(log_text), repeats)
+    return ServerRuns(out, adapter.log_facts(log_text), repeats, repeat_acceptance)
 
 
 def engine_warnings(server_log_facts: dict[str, dict[str, Any]]) -> list[EngineWarning]:
@@ -569,11 +587,11 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         _put_json(store, f"{prefix}/result.json", failed.model_dump(mode="json"))
         raise
     points = []
-    for (_, _, b_results), (_, acc, s_results), b_repeats, s_repeats in zip(base.runs, spec.runs, base.repeats,
-                                                                            spec.repeats):
+    for (_, _, b_results), (_, acc, s_results), b_repeats, s_repeats, s_accepted in zip(
+            base.runs, spec.runs, base.repeats, spec.repeats, spec.repeat_acceptance):
         points.append(ConcurrencyPoint.of_repeats(
             b_repeats, s_repeats, acc,
-            _identical_share(b_results, s_results) if eval_cfg.temperature == 0 else None))
+            _identical_share(b_results, s_results) if eval_cfg.temperature == 0 else None, s_accepted))
     result.points = points
     result.acceptance = combine_acceptance([p.acceptance for p in points])
     result.server_log_facts = {mode: facts for mode, facts in (("baseline", base.log_facts), ("eagle3", spec.log_facts))

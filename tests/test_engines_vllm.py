@@ -329,6 +329,10 @@ def test_baseline_and_eagle3_serve_the_same_prompts_at_each_concurrency(vllm_eva
         lo, hi = p.throughput_range("speculative")
         assert lo <= p.speculative.output_tokens_per_s <= hi
         assert p.speedup_min <= p.speedup <= p.speedup_max
+        # Each EAGLE-3 repeat's acceptance on its own (the run-to-run spread parity's threshold allows for): together
+        # they are the point's drafts.
+        assert len(p.acceptance_runs) == 2
+        assert sum(r.num_drafts for r in p.acceptance_runs) == p.acceptance.num_drafts
         assert 0 < p.baseline.ttft_p50_s <= p.baseline.ttft_p90_s and p.speculative.ttft_p90_s > 0
         # Greedy speculative decoding must not change what the target says (bf16 near-ties aside).
         assert p.identical_outputs >= 0.5

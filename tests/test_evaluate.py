@@ -103,6 +103,20 @@ def test_parity_threshold_spread_includes_the_engines_own_spread_across_concurre
     assert power.detectable is False and power.threshold == pytest.approx(0.5)  # bounded below
 
 
+def test_parity_threshold_spread_includes_the_engines_own_run_to_run_spread_on_the_same_requests(tmp_path):
+    result = _result(_drafter(tmp_path, "vllm"))
+    runs = [Acceptance(source="x", mean_acceptance_length=m, per_position=[m - 1, 0.0, 0.0], num_drafts=50)
+            for m in (2.0, 2.18)]
+    point = result.points[0].model_copy(update={"acceptance_runs": runs})
+    power = parity_power(_with_shifts([0.8, 0.7], bf16_kept=None), [point])
+    # Two repeats of the same requests accepted 1.0 and 1.18 tokens per step: 0.18 / 1.2 = 15% of the reference's.
+    assert power.noise_sources == {"engine across repeats of the same requests": pytest.approx(0.15)}
+    assert power.noise == pytest.approx(0.15) and "parity moves by up to 15%" in power.sentence
+    # With one repeat there is no run-to-run spread to measure.
+    alone = parity_power(_with_shifts([0.8, 0.7], bf16_kept=None), [point.model_copy(update={"acceptance_runs": runs[:1]})])
+    assert alone.noise_sources == {}
+
+
 def test_a_configured_parity_threshold_is_kept_and_nothing_measured_falls_back_to_the_default(tmp_path):
     points = _result(_drafter(tmp_path, "vllm")).points
     fixed = parity_power(_with_shifts([0.5, 0.6]), points, threshold=0.9)

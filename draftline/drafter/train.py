@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from draftline.config import DrafterConfig, TrainConfig
+from draftline.progress import progress_step
 from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_entries, hidden_shard_keys, pack_rows,
                                     rank_rows, read_shard_metadata, split_shards)
 from draftline.drafter.model import (LINEAGE_FILE, MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids,
@@ -392,7 +393,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                 eta = (cfg.max_steps - entry["step"]) * elapsed / max(1, entry["step"] - (resumed_from or 0))
                 log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s, ETA %s", entry["step"], cfg.max_steps,
                          entry["loss"], entry["accuracy"][0], entry["lr"], p["tokens_seen"] / elapsed,
-                         _duration(eta))
+                         _duration(eta), extra=progress_step("training", entry["step"], cfg.max_steps))
 
     ttt.train()
     try:
