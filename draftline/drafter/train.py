@@ -21,17 +21,20 @@ import torch.distributed as dist
 from torch import nn
 
 from draftline.config import DrafterConfig, TrainConfig
-from draftline.progress import progress_step
 from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_entries, hidden_shard_keys, pack_rows,
-                                    rank_rows, read_shard_metadata, split_shards)
+                                    rank_rows, read_shard_metadata, read_shard_tensors, shard_sequences, split_shards)
+from draftline.drafter.replay import replayed_acceptance
 from draftline.drafter.model import (LINEAGE_FILE, MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids,
                                      config_for_target, target_rope_theta)
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan  # noqa: F401  (acceptance_length is re-exported)
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.errors import ConfigError
+from draftline.progress import progress_step
 from draftline.target import resolve_device
 
 log = logging.getLogger("draftline.drafter.train")
+# Validation sequences the final decode-schedule replay covers: enough for a stable mean, seconds on a CPU.
+REPLAY_SEQUENCES = 128
 
 STAGE = "train"
 
@@ -360,6 +363,23 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                 "per_step_loss": per_step_loss, "accuracy": acc, "acceptance_length": acceptance_length(acc),
                 "tokens": int(sums[3][0])}
 
+    def replay_validation() -> dict:
+        """The decode-schedule estimate (draftline.drafter.replay) over the first REPLAY_SEQUENCES validation
+        sequences: what the reference decoder will measure, where the per-step accuracies overstate it."""
+        sequences: list = []
+        for key in val_keys:
+            sequences += shard_sequences(read_shard_tensors(store, key, expect=entries.get(key)), cfg.max_seq_len)
+            if len(sequences) >= REPLAY_SEQUENCES:
+                break
+        # Eager attention: one sequence per forward, each of its own length, which compiled attention would recompile for.
+        replay = TTTModel(ttt.drafter, ttt.target_lm_head, cfg.ttt_steps, cfg.logits_chunk_tokens, "eager",
+                          compute_dtype).eval()
+        try:
+            with autocast:
+                return replayed_acceptance(replay, sequences[:REPLAY_SEQUENCES], device)
+        finally:
+            ttt.train()
+
     def checkpoint() -> None:
         if d.main:
             buf = io.BytesIO()
@@ -421,10 +441,14 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                 record_pending()  # the log in step order, and a checkpoint holds the history up to its step
             if validating:
                 v = validate()
+                if d.main and step == cfg.max_steps:
+                    v["replayed"] = replay_validation()
                 history["val"].append(v)
                 if d.main:
-                    log.info("validation at step %d: loss %.4f accuracy %s acceptance length %.3f", step, v["loss"],
-                             [round(a, 3) for a in v["accuracy"]], v["acceptance_length"])
+                    log.info("validation at step %d: loss %.4f accuracy %s acceptance length %.3f%s", step, v["loss"],
+                             [round(a, 3) for a in v["accuracy"]], v["acceptance_length"],
+                             f", replayed as decoding drafts {v['replayed']['acceptance_length']:.3f}"
+                             if v.get("replayed", {}).get("acceptance_length") else "")
             if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
                 checkpoint()
     finally:

@@ -1,0 +1,62 @@
+"""The offline acceptance estimate that predicts decoding: the reference decoder's draft schedule replayed on
+held-out traces with the training unroll.
+
+Validation's per-step accuracies count a draft at every answer position and multiply the steps as if their hits were
+independent. Decoding drafts only where the previous round ended (after its accepted tokens and the target's own) and
+accepts a draft's leading hits. On the CPU demo the first reads 2.094, the reference decoder 1.983 and this replay
+1.955 (benchmarks/log/2026-12-02-estimate-gap.md: the independence assumption and the draft positions move the
+estimate by x1.10 and x0.85). The traces are the target's greedy answers, so replaying them teacher-forced is the
+decode the reference decoder runs, without the target in the loop.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from draftline.drafter.data import Sequence
+from draftline.drafter.ttt import loss_plan, target_distribution
+
+
+def replay_sequence(ttt, seq: Sequence, device: torch.device) -> tuple[list[int], int]:
+    """(accepted draft tokens per round, rounds) of decoding `seq`'s answer with the drafter, k = ttt.steps."""
+    m, k, t = ttt.drafter, ttt.steps, len(seq)
+    ids, mask = seq.input_ids[None].to(device), seq.loss_mask[None]
+    doc, pos = torch.zeros_like(ids), torch.arange(t, device=device)[None]
+    _, _, target_next = target_distribution(seq.last.to(device), ttt.target_lm_head, m.draft_token_ids, m.t2d,
+                                            ttt.chunk, ttt.compute_dtype)
+    plan = loss_plan(mask, torch.zeros_like(mask, dtype=torch.long), k)
+    lossable = torch.zeros(k, t, dtype=torch.bool)
+    hit = torch.zeros(k, t, dtype=torch.bool)
+    for j, hidden in enumerate(ttt.unroll(ids, doc, pos, seq.aux[None].to(device))):
+        lossable[j, plan.slots[j].cpu()] = True
+        # Slot s at step j predicts token s+2+j from the target's distribution at s+1+j.
+        src = torch.arange(t) + 1 + j
+        ok = src < t
+        preds = m.draft_to_target(m.lm_head(m.norm(hidden))[0].argmax(-1)).cpu()
+        hit[j, ok] = preds[ok] == target_next.cpu()[src[ok]]
+    hit &= lossable
+    answer = int(mask[0].nonzero()[0]) if bool(mask.any()) else t
+    # The prefill gives the answer's first token (index `answer`); the first draft reads it at slot answer - 1.
+    accepted, slot = [], answer - 1
+    while 0 <= slot and slot + 2 < t and bool(lossable[0, slot]):
+        n = 0
+        while n < k and bool(lossable[n, slot]) and bool(hit[n, slot]):
+            n += 1
+        accepted.append(n)
+        slot += n + 1  # n drafts accepted plus the target's own token
+    return accepted, len(accepted)
+
+
+def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device) -> dict:
+    """Mean acceptance length (1 + accepted draft tokens per round) and per-position acceptance over the rounds
+    of replaying every sequence's answer, the reference decoder's figures' definitions."""
+    counts = []
+    with torch.no_grad():
+        for seq in sequences:
+            counts += replay_sequence(ttt, seq, device)[0]
+    k = ttt.steps
+    rounds = len(counts)
+    per_position = [sum(n > j for n in counts) / rounds if rounds else 0.0 for j in range(k)]
+    return {"acceptance_length": 1.0 + sum(counts) / rounds if rounds else None, "per_position": per_position,
+            "rounds": rounds}
