@@ -166,8 +166,8 @@ class SpoolClient:
         expected = list(STATE_NAMES) + ([n + SCALE_SUFFIX for n in STATE_NAMES] if self.storage == FP8_E4M3 else [])
         if meta.get("storage") != self.storage or any(n not in data for n in expected):
             raise EngineError(f"vLLM's capture connector spooled {sorted(data)} in storage {meta.get('storage')!r} for "
-                              f"request {key}, not {self.storage!r} shard rows; the server runs another draftline's "
-                              "connector (kv_connector_module_path draftline.engines.vllm_capture)")
+                              f"request {key}, not {self.storage!r} shard rows; the server runs a connector other "
+                              "than this draftline's (kv_connector_module_path draftline.engines.vllm_capture)")
         return {n: data[n] for n in expected}
 
 

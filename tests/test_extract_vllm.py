@@ -249,7 +249,7 @@ def test_the_capture_client_names_what_went_wrong_with_a_request_s_states(tmp_pa
                 client.capture("k2", [1, 2])
             save_file({"hidden_states": torch.zeros(2, 4, 8, dtype=torch.bfloat16),
                        "token_ids": torch.tensor([1, 2])}, spool_path(str(spool), "k5"))
-            with pytest.raises(EngineError, match="not 'bf16' shard rows; the server runs another draftline's"):
+            with pytest.raises(EngineError, match="not 'bf16' shard rows; the server runs a connector other than"):
                 client.capture("k5", [1, 2])
             with pytest.raises(EngineError, match="never reached") as info:
                 client.capture("k3", [1, 2])

@@ -8,8 +8,8 @@ from `kv_connector_extra_config.final_norm_file`), both quantized when the reque
 copies those to host memory and writes `<spool_dir>/<draftline_key>.safetensors` (the shard's tensor names,
 `token_ids`, and the storage in the metadata), renamed into place only when complete. The request names its key and
 storage in `kv_transfer_params`; requests without a key are ignored. Only tensor-parallel rank 0 writes: every rank
-holds the same full hidden states. Doing the norm and the quantization here keeps the host's work per token to one
-copy into the spool and one read back by the shard writer, which is what bounds extraction on a fast GPU.
+holds the same full hidden states. With the norm and the quantization done here, the host's work per token is one
+copy into the spool and one read by the shard writer.
 
 This module runs inside vLLM's processes and is imported only there (it needs vllm).
 """
@@ -215,7 +215,7 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 copied = torch.cuda.Event()
                 copied.record(stream)
         else:
-            host, copied = {name: t.clone() for name, t in rows.items()}, None
+            host, copied = dict(rows), None  # gathered by index: new tensors, never views of vLLM's cache
         self._copies[save.req_id] = copied
         host["token_ids"] = torch.tensor(save.token_ids, dtype=torch.int64)
         self._writes.append(self._writers.submit(_write, save.path, host, save.storage, copied))
