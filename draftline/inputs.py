@@ -37,12 +37,17 @@ def _target(config: PipelineConfig) -> str:
     cfg = read_target_config(root)  # config.json, model_type; text_config for wrappers such as Kimi-K2.5
     if not _weight_files(root):
         raise ConfigError(f"target.path {root} has no weights (*.safetensors); point it at a full checkpoint")
-    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ConfigError(f"target.path {root} has no tokenizer files; copy the model's tokenizer there")
     layers = num_layers(cfg)
     ids = validate_aux_layer_ids(config.extract.aux_layer_ids, layers)
     arch = (cfg.get("architectures") or ["?"])[0]
     return f"target.path {root}: {arch}, {layers} layers, aux layers {ids} (vLLM convention)"
+
+
+def _tokenizer(config: PipelineConfig) -> str:
+    root = Path(config.target.path)
+    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConfigError(f"target.path {root} has no tokenizer files; copy the model's tokenizer there")
+    return f"target.path {root}: a tokenizer"
 
 
 def _prompts(field_name: str, path: str) -> str:
@@ -90,13 +95,14 @@ def _store(root: str) -> str:
     return f"store.root {root}: reachable" if root.startswith("s3://") else f"store.root {root}: a local folder"
 
 
-# What each stage reads of the config's inputs on its own worker (a deployed stage checks these before its work).
+# What each stage reads of the config's inputs on its own worker (a deployed stage checks these before its work):
+# the stages that turn prompts into tokens need the target's tokenizer, the others its config and weights only.
 STAGE_INPUTS = {
-    "traces": ("target.path", "traces.prompts", "store.root"),
+    "traces": ("target.path", "target.tokenizer", "traces.prompts", "store.root"),
     "extraction": ("target.path", "store.root"),
     "training": ("target.path", "train.warm_start", "store.root"),
-    "reference": ("target.path", "eval.prompts", "store.root"),
-    "evaluation": ("target.path", "eval.prompts", "store.root"),
+    "reference": ("target.path", "target.tokenizer", "eval.prompts", "store.root"),
+    "evaluation": ("target.path", "target.tokenizer", "eval.prompts", "store.root"),
 }
 
 
@@ -119,6 +125,8 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
             report.unchecked.append(f"{name} {path} is not on this machine (the stage's worker must have it)")
             continue
         _check(report, name, check)
+    if wanted("target.tokenizer") and Path(config.target.path).is_dir():
+        _check(report, "target.tokenizer", lambda: _tokenizer(config))
     if wanted("eval.engines") and here and Path(config.target.path, "config.json").is_file():
         _check(report, "eval.engines", lambda: _cpu_kernels(config))
     root = config.store.root

@@ -302,3 +302,17 @@ def test_each_stage_checks_only_the_inputs_it_reads_and_names_every_wrong_one():
     with pytest.raises(ConfigError) as info:
         require_inputs(config, "run demo")
     assert "traces.prompts" in str(info.value) and "eval.prompts" in str(info.value)
+
+
+def test_training_and_extraction_need_no_tokenizer_but_the_stages_that_tokenize_do(tmp_path):
+    from draftline.inputs import STAGE_INPUTS, require_inputs
+    from tests.fixtures.drafter import build_tiny_target
+
+    build_tiny_target(tmp_path / "target")  # config and weights, no tokenizer files
+    config = load_config(ROOT / "configs/demo.yaml", PipelineConfig, {"target": {"path": str(tmp_path / "target")},
+                                                                      "extract": {"aux_layer_ids": [1, 3, 5]}})
+    for stage in ("extraction", "training"):
+        require_inputs(config, f"the {stage} stage", needs=STAGE_INPUTS[stage])
+    for stage in ("traces", "reference", "evaluation"):
+        with pytest.raises(ConfigError, match="has no tokenizer files; copy the model's tokenizer there"):
+            require_inputs(config, f"the {stage} stage", needs=STAGE_INPUTS[stage])
