@@ -61,11 +61,11 @@ def same_as_demo_shards(store, run: str, demo_store) -> bool | None:
     return True
 
 
-def run_storage(base, storage: str, root: Path, traces: Path) -> dict:
+def run_storage(base, storage: str, root: Path, traces: Path, engines: bool = True) -> dict:
     run = f"storage-{storage}"
     if not (root / run / "traces" / "manifest.json").is_file():
         shutil.copytree(traces, root / run / "traces", dirs_exist_ok=True)
-    vllm = [e for e in base.eval.engines if e.engine == "vllm"]
+    vllm = [e for e in base.eval.engines if e.engine == "vllm"] if engines else []
     config = base.model_copy(update={
         "run": run,
         "store": base.store.model_copy(update={"root": str(root)}),
@@ -86,22 +86,24 @@ def run_storage(base, storage: str, root: Path, traces: Path) -> dict:
     extraction = timed("extract", lambda: stages.extract(config, store))
     training = timed("train", lambda: stages.train(config, store))
     exports = timed("export", lambda: stages.export(config, store))
-    keys = timed("vllm", lambda: [stages.evaluate_engine(config, e, exports, store) for e in vllm])
+    keys = timed("vllm", lambda: [stages.evaluate_engine(config, e, exports, store) for e in vllm]) if vllm else []
     ref_key = timed("reference", lambda: stages.reference(config, exports, store))
-    timed("report", lambda: stages.report(config, store, keys, ref_key))
+    if keys:
+        timed("report", lambda: stages.report(config, store, keys, ref_key))
     ref = json.loads(store.get_bytes(ref_key))
-    engine = EvalResult.model_validate_json(store.get_bytes(keys[0]))
+    engine = EvalResult.model_validate_json(store.get_bytes(keys[0])) if keys else None
     other = ref.get("other_precision_acceptance") or {}
     return {
         "run": run, "seconds": times, "shards": stored_bytes_per_token(store, run),
         "extract_tokens_per_s": extraction.get("tokens_per_s"),
         "train_steps": training["steps"], "weights_digest": training.get("weights_digest"),
-        "final_val": {k: (training.get("final_val") or {}).get(k) for k in ("loss", "accuracy", "acceptance_length")},
+        "final_val": {k: (training.get("final_val") or {}).get(k)
+                      for k in ("loss", "accuracy", "acceptance_length", "replayed")},
         "reference": {"mean_acceptance_length": ref["mean_acceptance_length"],
                       "per_position_acceptance": ref["per_position_acceptance"], "num_drafts": ref["num_drafts"],
                       "other_precision": {k: other.get(k) for k in ("dtype", "mean_acceptance_length", "kept_share")}
                       if other else None},
-        "vllm": {"engine_version": engine.engine_version, "status": engine.status,
+        "vllm": None if engine is None else {"engine_version": engine.engine_version, "status": engine.status,
                  "mean_acceptance_length": engine.acceptance.mean_acceptance_length if engine.acceptance else None,
                  "per_position_acceptance": engine.acceptance.per_position if engine.acceptance else None,
                  "by_concurrency": {str(p.concurrency): p.acceptance.mean_acceptance_length
@@ -119,6 +121,7 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="inflate the demo target to this shape (draftline.demo.inflate) "
                     "and use it as the config's target")
     ap.add_argument("--traces", default=str(REPO / "runs" / "demo" / "traces"), help="the traces both runs share")
+    ap.add_argument("--no-engines", action="store_true", help="the reference decoder only (no vLLM installed)")
     args = ap.parse_args()
     base = load_config(args.config)
     root = Path(args.store).resolve()
@@ -135,7 +138,7 @@ def main() -> None:
         sys.exit(f"{traces} has no manifest.json: run `make demo` first")
     os.chdir(REPO)  # the demo config's paths are relative to the repository root
     storages = [s for s in args.storages.split(",") if s]
-    runs = {s: run_storage(base, s, root, traces) for s in storages}
+    runs = {s: run_storage(base, s, root, traces, engines=not args.no_engines) for s in storages}
     demo_store = open_store(str(REPO / "runs"))
     if "bf16" in runs and not args.shape:
         runs["bf16"]["reads_equal_to_demo_shards"] = same_as_demo_shards(open_store(str(root)), "storage-bf16",
@@ -154,6 +157,8 @@ def main() -> None:
                 continue
             r["bytes_per_token_vs_bf16"] = r["shards"]["bytes_per_token"] / b["shards"]["bytes_per_token"]
             for where in ("reference", "vllm"):
+                if r[where] is None or b[where] is None:
+                    continue
                 x, y = r[where]["mean_acceptance_length"], b[where]["mean_acceptance_length"]
                 r[f"{where}_acceptance_vs_bf16"] = x / y if x and y else None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +166,8 @@ def main() -> None:
     print(f"{'storage':<10} {'B/token':>8} {'reference tau':>14} {'vLLM tau':>9} {'parity':>7}")
     for s, r in runs.items():
         print(f"{s:<10} {r['shards']['bytes_per_token']:>8.0f} {r['reference']['mean_acceptance_length']:>14.3f} "
-              f"{r['vllm']['mean_acceptance_length'] or float('nan'):>9.3f} {r['vllm']['parity'] or float('nan'):>7.3f}")
+              f"{(r['vllm'] or {}).get('mean_acceptance_length') or float('nan'):>9.3f} "
+              f"{(r['vllm'] or {}).get('parity') or float('nan'):>7.3f}")
     print(f"wrote {args.out}")
 
 
