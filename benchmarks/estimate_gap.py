@@ -197,8 +197,10 @@ def offline_validation(base, demo_root: Path, chosen: list[dict], max_new_tokens
 
     from draftline.drafter.data import read_shard_tensors
     from draftline.drafter.model import Eagle3Drafter
+    from draftline.drafter.data import Sequence
+    from draftline.drafter.replay import decode_rounds, draft_hits
     from draftline.drafter.train import load_target_head
-    from draftline.drafter.ttt import TTTModel, loss_plan, target_distribution
+    from draftline.drafter.ttt import TTTModel
 
     k, cfg = base.train.ttt_steps, base.train
     target_cfg, embed, head = load_target_head(base.target.path)
@@ -209,9 +211,9 @@ def offline_validation(base, demo_root: Path, chosen: list[dict], max_new_tokens
     _, val_keys = split_shards(keys, cfg.val_fraction)
     chosen_ids = {t["id"] for t in chosen}
     store = open_store(str(demo_root))
-    sets = {"all validation traces": lambda tid, a, p: True,
-            f"chosen 32, first {max_new_tokens} answer tokens": lambda tid, a, p: tid in chosen_ids
-            and p < a + max_new_tokens}
+    # name -> (which traces, how many answer tokens of each: None for all)
+    sets = {"all validation traces": (lambda tid: True, None),
+            f"chosen 32, first {max_new_tokens} answer tokens": (lambda tid: tid in chosen_ids, max_new_tokens)}
     sums = {name: {"hits": [0] * k, "lossable": [0] * k, "chain_slots": 0, "chain_hits": [0] * k, "chain_len": 0,
                    "walk_rounds": 0, "walk_len": 0, "walk_acc": [0] * k} for name in sets}
     from safetensors import safe_open
@@ -227,29 +229,16 @@ def offline_validation(base, demo_root: Path, chosen: list[dict], max_new_tokens
                 t = b0 - a0
                 if t < 2:
                     continue
-                ids = x["input_ids"][a0:b0].long()[None]
-                mask = x["loss_mask"][a0:b0].bool()[None]
-                doc = torch.zeros_like(ids)
-                pos = torch.arange(t)[None]
-                last = x["last_hidden_states"][a0:b0]
-                _, _, target_argmax = target_distribution(last, head, model.draft_token_ids, model.t2d,
-                                                          cfg.logits_chunk_tokens, torch.float32)
-                plan = loss_plan(mask, doc, k)
-                lossable = torch.zeros(k, t, dtype=torch.bool)
-                hit = torch.zeros(k, t, dtype=torch.bool)
-                for j, hidden in enumerate(ttt.unroll(ids, doc, pos, x["aux_hidden_states"][a0:b0][None])):
-                    lossable[j, plan.slots[j]] = True
-                    preds = model.lm_head(model.norm(hidden))[0].argmax(-1)
-                    src = torch.arange(t) + 1 + j
-                    ok = src < t
-                    hit[j, ok] = model.draft_to_target(preds[ok]) == target_argmax[src[ok]]
-                hit &= lossable
-                answer = int(mask[0].nonzero()[0]) if mask.any() else t
+                seq = Sequence(x["input_ids"][a0:b0].long(), x["loss_mask"][a0:b0].bool(),
+                               x["aux_hidden_states"][a0:b0], x["last_hidden_states"][a0:b0])
+                hit, lossable, answer = draft_hits(ttt, seq, torch.device("cpu"))
                 lead = torch.cumprod(hit.int(), dim=0).sum(0)  # leading hits per slot [t]
-                for name, keep in sets.items():
+                for name, (included, limit) in sets.items():
+                    if not included(tid):
+                        continue
                     s = sums[name]
                     for slot in range(t):
-                        if not keep(tid, answer, slot + 2):  # the token step 0 of this slot predicts
+                        if limit is not None and slot + 2 >= answer + limit:  # the token step 0 of this slot predicts
                             continue
                         for j in range(k):
                             if lossable[j, slot]:
@@ -260,19 +249,11 @@ def offline_validation(base, demo_root: Path, chosen: list[dict], max_new_tokens
                             s["chain_len"] += 1 + int(lead[slot])
                             for j in range(k):
                                 s["chain_hits"][j] += int(lead[slot] > j)
-                    # walk: the prefill gives answer token 0 (index `answer`); the first draft's slot predicts
-                    # answer + 1 from slot answer - 1.
-                    slot = answer - 1
-                    while slot >= 0 and slot + 2 < t and lossable[0, slot] and keep(tid, answer, slot + 2):
-                        n = 0
-                        while n < k and lossable[n, slot] and hit[n, slot]:
-                            n += 1
-                        s = sums[name]
+                    for n in decode_rounds(hit, lossable, answer, limit):  # walk: the decoder's own schedule
                         s["walk_rounds"] += 1
                         s["walk_len"] += 1 + n
                         for j in range(n):
                             s["walk_acc"][j] += 1
-                        slot += n + 1
     rows = {}
     for name, s in sums.items():
         acc = [h / max(1, n) for h, n in zip(s["hits"], s["lossable"])]

@@ -18,13 +18,16 @@ from draftline.drafter.data import Sequence
 from draftline.drafter.ttt import loss_plan, target_distribution
 
 
-def replay_sequence(ttt, seq: Sequence, device: torch.device) -> tuple[list[int], int]:
-    """(accepted draft tokens per round, rounds) of decoding `seq`'s answer with the drafter, k = ttt.steps."""
+def draft_hits(ttt, seq: Sequence, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The training unroll over `seq`: (hit [k, t], lossable [k, t], answer). Slot s at step j predicts token s+2+j;
+    hit when that is the target's own next token and the slot is in the loss; `answer` indexes the answer's first
+    token."""
     m, k, t = ttt.drafter, ttt.steps, len(seq)
     ids, mask = seq.input_ids[None].to(device), seq.loss_mask[None]
     doc, pos = torch.zeros_like(ids), torch.arange(t, device=device)[None]
     _, _, target_next = target_distribution(seq.last.to(device), ttt.target_lm_head, m.draft_token_ids, m.t2d,
                                             ttt.chunk, ttt.compute_dtype)
+    target_next = target_next.cpu()
     plan = loss_plan(mask, torch.zeros_like(mask, dtype=torch.long), k)
     lossable = torch.zeros(k, t, dtype=torch.bool)
     hit = torch.zeros(k, t, dtype=torch.bool)
@@ -34,18 +37,25 @@ def replay_sequence(ttt, seq: Sequence, device: torch.device) -> tuple[list[int]
         src = torch.arange(t) + 1 + j
         ok = src < t
         preds = m.draft_to_target(m.lm_head(m.norm(hidden))[0].argmax(-1)).cpu()
-        hit[j, ok] = preds[ok] == target_next.cpu()[src[ok]]
-    hit &= lossable
+        hit[j, ok] = preds[ok] == target_next[src[ok]]
     answer = int(mask[0].nonzero()[0]) if bool(mask.any()) else t
-    # The prefill gives the answer's first token (index `answer`); the first draft reads it at slot answer - 1.
+    return hit & lossable, lossable, answer
+
+
+def decode_rounds(hit: torch.Tensor, lossable: torch.Tensor, answer: int, limit: int | None = None) -> list[int]:
+    """Accepted draft tokens per round when decoding drafts as the reference decoder does: the prefill gives the
+    answer's first token, the first draft reads it at slot answer - 1, and each round accepts its leading hits plus
+    the target's own token; up to `limit` answer tokens (all of them when None)."""
+    k, t = hit.shape
+    end = t if limit is None else min(t, answer + limit)
     accepted, slot = [], answer - 1
-    while 0 <= slot and slot + 2 < t and bool(lossable[0, slot]):
+    while 0 <= slot and slot + 2 < end and bool(lossable[0, slot]):
         n = 0
         while n < k and bool(lossable[n, slot]) and bool(hit[n, slot]):
             n += 1
         accepted.append(n)
         slot += n + 1  # n drafts accepted plus the target's own token
-    return accepted, len(accepted)
+    return accepted
 
 
 def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device) -> dict:
@@ -54,7 +64,7 @@ def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device
     counts = []
     with torch.no_grad():
         for seq in sequences:
-            counts += replay_sequence(ttt, seq, device)[0]
+            counts += decode_rounds(*draft_hits(ttt, seq, device))
     k = ttt.steps
     rounds = len(counts)
     per_position = [sum(n > j for n in counts) / rounds if rounds else 0.0 for j in range(k)]
