@@ -549,6 +549,8 @@ def main() -> None:
     ap.add_argument("--target-shape", choices=["1b", "8b"], default="1b", help="--backend vllm: the inflated demo shape")
     ap.add_argument("--sequences", type=int, default=None, help="--backend vllm: traces (128; --cpu: 24)")
     ap.add_argument("--requests-in-flight", type=int, default=64, help="--backend vllm: extract.requests_in_flight")
+    ap.add_argument("--warmup-sequences", type=int, default=64,
+                    help="--backend vllm: untagged requests served before the timed passes (not timed)")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="--backend vllm: one vLLM flag or value (repeat), e.g. --server-arg=--enforce-eager")
     args = ap.parse_args()

@@ -9,6 +9,8 @@ local store with the same fsync'd shard writes (extract.writer_threads writers):
   transformers_full_extraction_tokens_per_s = tokens / the transformers stage's time (its model load excluded)
   full_extraction_tokens_per_s              = tokens / the vLLM stage's capture time (first request to last shard
                                               written; the engine start is reported apart)
+  (vLLM serves --warmup-sequences untagged requests of other random traces first, so that neither timed pass
+  includes the server's first-request costs; the transformers backend likewise gets a one-shard warm-up)
   engine_alone_tokens_per_s                 = as many requests of other random traces (none the prefix cache
                                               holds) to the same vLLM server without a spool key: vLLM's prefill
                                               with the capture layer, no host copy, no writes
@@ -112,6 +114,7 @@ def bench_vllm(args) -> dict:
         # (their states included) without running the target, which measures the cache instead of the engine.
         passes = {layout: random_sequences(n_seq, seq_len, vocab, seed=k + 1) for k, layout in enumerate(layouts)}
         alone_sequences = random_sequences(n_seq, seq_len, vocab, seed=len(layouts) + 1)
+        warmup_sequences = random_sequences(args.warmup_sequences, seq_len, vocab, seed=len(layouts) + 2)
         tokens = n_seq * seq_len
         disk = disk_bandwidth(work, (64 << 20) if cpu else args.disk_probe_bytes, early_flush=True)
         shape = dict(batch_tokens=(1024 if cpu else 16384), tokens_per_shard=per_shard * seq_len,
@@ -140,8 +143,15 @@ def bench_vllm(args) -> dict:
         spool = Path(tempfile.mkdtemp(prefix="spool-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         spec = capture_server_spec(settings, target, aux + [L], spool, seq_len + 1, write_final_norm(target, spool))
         t = time.perf_counter()
+        body = lambda seq: {"model": "target", "prompt": seq, "max_tokens": 1, "temperature": 0.0}  # noqa: E731
         with launch(spec, settings, work / "logs") as server:
             start_s = time.perf_counter() - t
+            client = SpoolClient(server.base_url, spool, workers=args.requests_in_flight)
+            try:
+                list(client.pool.map(lambda seq: client.http.post(f"{server.base_url}/v1/completions",
+                                                                  json=body(seq)).raise_for_status(), warmup_sequences))
+            finally:
+                client.close()
             for layout in layouts:
                 write_random_traces(vstore, layout, passes[layout], per_shard)
                 cfg = ExtractConfig(backend="vllm", requests_in_flight=args.requests_in_flight, storage=layout, **shape)
@@ -159,7 +169,6 @@ def bench_vllm(args) -> dict:
             client = SpoolClient(server.base_url, spool, workers=args.requests_in_flight)
             try:
                 t = time.perf_counter()
-                body = lambda seq: {"model": "target", "prompt": seq, "max_tokens": 1, "temperature": 0.0}  # noqa: E731
                 list(client.pool.map(lambda seq: client.http.post(f"{server.base_url}/v1/completions",
                                                                   json=body(seq)).raise_for_status(), alone_sequences))
                 alone_tps = tokens / (time.perf_counter() - t)
@@ -184,7 +193,7 @@ def bench_vllm(args) -> dict:
         "target": f"demo Llama inflated to the {args.target_shape} shape" if not cpu else "demo Llama (CPU smoke)",
         "layers": L, "hidden": H, "aux_layer_ids": aux, "sequences": n_seq, "seq_len": seq_len, "tokens": tokens,
         "tokens_per_shard": per_shard * seq_len, "writer_threads": args.writer_threads,
-        "requests_in_flight": args.requests_in_flight, "server_args": list(args.server_arg),
+        "requests_in_flight": args.requests_in_flight, "warmup_sequences": args.warmup_sequences, "server_args": list(args.server_arg),
         "target_build_s": build_s, "engine_start_s": start_s, "disk_fsync_write_gb_per_s": disk / 1e9,
         "engine_alone_tokens_per_s": alone_tps, "primary_layout": primary, **figures[primary], "layouts": figures,
         "goals": {"fraction_of_binding_ceiling": 0.8, "vllm_over_transformers": 1.0},

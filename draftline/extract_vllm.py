@@ -9,6 +9,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,12 +281,13 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
 
 
 def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sha, say) -> None:
-    """Requests of the next shard run in the server while earlier shards are assembled and written by
+    """Requests of the coming shards run in the server while earlier shards are assembled and written by
     extract.writer_threads writers (several fsync'd files at once keep the disk busier than one)."""
 
     def submit(i):
         plan, traces = jobs[i]
-        return [client.submit(f"s{plan.index:05d}-{j:06d}", t["input_ids"]) for j, t in enumerate(traces)]
+        return [client.submit(f"s{plan.index:05d}-{j:06d}", t["input_ids"]) for j, t in enumerate(traces)], \
+            time.perf_counter()
 
     def write(plan, traces, states, t0):
         lengths = [len(t["input_ids"]) for t in traces]
@@ -293,22 +295,28 @@ def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sh
         write_hidden_shard(store, run, plan, shard_spec(source, plan, trace_sha), source, traces,
                            assemble_shard(states, order, source.storage))
         say(f"hidden-state shard {plan.index} written: {plan.tokens} tokens, {plan.sequences} sequences "
-            f"({time.perf_counter() - t0:.1f} s from its first request)")
+            f"({time.perf_counter() - t0:.1f} s after its requests were queued)")
 
+    # Submitted shards beyond the one being collected: enough that a full window of requests_in_flight is still
+    # queued when a shard completes, so the engine's batch never drains between shards. Each submitted shard's
+    # rows wait in the spool until written, which bounds the lookahead.
+    per_shard = max(1, min(len(traces) for _, traces in jobs)) if jobs else 1
+    lookahead = max(1, -(-cfg.requests_in_flight // per_shard))
     writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="draftline-shard-writer")
     writes: list[Future] = []
     try:
-        futures, started = submit(0), time.perf_counter()
+        submitted = deque(submit(i) for i in range(min(len(jobs), 1 + lookahead)))
         for i, (plan, traces) in enumerate(jobs):
-            upcoming = submit(i + 1) if i + 1 < len(jobs) else None
+            futures, started = submitted.popleft()
             states = [f.result() for f in futures]
+            if i + 1 + lookahead < len(jobs):
+                submitted.append(submit(i + 1 + lookahead))
             while sum(not w.done() for w in writes) >= cfg.writer_threads:
                 wait([w for w in writes if not w.done()], return_when=FIRST_COMPLETED)
             for w in writes:
                 if w.done() and w.exception() is not None:
                     raise w.exception()
             writes.append(writers.submit(write, plan, traces, states, started))
-            futures, started = upcoming, time.perf_counter()
         for w in writes:
             w.result()
     finally:
