@@ -319,11 +319,20 @@ class RegressionConfig(Strict):
     max_acceptance_drop: float = Field(0.10, ge=0.0, le=1.0)
     max_speedup_drop: float = Field(0.15, ge=0.0, le=1.0)
     max_throughput_drop: float = Field(0.20, ge=0.0, le=1.0)
-    parity_floor: float = Field(0.8, ge=0.0, le=1.0)
+    # "auto": the parity threshold tonight's evaluation set for its target (measured where eval.parity_threshold is
+    # "auto"), else 0.8; a number: that floor for every night.
+    parity_floor: float | Literal["auto"] = "auto"
     # The engine's mean acceptance length over the training's offline estimate for the same drafter and k: a fall of
     # this ratio is a drafter whose validation no longer predicts what the engine accepts, even when acceptance held.
     max_estimate_gap_drop: float = Field(0.10, ge=0.0, le=1.0)
     median_window: int = Field(7, ge=1)
+
+    @field_validator("parity_floor")
+    @classmethod
+    def _floor_in_range(cls, value):
+        if value != "auto" and not 0.0 <= value <= 1.0:
+            raise ValueError(f"parity_floor={value} must be \"auto\" or a number in [0, 1], e.g. 0.8")
+        return value
 
 
 class ChildRunsConfig(Strict):

@@ -68,6 +68,10 @@ class Figures(BaseModel):
     acceptance_length: float | None = None
     reference_acceptance_length: float | None = None
     parity: float | None = None
+    # The threshold the evaluation held parity to, and where it came from ("measured" for this target, "config",
+    # "default"); None in records older than it.
+    parity_threshold: float | None = None
+    parity_threshold_source: str | None = None
     # The training's offline estimate of mean acceptance length for this drafter at this k, and the engine's measured
     # mean acceptance length over it; None where the training record is unknown (and in records older than both).
     offline_acceptance_length: float | None = None
@@ -125,6 +129,8 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
         acceptance_length=measured,
         reference_acceptance_length=parity.reference_mean_acceptance_length if parity else None,
         parity=parity.value if parity else None,
+        parity_threshold=parity.threshold if parity else None,
+        parity_threshold_source=parity.power.threshold_source if parity and parity.power else None,
         offline_acceptance_length=offline,
         acceptance_over_offline=measured / offline if measured is not None and offline else None,
         per_position=acc.per_position if acc else None,
@@ -409,6 +415,22 @@ def _watched(current: Figures, cfg: RegressionConfig) -> list[tuple[str, int | N
     return out
 
 
+DEFAULT_PARITY_FLOOR = 0.8
+
+
+def parity_floor(current: Figures, cfg: RegressionConfig) -> float:
+    """The parity below which tonight fails: the configured number, or with "auto" the threshold tonight's evaluation
+    set for this target (measured from what wrong layers cost and how far parity moves without a fault)."""
+    if cfg.parity_floor != "auto":
+        return float(cfg.parity_floor)
+    return current.parity_threshold if current.parity_threshold is not None else DEFAULT_PARITY_FLOOR
+
+
+def _floor_text(cfg: RegressionConfig) -> str:
+    return (f"{cfg.parity_floor:.2f}" if cfg.parity_floor != "auto" else
+            "the threshold each evaluation set for its target")
+
+
 def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig) -> EngineVerdict:
     """Tonight's figures of one engine against its series: last good run, rolling median, parity floor."""
     verdict = EngineVerdict(engine=current.engine, status="pass", figures=current)
@@ -435,9 +457,10 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
     if len(comparable) < len(good):
         verdict.notes.append(f"{len(good) - len(comparable)} good run(s) used another prompt set or k and are not "
                              "compared")
-    if current.parity is not None and current.parity < cfg.parity_floor:
+    floor = parity_floor(current, cfg)
+    if current.parity is not None and current.parity < floor:
         verdict.findings.append(Finding(engine=current.engine, metric="parity with the reference decoder",
-                                        new=current.parity, limit=cfg.parity_floor, floor=True))
+                                        new=current.parity, limit=floor, floor=True))
     if comparable:
         last = comparable[-1]
         window = comparable[-cfg.median_window:]
@@ -732,7 +755,8 @@ def comparison_rows(verdict: Verdict, cfg: RegressionConfig) -> list[dict[str, A
             ("reference acceptance length", None, f.reference_acceptance_length,
              last.reference_acceptance_length if last else None, acc_limit),
             ("parity with the reference decoder", None, f.parity, last.parity if last else None,
-             f">= {cfg.parity_floor:.2f}"),
+             f">= {parity_floor(f, cfg):.2f}" + (f" ({f.parity_threshold_source})" if cfg.parity_floor == "auto"
+                                                   and f.parity_threshold_source else "")),
         ]
         items += [("speedup", c, v, last.speedup.get(c) if last else None, f"-{cfg.max_speedup_drop:.0%}")
                   for c, v in sorted(f.speedup.items())]
@@ -758,7 +782,7 @@ def comparison_markdown(verdict: Verdict, cfg: RegressionConfig, plot_name: str 
              f"{verdict.target}. Limits: acceptance length -{cfg.max_acceptance_drop:.0%}, acceptance over the training "
              f"estimate -{cfg.max_estimate_gap_drop:.0%}, speedup "
              f"-{cfg.max_speedup_drop:.0%}, throughput -{cfg.max_throughput_drop:.0%} against the last good run or "
-             f"the median of up to {cfg.median_window} good runs; parity floor {cfg.parity_floor:.2f}.", ""]
+             f"the median of up to {cfg.median_window} good runs; parity floor {_floor_text(cfg)}.", ""]
     for e in verdict.engines:
         lines.append(f"- **{e.engine}**: {e.message()}")
     causes = [(e.engine, c) for e in verdict.engines for c in e.causes]

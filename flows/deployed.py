@@ -6,6 +6,7 @@ Nothing waits forever: before the pipeline starts a child run it checks that eac
 and a child that no worker takes (child_runs.start_timeout_s) or that runs too long (child_runs.timeout_s) is
 cancelled and fails its parent with the cause. Each child is started by a task of the parent ("train-drafter on
 gpu-train"), its parent task run, so the parent's page in the UI shows it in place and the task ends as the child did.
+A stage run of the same name that has not ended (its parent crashed and was retried) is waited for, not started again.
 """
 from __future__ import annotations
 
@@ -159,14 +160,37 @@ def run_on_pool(deployment: str, parameters: dict[str, Any], gpus: int, limits: 
     with get_client(sync_client=True) as client:
         found = client.read_deployment_by_name(deployment)
         pool = found.work_pool_name or "(no pool)"
-        run = _create_linked(client, found.id, parameters, run_name, parent.task_run.id if parent else None, gpus)
-        print(f"started {deployment} run {run.name} ({run.id}) on work pool {pool}")
+        run = _unfinished_run(client, found.id, run_name)
+        if run is not None:  # a retried or restarted parent: that run still owns the stage's checkpoints
+            print(f"{deployment} run {run.name} ({run.id}) has not ended ({run.state.name if run.state else 'no state'});"
+                  f" waiting for it instead of starting the stage twice")
+        else:
+            run = _create_linked(client, found.id, parameters, run_name, parent.task_run.id if parent else None, gpus)
+            print(f"started {deployment} run {run.name} ({run.id}) on work pool {pool}")
         run = _wait(client, run, deployment, pool, limits)
     state = run.state
     if not state.is_completed():
         why = f": {state.message}" if state.message else ""
         raise StageRunFailed(f"the {deployment} run {run.name} ended {state.name}{why}; see its logs in the Prefect UI")
     return str(run.id)
+
+
+def _unfinished_run(client, deployment_id, run_name: str) -> FlowRun | None:
+    """The deployment's run of this name that has not ended, if any. A parent whose worker died is retried while its
+    child stage goes on on another pool; starting the stage again would put two runs on the same store keys (two
+    trainers on one checkpoint folder), so the retry waits for the one still running."""
+    from prefect.client.schemas.filters import (
+        DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName, FlowRunFilterState,
+        FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[run_name]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED]))),
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+    return runs[0] if runs else None
 
 
 def _create_linked(client, deployment_id, parameters: dict[str, Any], run_name: str, parent_task_run_id,

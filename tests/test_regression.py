@@ -21,6 +21,7 @@ from draftline.regression import (
     comparison_markdown,
     comparison_rows,
     figures_of,
+    judge,
     judge_all,
     offline_acceptance_length,
     record,
@@ -206,6 +207,32 @@ def test_parity_floor_applies_on_the_very_first_run(history):
     verdict = night(history, [eval_result(acc=1.02, ref=1.52)], 0)
     assert verdict.regressed and verdict.engines[0].causes[0].kind == "integration"
     assert not history.records("demo-llama", "vllm", "demo")[0].good
+
+
+def test_the_nightly_holds_parity_to_the_threshold_its_evaluation_measured_for_the_target(history):
+    # The evaluation measured that on this target parity moves by up to 4% without a fault: threshold 0.95.
+    measured = eval_result(acc=1.45, ref=1.52)  # parity 0.95 + a bit under
+    measured = measured.model_copy(update={"parity": measured.parity.model_copy(update={
+        "threshold": 0.96, "power": measured.parity.power.model_copy(update={"threshold": 0.96,
+                                                                              "threshold_source": "measured"})})})
+    assert measured.parity.value < 0.96
+    tonight = judge(figures_of(measured), [], RegressionConfig())
+    finding = next(f for f in tonight.findings if f.metric == "parity with the reference decoder")
+    assert finding.limit == 0.96
+    # A fixed floor in the config overrides the measured threshold, as before.
+    assert not [f for f in judge(figures_of(measured), [], RegressionConfig(parity_floor=0.8)).findings
+                if f.metric == "parity with the reference decoder"]
+    # A target where wrong layers cost a lot, measured at a threshold of 0.6: parity 0.7 is no fault there.
+    loose = eval_result(acc=1.35, ref=1.52)
+    loose = loose.model_copy(update={"parity": loose.parity.model_copy(update={
+        "threshold": 0.6, "power": loose.parity.power.model_copy(update={"threshold": 0.6,
+                                                                          "threshold_source": "measured"})})})
+    assert 0.6 < loose.parity.value < 0.8
+    assert not judge(figures_of(loose), [], RegressionConfig()).findings
+    rows = comparison_rows(night(history, [measured], 0), RegressionConfig())
+    assert any(r["figure"] == "parity with the reference decoder" and r["limit"] == ">= 0.96 (measured)" for r in rows)
+    with pytest.raises(ValueError, match="parity_floor=1.5"):
+        RegressionConfig(parity_floor=1.5)
 
 
 def test_changed_prompt_set_or_hardware_is_not_compared(history):
