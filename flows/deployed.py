@@ -161,7 +161,11 @@ def run_on_pool(deployment: str, parameters: dict[str, Any], gpus: int, limits: 
         found = client.read_deployment_by_name(deployment)
         pool = found.work_pool_name or "(no pool)"
         run = _unfinished_run(client, found.id, run_name)
-        if run is not None:  # a retried or restarted parent: that run still owns the stage's checkpoints
+        if run is not None and run.parameters != parameters:
+            raise StageRunFailed(
+                f"the {deployment} run {run.name} ({run.id}) has not ended and runs another config of this run name; "
+                f"wait for it, cancel it (`prefect flow-run cancel {run.id}`), or give this run another `run` name")
+        if run is not None:  # a retried or restarted parent: that run still owns the stage's store keys
             print(f"{deployment} run {run.name} ({run.id}) has not ended ({run.state.name if run.state else 'no state'});"
                   f" waiting for it instead of starting the stage twice")
         else:

@@ -180,27 +180,38 @@ def test_a_child_run_no_worker_takes_is_cancelled_after_the_configured_time(serv
     assert parent_task.state.is_failed()
 
 
-def test_a_retried_pipeline_waits_for_its_stage_run_that_has_not_ended_instead_of_starting_it_twice(server):
-    """A pipeline whose worker died is retried while its child stage still runs on another pool: the retry must not
-    start that stage a second time (two trainers on one checkpoint folder). Here the unfinished child is a traces
-    run of the same name left Scheduled on a paused queue; the new pipeline run takes it as its own child."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-    from prefect.states import Scheduled
 
-    _start_workers(server, ("gpu-vllm", "gpu-train"))
-    server.cli("work-queue", "pause", "default", "--pool", PREFIX + "gpu-vllm")
+def test_a_stage_run_that_has_not_ended_is_waited_for_not_started_twice(server):
+    """A pipeline whose worker died is retried while its child stage still runs on another pool: the retry must not
+    start that stage a second time (two trainers on one checkpoint folder). Here the unfinished child is a run of the
+    same name and parameters left Running (no worker has it); the parent's task takes it as its child and waits."""
+    from prefect import flow
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.states import Running
+
+    from draftline.config import ChildRunsConfig
+    from flows.deployed import StageRunFailed, run_on_pool
+
     name = "t32-twice-generate-traces"
+    params = {"config": yaml.safe_load((ROOT / "configs/demo.yaml").read_text())}
 
     async def leave_a_child(client):
         deployment = await client.read_deployment_by_name("generate-traces/generate-traces")
-        return await client.create_flow_run_from_deployment(deployment.id, parameters={"config": demo}, name=name,
-                                                            state=Scheduled())
+        return await client.create_flow_run_from_deployment(deployment.id, parameters=params, name=name,
+                                                            state=Running())
 
-    demo = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    @flow
+    def parent(parameters: dict):
+        return run_on_pool("generate-traces/generate-traces", parameters, 1, ChildRunsConfig(timeout_s=5), name)
+
     left = _read(server, leave_a_child)
-    overrides = {"run": "t32-twice", "child_runs": {"start_timeout_s": 15}}
-    run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"')
-    assert "waited 15 s (child_runs.start_timeout_s)" in run.state.message, run.state.message
+    other = {"config": {**params["config"], "train": {**params["config"]["train"], "max_steps": 3}}}
+    with _client(server):
+        with pytest.raises(StageRunFailed, match=r"has not ended and runs another config of this run name; .*"
+                                                 rf"`prefect flow-run cancel {left.id}`"):
+            parent(other)
+        with pytest.raises(StageRunFailed, match=r"did not finish within 5 s \(child_runs.timeout_s\)"):
+            parent(params)
     children = _read(server, lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))))
     assert [c.id for c in children] == [left.id], children  # no second traces run was started
-    assert children[0].state.is_cancelled()
+    assert children[0].state.name in ("Cancelling", "Cancelled"), children[0].state
