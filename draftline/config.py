@@ -319,9 +319,9 @@ class RegressionConfig(Strict):
     max_acceptance_drop: float = Field(0.10, ge=0.0, le=1.0)
     max_speedup_drop: float = Field(0.15, ge=0.0, le=1.0)
     max_throughput_drop: float = Field(0.20, ge=0.0, le=1.0)
-    # "auto": the parity threshold tonight's evaluation set for its target (measured where eval.parity_threshold is
-    # "auto"), else 0.8; a number: that floor for every night.
-    parity_floor: float | Literal["auto"] = "auto"
+    # A number: that floor for every night. "auto": the parity threshold tonight's evaluation set for its target
+    # (measured where eval.parity_threshold is "auto"), else 0.8.
+    parity_floor: float | Literal["auto"] = 0.8
     # The engine's mean acceptance length over the training's offline estimate for the same drafter and k: a fall of
     # this ratio is a drafter whose validation no longer predicts what the engine accepts, even when acceptance held.
     max_estimate_gap_drop: float = Field(0.10, ge=0.0, le=1.0)

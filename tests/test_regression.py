@@ -216,10 +216,10 @@ def test_the_nightly_holds_parity_to_the_threshold_its_evaluation_measured_for_t
         "threshold": 0.96, "power": measured.parity.power.model_copy(update={"threshold": 0.96,
                                                                               "threshold_source": "measured"})})})
     assert measured.parity.value < 0.96
-    tonight = judge(figures_of(measured), [], RegressionConfig())
+    tonight = judge(figures_of(measured), [], RegressionConfig(parity_floor="auto"))
     finding = next(f for f in tonight.findings if f.metric == "parity with the reference decoder")
     assert finding.limit == 0.96
-    # A fixed floor in the config overrides the measured threshold, as before.
+    # A fixed floor (the default) overrides the measured threshold.
     assert not [f for f in judge(figures_of(measured), [], RegressionConfig(parity_floor=0.8)).findings
                 if f.metric == "parity with the reference decoder"]
     # A target where wrong layers cost a lot, measured at a threshold of 0.6: parity 0.7 is no fault there.
@@ -228,8 +228,8 @@ def test_the_nightly_holds_parity_to_the_threshold_its_evaluation_measured_for_t
         "threshold": 0.6, "power": loose.parity.power.model_copy(update={"threshold": 0.6,
                                                                           "threshold_source": "measured"})})})
     assert 0.6 < loose.parity.value < 0.8
-    assert not judge(figures_of(loose), [], RegressionConfig()).findings
-    rows = comparison_rows(night(history, [measured], 0), RegressionConfig())
+    assert not judge(figures_of(loose), [], RegressionConfig(parity_floor="auto")).findings
+    rows = comparison_rows(night(history, [measured], 0), RegressionConfig(parity_floor="auto"))
     assert any(r["figure"] == "parity with the reference decoder" and r["limit"] == ">= 0.96 (measured)" for r in rows)
     with pytest.raises(ValueError, match="parity_floor=1.5"):
         RegressionConfig(parity_floor=1.5)
