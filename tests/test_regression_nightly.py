@@ -25,8 +25,10 @@ pytestmark = [pytest.mark.prefect, pytest.mark.vllm, pytest.mark.slow]
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
-def perturbed(src: Path, out: Path, seed: int = 0) -> Path:
-    """The same drafter with noise of its own size on every trained weight (the frozen embedding untouched)."""
+def perturbed(src: Path, out: Path, seed: int = 0, scale: float = 8.0) -> Path:
+    """The same drafter with noise `scale` times its own size on every trained weight (the frozen embedding
+    untouched). Eight times leaves nothing of what it learned: both the reference decoder's and the engine's acceptance
+    fall far past the 10% limits (at twice its size a small drafter kept enough to land near them)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -37,7 +39,7 @@ def perturbed(src: Path, out: Path, seed: int = 0) -> Path:
         for name, t in tensors.items():
             if t.is_floating_point() and "embed_tokens" not in name and t.numel() > 1:
                 noise = torch.randn(t.shape, generator=g) * t.float().std()
-                tensors[name] = (t.float() + 2.0 * noise).to(t.dtype)
+                tensors[name] = (t.float() + scale * noise).to(t.dtype)
         save_file(tensors, str(f), metadata={"format": "pt"})
     return out
 
@@ -147,7 +149,7 @@ def test_nightly_on_vllm_cpu_baseline_then_wrong_ids_then_perturbed_drafter(trai
     assert "the drafter files changed" in noisy.message
     [event] = read_events(prefect_server.api_url, str(noisy.state_details.flow_run_id))
     # Same training record, so the same estimate: the measured acceptance fell away from it too.
-    assert event.payload["causes"] == ["drafter-or-target", "estimate-gap"]
+    assert event.payload["causes"] == ["drafter-or-target", "estimate-gap"], (noisy.message, event.payload)
 
     records = history.records("tiny-llama", "vllm", trained_demo.run)
     assert [(r.status, r.good) for r in records] == [("baseline", True), ("failed", False), ("failed", False),
