@@ -48,7 +48,7 @@ from draftline.extract import (  # noqa: E402
     HiddenStateExtractor, HostShard, ShardPlan, length_buckets, run_overlapped, write_hidden_shard,
 )
 from draftline.state_storage import FP8_E4M3, STORAGES, quantize_slots  # noqa: E402
-from draftline import store as store_module  # noqa: E402
+from draftline.store import base as store_module  # noqa: E402
 from draftline.store import BackgroundFlush, LocalStore  # noqa: E402
 from draftline.target import decoder_layers, default_aux_layer_ids  # noqa: E402
 

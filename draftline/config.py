@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from draftline.errors import ConfigError
+from draftline.store import check_store_uri
 
 _SECRET_KEY = re.compile(r"(secret|password|passwd|token_value|access_key|api_key|credentials?)$", re.I)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -22,27 +23,6 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-def _check_store_uri(value: str) -> str:
-    if value.startswith("s3://"):
-        rest = value[len("s3://"):]
-        bucket = rest.split("/", 1)[0]
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
-            raise ValueError(
-                f"{value!r} has no valid bucket name; write s3://BUCKET/optional/prefix "
-                "with a bucket of 3-63 lowercase letters, digits, dots or dashes"
-            )
-        return value.rstrip("/")
-    if value[:3].lower() == "s3:":
-        # "s3:/bucket" or "s3:bucket" would otherwise be a local folder literally named "s3:".
-        raise ValueError(f"{value!r} is not a well-formed S3 location; write s3://BUCKET/optional/prefix (two slashes, "
-                         "lowercase scheme)")
-    if "://" in value:
-        raise ValueError(f"{value!r} uses an unsupported scheme; use a local path or s3://bucket/prefix")
-    if not value:
-        raise ValueError("the store location is empty; use a local path such as ./runs or s3://bucket/prefix")
-    return value
-
-
 class StoreConfig(Strict):
     """Where artifacts live: a local folder (default) or s3://bucket/prefix (credentials from the AWS environment)."""
 
@@ -51,7 +31,7 @@ class StoreConfig(Strict):
     @field_validator("root")
     @classmethod
     def _valid_uri(cls, v):
-        return _check_store_uri(v)
+        return check_store_uri(v)
 
 
 class TargetConfig(Strict):

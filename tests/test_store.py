@@ -151,7 +151,7 @@ def test_interrupted_upload_leaves_nothing_visible(store, big_file):
 
 def test_large_chunked_write_flushed_early_is_byte_exact(tmp_path, monkeypatch, big_file):
     """Shards over the early-flush window are flushed while they are written: the bytes and sha256 are unchanged."""
-    import draftline.store as store_module
+    import draftline.store.base as store_module
 
     flushes = []
     real = getattr(os, "fdatasync", os.fsync)
@@ -174,7 +174,7 @@ def test_large_chunked_write_flushed_early_is_byte_exact(tmp_path, monkeypatch, 
 def test_chunks_made_on_the_fly_hash_the_same_on_the_side_and_inline(tmp_path, monkeypatch):
     """Chunks a generator makes one by one (more of them than the side hash queues) give the same bytes and sha256
     whether the hash runs beside the writes or between them: the side thread must hash what was written, in order."""
-    import draftline.store as store_module
+    import draftline.store.base as store_module
 
     def chunks():
         for i in range(200):
@@ -193,7 +193,7 @@ def test_a_failing_early_flush_fails_the_write_and_leaves_nothing(tmp_path, monk
     """A disk that fails under the background flush (full, gone) fails the publish; the previous object stays."""
     import errno
 
-    import draftline.store as store_module
+    import draftline.store.base as store_module
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
