@@ -119,7 +119,7 @@ def test_aux_ids_beyond_the_target_layers_are_refused():
 def test_a_weight_used_at_every_step_gets_the_sum_of_its_gradients_through_its_cast():
     """Training sums a weight's gradient over the unrolled steps in place (StepWeights); through a real cast (fp32
     weight, bf16 matmuls, as on a GPU) the weight must still get what autograd's own sum gives, once, in fp32."""
-    from draftline.drafter.model import StepWeights
+    from draftline.drafter.speed import StepWeights
 
     torch.manual_seed(0)
     lin = nn.Linear(8, 8, bias=False)

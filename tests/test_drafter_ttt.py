@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from draftline.config import DrafterConfig
-from draftline.drafter import model as model_module
+from draftline.drafter import speed as model_module
 from draftline.drafter.model import DrafterCache, Eagle3Drafter
 from draftline.drafter.ttt import (SoftCrossEntropy, TTTModel, acceptance_length, target_distribution,
                                      ttt_attention_eager, ttt_attention_flex)

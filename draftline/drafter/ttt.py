@@ -6,8 +6,8 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import nn
 
-from draftline.drafter.model import (Eagle3Drafter, SharedWeightGrad, StepWeights, compiled_on_device, recomputed,
-                                     repeat_kv, rope_tables)
+from draftline.drafter.model import Eagle3Drafter, repeat_kv, rope_tables
+from draftline.drafter.speed import SharedWeightGrad, StepWeights, compiled_on_device, recomputed
 
 
 # ---- training-time-test attention ----------------------------------------------------------------------------
