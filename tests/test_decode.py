@@ -203,7 +203,7 @@ def test_acceptance_stats_follow_vllm_definitions():
 
 
 def test_offline_estimate_uses_the_same_definitions():
-    from draftline.drafter.train import acceptance_length
+    from draftline.drafter.ttt import acceptance_length
 
     est = expected_acceptance([0.8, 0.5, 0.5])
     assert est["per_position_acceptance"] == pytest.approx([0.8, 0.4, 0.2])

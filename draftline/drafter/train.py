@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import random
 import sys
 import tempfile
 import time
@@ -21,13 +20,15 @@ import torch.distributed as dist
 from torch import nn
 
 from draftline.config import DrafterConfig, TrainConfig
+from draftline.drafter.checkpoint import (load_latest_checkpoint, rng_state, run_fingerprint, save_checkpoint,
+                                          set_rng_state)
 from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_entries, hidden_shard_keys, pack_rows,
                                     rank_rows, read_shard_metadata, read_shard_tensors, shard_sequences, split_shards)
 from draftline.drafter.replay import replayed_acceptance
-from draftline.drafter.model import (LINEAGE_FILE, MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids,
-                                     config_for_target, target_rope_theta)
-from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan  # noqa: F401  (acceptance_length is re-exported)
+from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
+from draftline.drafter.warm_start import warm_start, warm_start_config
 from draftline.errors import ConfigError
 from draftline.progress import progress_step
 from draftline.target import resolve_device
@@ -96,7 +97,7 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
-# ---- schedule, checkpoints ---------------------------------------------------------------------------------------
+# ---- schedule ---------------------------------------------------------------------------------------------------
 def lr_lambda(cfg: TrainConfig):
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -105,41 +106,6 @@ def lr_lambda(cfg: TrainConfig):
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
-
-
-# Not part of what is trained: cadence, and where (processes split each global batch, they do not change it).
-_CADENCE_FIELDS = {"val_every", "checkpoint_every", "log_every", "num_threads", "device", "keep_checkpoints",
-                   "processes"}
-
-
-def run_fingerprint(drafter_cfg: DrafterConfig, cfg: TrainConfig, aux_ids, data_keys) -> str:
-    """What a checkpoint must agree with to be resumed (not logging or checkpoint cadence)."""
-    spec = {"drafter": drafter_cfg.model_dump(), "aux": aux_ids, "data": data_keys,
-            "train": {k: v for k, v in cfg.model_dump().items() if k not in _CADENCE_FIELDS}}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _ckpt_dir(prefix: str) -> str:
-    return f"{prefix}/checkpoints"
-
-
-def latest_checkpoint(store, prefix: str) -> dict | None:
-    key = f"{_ckpt_dir(prefix)}/latest.json"
-    return json.loads(store.get_bytes(key)) if store.exists(key) else None
-
-
-def rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
@@ -169,89 +135,6 @@ def prepare_vocab(store, prefix: str, train_keys: list[str], vocab_size: int, dr
             f"{draft_vocab_size}; use a new run name or delete that file"
         )
     return saved["d2t"], saved["t2d"], report
-
-
-# The head's layer shape a warm start takes from its source (a public drafter's heads, MLP width and RoPE), unless
-# the drafter: section sets it; hidden size and vocabulary come from the target and must match the source's.
-WARM_START_SHAPE = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
-
-
-def warm_start_config(source: str, target_cfg: dict, drafter_cfg: DrafterConfig, aux_ids: list[int]) -> Eagle3Config:
-    """This run's head for a warm start: the target's sizes and this run's aux ids, the source's layer shape."""
-    from dataclasses import replace
-
-    cfg_path = Path(source) / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"train.warm_start={source} has no config.json; point it at a drafter directory in the "
-                          "SGLang/EAGLE format")
-    theirs = json.loads(cfg_path.read_text())
-    theirs_mla = MLA_ARCHITECTURE in (theirs.get("architectures") or [])
-    if theirs_mla != (drafter_cfg.attention == "mla"):
-        kind = "an MLA head" if theirs_mla else "a Llama-layer head"
-        raise ConfigError(f"train.warm_start={source} is {kind} but drafter.attention is {drafter_cfg.attention}; set "
-                          f"drafter.attention to {'mla' if theirs_mla else 'llama'} or train from scratch")
-    text = target_cfg.get("text_config", target_cfg)
-    for name, target_value in (("hidden_size", text.get("hidden_size")), ("vocab_size", text.get("vocab_size"))):
-        if theirs.get(name) is not None and theirs[name] != target_value:
-            raise ConfigError(f"warm start {source} has {name}={theirs[name]} but this drafter needs {target_value} "
-                              "(the target's); start from a drafter made for the same target, or train from scratch")
-    for name in WARM_START_SHAPE:
-        ours = getattr(drafter_cfg, name)
-        if ours is not None and theirs.get(name) is not None and ours != theirs[name]:
-            raise ConfigError(f"drafter.{name}={ours} but the warm start {source} has {theirs[name]}; remove "
-                              f"drafter.{name} to take the warm start's, or train from scratch")
-    shaped = drafter_cfg.model_copy(update={n: getattr(drafter_cfg, n) or theirs.get(n) for n in WARM_START_SHAPE})
-    cfg = config_for_target(target_cfg, shaped, aux_ids)
-    return replace(cfg, head_dim=int(theirs.get("head_dim") or cfg.head_dim),
-                   rms_norm_eps=float(theirs.get("rms_norm_eps", cfg.rms_norm_eps)),
-                   rope_theta=target_rope_theta({"rope_theta": cfg.rope_theta, **theirs}),  # the target's if unnamed
-                   max_position_embeddings=int(theirs.get("max_position_embeddings", cfg.max_position_embeddings)))
-
-
-def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bool, target_cfg: dict) -> dict:
-    """Copy weights from an existing SGLang/EAGLE drafter dir; its vocabulary replaces ours unless `remap`. A drafter
-    without draftline.json has its ids read as SGLang reads them for this target; one that names no ids (many public
-    drafters) starts this run's layers, and the record says so."""
-    from draftline.target import sglang_convention
-
-    old = Eagle3Drafter.from_pretrained(source, convention=sglang_convention(target_cfg), embed_tokens=embed,
-                                        assume_aux_layer_ids=model.config.aux_layer_ids)
-    ours, theirs = model.config, old.config
-    named = config_aux_layer_ids(json.loads((Path(source) / "config.json").read_text())) is not None
-    for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "vocab_size"):
-        if getattr(ours, name) != getattr(theirs, name):
-            raise ConfigError(
-                f"warm start {source} has {name}={getattr(theirs, name)} but this drafter needs {getattr(ours, name)}; "
-                "start from a drafter made for the same target, or train from scratch"
-            )
-    if named and sorted(theirs.aux_layer_ids) != sorted(ours.aux_layer_ids):
-        raise ConfigError(
-            f"warm start {source} reads aux layers {theirs.aux_layer_ids} (vLLM convention) but the hidden states were "
-            f"extracted at {ours.aux_layer_ids}; extract with extract.aux_layer_ids={theirs.aux_layer_ids}"
-        )
-    state = {k: v for k, v in old.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")}
-    model.load_state_dict(state, strict=False)
-    if theirs.draft_vocab_size != ours.draft_vocab_size and not remap:
-        raise ConfigError(
-            f"warm start {source} has draft_vocab_size={theirs.draft_vocab_size} but drafter.draft_vocab_size="
-            f"{ours.draft_vocab_size}; set them equal, or set train.warm_start_remap_vocab=true to map lm_head rows by token"
-        )
-    record = {"source": str(source),
-              "aux_layer_ids": (f"as trained here, {ours.aux_layer_ids}" if named else
-                                f"not named by the source; its weights start this run's layers {ours.aux_layer_ids}")}
-    with torch.no_grad():
-        if not remap:
-            model.set_vocab(old.d2t, old.t2d)
-            model.lm_head.weight.copy_(old.lm_head.weight)
-            return {**record, "vocab": "kept from the warm start", "rows_copied": theirs.draft_vocab_size}
-        # Remap: rows of tokens both vocabularies share are copied; the others keep their fresh initialisation.
-        old_row = torch.full((ours.vocab_size,), -1, dtype=torch.long)
-        old_row[old.draft_token_ids] = torch.arange(theirs.draft_vocab_size)
-        src = old_row[model.draft_token_ids.cpu()]
-        hit = src >= 0
-        model.lm_head.weight[hit] = old.lm_head.weight[src[hit]].to(model.lm_head.weight.dtype)
-    return {**record, "vocab": "remapped to this run's", "rows_copied": int(hit.sum())}
 
 
 def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None = None,
@@ -310,14 +193,9 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     fingerprint = run_fingerprint(drafter_cfg, cfg, aux_ids, [[k, entries[k].sha256 if k in entries else None]
                                                               for k in keys])
     step, cursor, history, resumed_from = 0, Cursor(), {"train": [], "val": []}, None
-    latest = latest_checkpoint(store, prefix)
-    if latest is not None:
-        if latest["fingerprint"] != fingerprint:
-            raise ConfigError(
-                f"{store.uri(latest['key'])} was written by a run with another config or data; "
-                f"use a new run name, or delete {store.uri(_ckpt_dir(prefix))} to start over"
-            )
-        state = torch.load(io.BytesIO(store.get_bytes(latest["key"])), map_location="cpu", weights_only=False)
+    resumed = load_latest_checkpoint(store, prefix, fingerprint)
+    if resumed is not None:
+        latest_key, state = resumed
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -325,7 +203,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         step, cursor, history = state["step"], Cursor(**state["cursor"]), state["history"]
         resumed_from = step
         if d.main:
-            log.info("resumed from %s at step %d", store.uri(latest["key"]), step)
+            log.info("resumed from %s at step %d", store.uri(latest_key), step)
 
     stream = BatchStream(store, train_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, cursor=cursor,
                          expected=entries)
@@ -382,17 +260,10 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
 
     def checkpoint() -> None:
         if d.main:
-            buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "rng": rng_state(device), "step": step,
-                        "cursor": stream.cursor.to_dict(), "history": history, "fingerprint": fingerprint}, buf)
-            key = f"{_ckpt_dir(prefix)}/step-{step:08d}.pt"
-            store.put_bytes(key, buf.getvalue())
-            store.put_bytes(f"{_ckpt_dir(prefix)}/latest.json",
-                            json.dumps({"key": key, "step": step, "fingerprint": fingerprint}).encode())
-            old = sorted(k for k in store.list(f"{_ckpt_dir(prefix)}/") if k.endswith(".pt") and k != key)
-            for stale in old[: max(0, len(old) - (cfg.keep_checkpoints - 1))]:
-                store.delete(stale)
+            key = save_checkpoint(store, prefix, {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": rng_state(device), "step": step, "cursor": stream.cursor.to_dict(), "history": history,
+                "fingerprint": fingerprint}, cfg.keep_checkpoints)
             log.info("checkpoint %s", store.uri(key))
         barrier(d)
 
