@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from draftline.config import DrafterConfig
-from draftline.drafter import speed as model_module
+from draftline.drafter import speed
 from draftline.drafter.model import DrafterCache, Eagle3Drafter
 from draftline.drafter.ttt import (SoftCrossEntropy, TTTModel, acceptance_length, target_distribution,
                                      ttt_attention_eager, ttt_attention_flex)
@@ -261,7 +261,7 @@ def test_ttt_step_gives_the_plain_loss_accuracy_and_gradients(attention):
 def test_compiled_elementwise_path_of_gpu_training_gives_the_plain_loss_accuracy_and_gradients(monkeypatch):
     """On a GPU the norms, SiLU, rotary and the loss are compiled (torch.compile); here compiled for the CPU, the
     same graphs must still train exactly what the plain definition says."""
-    monkeypatch.setattr(model_module, "COMPILE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(speed, "COMPILE_DEVICES", ("cuda", "cpu"))
     check_ttt_step_against_plain("eager")
 
 
