@@ -75,6 +75,9 @@ class Figures(BaseModel):
     # The training's offline estimate of mean acceptance length for this drafter at this k, and the engine's measured
     # mean acceptance length over it; None where the training record is unknown (and in records older than both).
     offline_acceptance_length: float | None = None
+    # How that estimate was made ("replayed" or "per-step", see offline_estimate): ratios of different kinds are not
+    # compared. None in records older than it, which were all per-step.
+    offline_estimate: str | None = None
     acceptance_over_offline: float | None = None
     per_position: list[float] | None = None
     speedup: dict[int, float] = {}
@@ -93,21 +96,34 @@ def lineage_name(lineage: dict[str, Any] | None, fallback: str) -> str:
     return fallback
 
 
-def offline_acceptance_length(training_record: dict[str, Any] | bytes | str | None, k: int | None = None
-                              ) -> float | None:
-    """The training's offline estimate of mean acceptance length from its record (`<run>/train/metrics.json`, as a
-    dict or its bytes): final_val's per-TTT-step accuracies over the first `k` steps, the depth the engine drafts
-    (training validates `train.ttt_steps` steps, 7 by default, so its recorded acceptance_length is for a deeper
-    draft than k=3). None without a record or a validation, or when `k` is deeper than the training validated."""
+def offline_estimate(training_record: dict[str, Any] | bytes | str | None, k: int | None = None
+                     ) -> tuple[float | None, str | None]:
+    """The training's offline estimate of mean acceptance length at the engine's depth `k`, and its kind, from its
+    record (`<run>/train/metrics.json`, as a dict or its bytes). "replayed": the reference decoder's draft schedule
+    replayed on validation traces (final_val.replayed, recorded per drafted depth), which predicts decoding; else
+    "per-step": final_val's per-TTT-step accuracies over the first `k` steps, which assume independent hits and
+    overstate it (training validates `train.ttt_steps` steps, so its own acceptance_length is for a deeper draft
+    than k=3). (None, None) without a record or a validation, or when `k` is deeper than the training validated."""
     if training_record is None:
-        return None
+        return None, None
     record = json.loads(training_record) if isinstance(training_record, (bytes, str)) else training_record
-    accuracy = (record.get("final_val") or {}).get("accuracy")
+    final = record.get("final_val") or {}
+    accuracy = final.get("accuracy")
     if not accuracy or (k is not None and k > len(accuracy)):
-        return None
+        return None, None
+    by_k = (final.get("replayed") or {}).get("acceptance_length_by_k") or []
+    depth = len(accuracy) if k is None else k
+    if depth <= len(by_k) and by_k[depth - 1] is not None:
+        return float(by_k[depth - 1]), "replayed"
     from draftline.drafter.ttt import acceptance_length  # the training's own definition of the estimate
 
-    return acceptance_length([float(a) for a in accuracy[:k]])
+    return acceptance_length([float(a) for a in accuracy[:k]]), "per-step"
+
+
+def offline_acceptance_length(training_record: dict[str, Any] | bytes | str | None, k: int | None = None
+                              ) -> float | None:
+    """The value of `offline_estimate`."""
+    return offline_estimate(training_record, k)[0]
 
 
 def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, lineage: str | None = None,
@@ -118,7 +134,7 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
     acc = result.acceptance
     parity = result.parity
     measured = acc.mean_acceptance_length if acc else None
-    offline = offline_acceptance_length(training_record, result.num_speculative_tokens)
+    offline, estimate_kind = offline_estimate(training_record, result.num_speculative_tokens)
     return Figures(
         engine=result.engine, engine_version=result.engine_version, status=result.status, reason=result.reason,
         hardware=result.hardware, target=target or result.target, drafter=result.drafter,
@@ -131,7 +147,7 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
         parity=parity.value if parity else None,
         parity_threshold=parity.threshold if parity else None,
         parity_threshold_source=parity.power.threshold_source if parity and parity.power else None,
-        offline_acceptance_length=offline,
+        offline_acceptance_length=offline, offline_estimate=estimate_kind,
         acceptance_over_offline=measured / offline if measured is not None and offline else None,
         per_position=acc.per_position if acc else None,
         speedup={p.concurrency: p.speedup for p in result.points},
@@ -273,7 +289,7 @@ class Verdict(BaseModel):
                 "causes": [c.kind for c in e.causes], "cause_sentences": [c.sentence() for c in e.causes],
                 "mean_acceptance_length": f.acceptance_length,
                 "reference_acceptance_length": f.reference_acceptance_length, "parity": f.parity,
-                "offline_acceptance_length": f.offline_acceptance_length,
+                "offline_acceptance_length": f.offline_acceptance_length, "offline_estimate": f.offline_estimate,
                 "acceptance_over_offline": f.acceptance_over_offline,
                 "speedup": {str(k): v for k, v in f.speedup.items()},
                 "throughput": {str(k): v for k, v in f.throughput.items()},
@@ -415,6 +431,11 @@ def _watched(current: Figures, cfg: RegressionConfig) -> list[tuple[str, int | N
     return out
 
 
+def _estimate_kind(f: Figures) -> str | None:
+    """How a record's training estimate was made; records older than `offline_estimate` were per-step."""
+    return f.offline_estimate or ("per-step" if f.offline_acceptance_length is not None else None)
+
+
 DEFAULT_PARITY_FLOOR = 0.8
 
 
@@ -466,9 +487,12 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
         window = comparable[-cfg.median_window:]
         verdict.last_good, verdict.last_good_at, verdict.median_runs = last.figures, last.recorded_at, len(window)
         for metric, conc, get, limit, same_hw in _watched(current, cfg):
-            pool = [r for r in window if r.figures.hardware == current.hardware] if same_hw else window
-            last_rec = next((r for r in reversed(comparable)
-                             if not same_hw or r.figures.hardware == current.hardware), None)
+            def alike(r: HistoryRecord, same_hw=same_hw, metric=metric) -> bool:
+                return ((not same_hw or r.figures.hardware == current.hardware)
+                        and (metric != GAP_METRIC or _estimate_kind(r.figures) == _estimate_kind(current)))
+
+            pool = [r for r in window if alike(r)]
+            last_rec = next((r for r in reversed(comparable) if alike(r)), None)
             new = get(current)
             old_last = get(last_rec.figures) if last_rec else None
             old_median = _median([get(r.figures) for r in pool])

@@ -67,3 +67,8 @@ def test_a_trained_drafter_is_accepted_and_the_output_stays_the_targets(trained)
     assert replayed["rounds"] > 100
     p = replayed["per_position"]
     assert 1.0 < replayed["acceptance_length"] == pytest.approx(1 + sum(p)) and p == sorted(p, reverse=True)
+    # The same hits replayed drafting fewer tokens, for engines whose k is below the training's unroll: one figure
+    # per depth, the deepest the figure above, and a one-token draft accepting at most that token per round.
+    by_k = replayed["acceptance_length_by_k"]
+    assert len(by_k) == len(p) and by_k[-1] == pytest.approx(replayed["acceptance_length"])
+    assert 1.0 < by_k[0] <= 2.0

@@ -321,6 +321,38 @@ def test_offline_estimate_is_the_trainings_own_over_the_engines_k_and_the_ratio_
     assert figures_of(eval_result()).acceptance_over_offline is None
 
 
+def replayed(record: dict, by_k: list[float]) -> dict:
+    """The record with final_val.replayed as training's last validation writes it (draftline.drafter.replay)."""
+    return {**record, "final_val": {**record["final_val"], "replayed": {
+        "acceptance_length": by_k[-1], "acceptance_length_by_k": by_k, "rounds": 500,
+        "per_position": [0.5] * len(by_k)}}}
+
+
+def test_the_replayed_estimate_at_the_engines_k_is_preferred_and_ratios_of_another_kind_are_not_compared(history):
+    """The replay of the decoder's draft schedule predicts decoding where the per-step product overstates it; an
+    engine drafting k tokens is compared with the replay at k, and a history of per-step ratios is not held against
+    a replayed one (the kinds differ by design, not by a regression)."""
+    from draftline.regression import offline_estimate
+
+    with_replay = replayed(FIRST_TRAINING, [1.25, 1.42, 1.55, 1.6, 1.62, 1.63, 1.64])
+    assert offline_estimate(with_replay, 3) == (pytest.approx(1.55), "replayed")
+    assert offline_estimate(FIRST_TRAINING, 3) == (pytest.approx(1.70), "per-step")
+    # A record whose replay covers fewer depths than the engine drafts falls back to the per-step estimate.
+    assert offline_estimate(replayed(FIRST_TRAINING, [1.25, 1.42]), 3) == (pytest.approx(1.70), "per-step")
+
+    night(history, [eval_result(acc=1.50, ref=1.52)], 0, fingerprints={"vllm": "1" * 64}, training=FIRST_TRAINING)
+    verdict = night(history, [eval_result(acc=1.46, ref=1.48)], 1, fingerprints={"vllm": "1" * 64},
+                    training=with_replay)
+    e = verdict.engines[0]
+    assert e.figures.offline_estimate == "replayed"
+    assert e.figures.acceptance_over_offline == pytest.approx(1.46 / 1.55)
+    assert not verdict.regressed and "acceptance over the training estimate" not in e.median
+    # Against a replayed history, a ratio that falls beyond the limit is a finding again.
+    fallen = night(history, [eval_result(acc=1.46, ref=1.48)], 2, fingerprints={"vllm": "1" * 64},
+                   training=replayed(FIRST_TRAINING, [1.4, 1.6, 1.85]))
+    assert [c.kind for c in fallen.engines[0].causes] == ["estimate-gap"], fallen.message()
+
+
 def test_a_widening_gap_to_the_training_estimate_fails_with_its_own_cause(history):
     night(history, [eval_result(acc=1.50, ref=1.52)], 0, fingerprints={"vllm": "1" * 64}, training=FIRST_TRAINING)
     # Retrained in the same lineage: validation says 2.53 at k=3, the engine and the reference accept about as

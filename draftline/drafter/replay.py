@@ -60,13 +60,19 @@ def decode_rounds(hit: torch.Tensor, lossable: torch.Tensor, answer: int, limit:
 
 def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device) -> dict:
     """Mean acceptance length (1 + accepted draft tokens per round) and per-position acceptance over the rounds
-    of replaying every sequence's answer, the reference decoder's figures' definitions."""
-    counts = []
+    of replaying every sequence's answer, the reference decoder's figures' definitions; `acceptance_length_by_k`
+    replays the same hits drafting only the first k' steps, for every k' up to the unroll's depth (an engine
+    drafting fewer tokens than training unrolled starts its rounds elsewhere)."""
+    k = ttt.steps
+    counts: list[list[int]] = [[] for _ in range(k)]  # per drafted depth k' = index + 1
     with torch.no_grad():
         for seq in sequences:
-            counts += decode_rounds(*draft_hits(ttt, seq, device))
-    k = ttt.steps
-    rounds = len(counts)
-    per_position = [sum(n > j for n in counts) / rounds if rounds else 0.0 for j in range(k)]
-    return {"acceptance_length": 1.0 + sum(counts) / rounds if rounds else None, "per_position": per_position,
-            "rounds": rounds}
+            hit, lossable, answer = draft_hits(ttt, seq, device)
+            for depth in range(1, k + 1):
+                counts[depth - 1] += decode_rounds(hit[:depth], lossable[:depth], answer)
+    full = counts[-1]
+    rounds = len(full)
+    per_position = [sum(n > j for n in full) / rounds if rounds else 0.0 for j in range(k)]
+    return {"acceptance_length": 1.0 + sum(full) / rounds if rounds else None, "per_position": per_position,
+            "rounds": rounds,
+            "acceptance_length_by_k": [1.0 + sum(c) / len(c) if c else None for c in counts]}
