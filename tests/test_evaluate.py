@@ -13,9 +13,9 @@ from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics, load_prompts, requests_for, summarize, RequestResult
 from draftline.errors import ConfigError
 from draftline.evaluate import (
-    ConcurrencyPoint, EvalResult, combine_acceptance, compute_parity, likely_causes, parity_power, report_markdown,
-    with_parity, write_report,
+    ConcurrencyPoint, EvalResult, combine_acceptance, compute_parity, likely_causes, parity_power, with_parity,
 )
+from draftline.report import report_markdown, write_report
 from draftline.store import open_store
 
 TARGET_CFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
@@ -217,7 +217,7 @@ def test_report_names_every_number_and_says_plainly_when_sglang_was_skipped(tmp_
 
 
 def test_plots_of_several_engines_name_each_engines_own_drafter(tmp_path):
-    from draftline.evaluate import _plot_context
+    from draftline.report import _plot_context
 
     vllm = _result(_drafter(tmp_path, "vllm"))
     sglang = vllm.model_copy(update={"engine": "sglang", "drafter": "sglang-export"})
@@ -298,7 +298,7 @@ def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
     """On the 2026-11-30 H200 run (benchmarks/results/eval-h200-report-2026-11-30-d), SGLang accepted what the reference
     accepts and was still slower at every concurrency; vLLM was faster everywhere. The report must point at the
     engine, not the drafter."""
-    from draftline.evaluate import slowdown_findings
+    from draftline.report import slowdown_findings
 
     saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report-2026-11-30-d"
     saved = saved / "results.json"
@@ -326,7 +326,7 @@ def test_captured_sglang_0_5_14_logs_no_sglang_runs_here_report_names_eager_eagl
     The report must say it when the logs show it, and stay quiet when both servers prefilled alike. SGLang does
     not run here: the logs are excerpts captured from a real SGLang 0.5.14 on an H200 (tests/fixtures/sglang-0.5.14)."""
     from draftline.engines.sglang import SglangAdapter
-    from draftline.evaluate import engine_log_findings
+    from draftline.report import engine_log_findings
 
     captured = Path(__file__).resolve().parent / "fixtures" / "sglang-0.5.14"
     saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "eval-h200-report-2026-11-30-d" / "results.json"
@@ -384,7 +384,8 @@ def test_likely_causes_lead_with_the_layers_the_engine_says_it_used(tmp_path):
     that is the cause to name first, before any inference from configs, and the report says it whatever the
     parity."""
     from draftline.engines.vllm import aux_layer_facts
-    from draftline.evaluate import engine_log_findings, likely_causes
+    from draftline.evaluate import likely_causes
+    from draftline.report import engine_log_findings
 
     from draftline.engines.preflight import aux_layer_ids
 
@@ -413,7 +414,8 @@ def test_layers_the_engine_logs_against_the_trained_ones_are_the_verdict_whateve
     wrong layers; the engine's own log is the verdict then, in the table, the report's first lines and the nightly."""
     from draftline.config import RegressionConfig
     from draftline.engines.preflight import aux_layer_ids
-    from draftline.evaluate import report_markdown, with_parity
+    from draftline.evaluate import with_parity
+    from draftline.report import report_markdown
     from draftline.regression import figures_of, judge
 
     drafter = _drafter(tmp_path, "vllm")
@@ -454,7 +456,8 @@ def test_captured_vllm_0_25_log_no_vllm_gpu_runs_here_report_says_the_drafter_co
     layers there only because draftline's default is vLLM's; the report must say so, and when they do not match, that
     is the first likely cause. The log lines are from that run (tests/fixtures/vllm-0.25.0)."""
     from draftline.engines.vllm import VllmAdapter
-    from draftline.evaluate import engine_log_findings, likely_causes
+    from draftline.evaluate import likely_causes
+    from draftline.report import engine_log_findings
 
     log = (Path(__file__).resolve().parent / "fixtures" / "vllm-0.25.0" / "server-log-eagle3.txt").read_text()
     facts = VllmAdapter().log_facts(log)
@@ -595,7 +598,7 @@ def _training_record(steps: int = 40) -> dict:
 def test_plot_legends_never_cover_data_and_every_point_carries_its_value(tmp_path):
     """The complaint: the throughput plot's legend covered its key point. Legends sit below the axes, every point
     and bar is labelled with its value, and the titles name the run."""
-    from draftline.evaluate import acceptance_figure, throughput_figure, training_figure
+    from draftline.report import acceptance_figure, throughput_figure, training_figure
 
     drafter = _drafter(tmp_path, "vllm")
     lineage = {"run": "demo", "format": "vllm"}
