@@ -157,7 +157,9 @@ def test_a_killed_vllm_extraction_resumes_without_recomputing_finished_shards(tm
 
     tok = AutoTokenizer.from_pretrained(target_dirs["llama"])
     store = open_store(str(tmp_path / "store"))
-    write_traces(store, "k", tok, tok.vocab_size, shards=4, per_shard=4)
+    # Enough traces (about 35 shards of 160 tokens) that the stage runs seconds past its first published shard: the
+    # kill lands mid-stage although later shards follow the first within milliseconds each.
+    write_traces(store, "k", tok, tok.vocab_size, shards=20, per_shard=4)
     script = tmp_path / "stage.py"
     script.write_text(textwrap.dedent(f"""
         from draftline.config import ExtractConfig, ServerSettings
