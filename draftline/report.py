@@ -22,7 +22,8 @@ def _status(r: EvalResult) -> str:
 def slowdown_findings(r: EvalResult) -> list[str]:
     """Why EAGLE-3 made an engine slower at some concurrency when the drafter itself is not at fault (parity fine):
     what the engine's own timings say, per slower point. Empty when nothing got slower or acceptance is suspect."""
-    if r.status != "ok" or not r.parity or r.parity.integration_suspected:
+    # Parity not measured (a reference that accepts almost nothing) says nothing about the drafter either.
+    if r.status != "ok" or not r.parity or r.parity.integration_suspected or r.parity.value is None:
         return []
     slow = [p for p in r.points if p.speedup < 1.0]
     if not slow:

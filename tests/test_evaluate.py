@@ -319,6 +319,13 @@ def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
     assert "measure EAGLE-3 under the overlap scheduler too" in slowdown_findings(eagle_only)[-1]
     md = report_markdown([vllm, sglang])
     assert "### Slower with speculation: sglang 0.5.14" in md and "Slower with speculation: vllm" not in md
+    # A drafter that earns nothing leaves parity unmeasured: then nothing is said of the engine's cost, and the
+    # report still renders (a ruined production drafter's night writes its report).
+    unmeasured = compute_parity(Acceptance(source="x", mean_acceptance_length=1.0, num_drafts=10),
+                                {"mean_acceptance_length": 1.01}, threshold=0.8)
+    ruined = sglang.model_copy(update={"parity": unmeasured})
+    assert slowdown_findings(ruined) == []
+    assert "sglang" in report_markdown([vllm, ruined])
 
 
 def test_captured_sglang_0_5_14_logs_no_sglang_runs_here_report_names_eager_eagle3_prefills():
