@@ -20,7 +20,8 @@ from draftline.engines.client import (
 from draftline.engines.launch import launch
 from draftline.engines.vllm import AUX_LAYERS_FROM_MODEL_DEFAULTS
 from draftline.engines.preflight import (
-    AuxLayerIdsError, EngineUnavailable, aux_layer_ids, drafter_format, engine_convention, preflight, trained_layer_ids,
+    AuxLayerIdsError, EngineUnavailable, aux_layer_ids, check_drafter, drafter_format, engine_convention, preflight,
+    trained_layer_ids,
 )
 from draftline.errors import ConfigError, EngineError
 
@@ -526,6 +527,49 @@ def _put_json(store, key: str, data: dict) -> None:
         store.put_bytes(key, (json.dumps(data, indent=2) + "\n").encode())
 
 
+def _new_result(cfg: EngineConfig, adapter: EngineAdapter, target_dir: Path, drafter_dir: Path, prompts_path: Path,
+                num_prompts: int, eval_cfg: EvalConfig, run: str, trained_aux_layer_ids: list[int] | None) -> EvalResult:
+    """An engine's result row before anything is measured: what is evaluated, where and with which settings."""
+    lineage = {}
+    if (drafter_dir / "draftline.json").is_file():
+        lineage = json.loads((drafter_dir / "draftline.json").read_text())
+    return EvalResult(
+        run=run, engine=cfg.engine, engine_version=adapter.version(), status="ok", hardware=describe_hardware(),
+        target=_served_name(target_dir), target_path=str(target_dir), drafter=drafter_dir.resolve().name,
+        drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=prompts_path.name,
+        prompt_set_sha256=_sha256(prompts_path), num_prompts=num_prompts,
+        sampling={"temperature": eval_cfg.temperature, "max_new_tokens": eval_cfg.max_new_tokens},
+        num_speculative_tokens=cfg.num_speculative_tokens, server_args=list(cfg.extra_args),
+        speculative_server_args=list(cfg.speculative_extra_args), started_at=_now(),
+        trained_aux_layer_ids=trained_aux_layer_ids,
+    )
+
+
+def _refused(result: EvalResult, exc: ConfigError) -> EvalResult:
+    """The failed row of an evaluation refused before any server started."""
+    fault = AUX_IDS_FAULT if isinstance(exc, AuxLayerIdsError) else None
+    return result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0], "fault": fault,
+                                     "finished_at": _now()})
+
+
+def refuse_misread_export(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path,
+                          prompts_path: str | Path, eval_cfg: EvalConfig, store, run: str,
+                          trained_aux_layer_ids: list[int] | None = None) -> ConfigError | None:
+    """The export check of preflight alone (files only: no engine is asked, no server starts): None when the engine
+    would read the export as it was trained; else the refusal, with the engine's failed row written to the store as
+    evaluate_engine writes it. Lets an evaluation fail before its reference decoder runs."""
+    target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), Path(prompts_path)
+    try:
+        check_drafter(cfg.engine, drafter_dir, target_dir, trained_aux_layer_ids)
+    except ConfigError as exc:
+        result = _new_result(cfg, adapter_for(cfg.engine), target_dir, drafter_dir, prompts_path,
+                             len(load_prompts(prompts_path, eval_cfg.max_prompts)), eval_cfg, run,
+                             trained_aux_layer_ids)
+        _put_json(store, f"{run}/eval/{cfg.engine}/result.json", _refused(result, exc).model_dump(mode="json"))
+        return exc
+    return None
+
+
 def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path, prompts_path: str | Path,
                     eval_cfg: EvalConfig, store, run: str, reference: Any = None,
                     log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None) -> EvalResult:
@@ -542,19 +586,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     adapter = adapter_for(cfg.engine)
     prompts = load_prompts(prompts_path, eval_cfg.max_prompts)
     prefix = f"{run}/eval/{cfg.engine}"
-    lineage = {}
-    if (drafter_dir / "draftline.json").is_file():
-        lineage = json.loads((drafter_dir / "draftline.json").read_text())
-    result = EvalResult(
-        run=run, engine=cfg.engine, engine_version=adapter.version(), status="ok", hardware=describe_hardware(),
-        target=_served_name(target_dir), target_path=str(target_dir), drafter=drafter_dir.resolve().name,
-        drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=prompts_path.name,
-        prompt_set_sha256=_sha256(prompts_path), num_prompts=len(prompts),
-        sampling={"temperature": eval_cfg.temperature, "max_new_tokens": eval_cfg.max_new_tokens},
-        num_speculative_tokens=cfg.num_speculative_tokens, server_args=list(cfg.extra_args),
-        speculative_server_args=list(cfg.speculative_extra_args), started_at=_now(),
-        trained_aux_layer_ids=trained_aux_layer_ids,
-    )
+    result = _new_result(cfg, adapter, target_dir, drafter_dir, prompts_path, len(prompts), eval_cfg, run,
+                         trained_aux_layer_ids)
     try:
         facts = preflight(cfg, target_dir, drafter_dir, trained_aux_layer_ids)
     except EngineUnavailable as exc:
@@ -563,10 +596,7 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         _put_json(store, f"{prefix}/result.json", result.model_dump(mode="json"))
         return result
     except ConfigError as exc:  # the row is written first, so the report and the nightly show why
-        fault = AUX_IDS_FAULT if isinstance(exc, AuxLayerIdsError) else None
-        failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0], "fault": fault,
-                                           "finished_at": _now()})
-        _put_json(store, f"{prefix}/result.json", failed.model_dump(mode="json"))
+        _put_json(store, f"{prefix}/result.json", _refused(result, exc).model_dump(mode="json"))
         raise
     result.engine_version = facts["engine_version"]
     result.target_architecture = facts["architecture"]

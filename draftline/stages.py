@@ -113,6 +113,35 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     return engine_result_key(config, engine)
 
 
+def misread_exports(config: PipelineConfig, exports: dict[str, str], store: Store) -> dict[str, ConfigError]:
+    """{engine: refusal} for each engine whose export it would misread (aux-layer ids against the training record,
+    conventions, d2t), checked from the files alone before the evaluation spends anything; each such engine's failed
+    row is in the store. A target that is not on this machine (its engines run on other workers) is left to the
+    engines' own preflight."""
+    from draftline import evaluate as eval_lib
+
+    if not Path(config.target.path).is_dir():
+        return {}
+    trained = trained_aux_layer_ids(config, store, exports)
+    refused = {}
+    for engine in config.eval.engines:
+        fmt = _engine_format(engine.engine)
+        if fmt not in exports:
+            continue
+        refusal = eval_lib.refuse_misread_export(engine, config.target.path, _drafter_dir(store, exports, fmt),
+                                                 config.eval.prompts, config.eval, store, config.run, trained)
+        if refusal is not None:
+            refused[engine.engine] = refusal
+    return refused
+
+
+def servable_here(engine: EngineConfig) -> bool:
+    """Whether this environment can serve the engine at all (installed here, or an environment of its own named)."""
+    from draftline.engines.preflight import engine_version, runs_elsewhere
+
+    return runs_elsewhere(engine) or engine_version(engine.engine) is not None
+
+
 def trained_aux_layer_ids(config: PipelineConfig, store: Store, exports: dict[str, str] | None = None
                           ) -> list[int] | None:
     """The aux layers the training fed the drafter (vLLM convention), from its metrics.json: the one record every
@@ -194,19 +223,21 @@ def reference_key(config: PipelineConfig) -> str:
     return f"{config.run}/{EVAL_STAGE}/reference/result.json"
 
 
-def report(config: PipelineConfig, store: Store, result_keys: list[str], reference_key: str) -> dict[str, Any]:
+def report(config: PipelineConfig, store: Store, result_keys: list[str], reference_key: str | None
+           ) -> dict[str, Any]:
     """Fill in parity for every engine result, rewrite them, and render the report; returns rows for a table."""
     from draftline import evaluate as eval_lib
     from draftline import report as report_lib
 
-    reference_summary = json.loads(store.get_bytes(reference_key))
+    # None when every engine was refused before serving: nothing was left for the reference decoder to compare.
+    reference_summary = json.loads(store.get_bytes(reference_key)) if reference_key else None
     engines = {e.engine: e for e in config.eval.engines}
     results = []
     for key in result_keys:
         if not store.exists(key):  # an evaluation that failed before it could write its row
             continue
         result = eval_lib.EvalResult.model_validate_json(store.get_bytes(key))
-        if result.status == "ok" and result.acceptance is not None:
+        if result.status == "ok" and result.acceptance is not None and reference_summary is not None:
             result = eval_lib.with_parity(result, reference_summary, config.eval.parity_threshold,
                                           engines.get(result.engine))
             store.put_bytes(key, (result.model_dump_json(indent=2) + "\n").encode())
@@ -223,12 +254,17 @@ def _shift_note(reference_summary: dict) -> str:
     return f"; the drafter keeps {' and '.join(kept)} of its accepted tokens" if kept else ""
 
 
-def summary_rows(results: list, reference_summary: dict) -> list[dict[str, Any]]:
+def summary_rows(results: list, reference_summary: dict | None) -> list[dict[str, Any]]:
     """One row per engine and concurrency, plus the reference decoder: the pipeline's final table."""
-    rows = [{"engine": "reference decoder (torch)", "status": "ok", "concurrency": 1,
-             "acceptance_length": round(reference_summary["mean_acceptance_length"], 3),
-             "speedup": round(reference_summary.get("speedup", float("nan")), 3),
-             "parity": None, "note": "engine-independent ground truth" + _shift_note(reference_summary)}]
+    if reference_summary is None:
+        rows = [{"engine": "reference decoder (torch)", "status": "not run", "concurrency": None,
+                 "acceptance_length": None, "speedup": None, "parity": None,
+                 "note": "every engine's export was refused before serving, so there was nothing to compare"}]
+    else:
+        rows = [{"engine": "reference decoder (torch)", "status": "ok", "concurrency": 1,
+                 "acceptance_length": round(reference_summary["mean_acceptance_length"], 3),
+                 "speedup": round(reference_summary.get("speedup", float("nan")), 3),
+                 "parity": None, "note": "engine-independent ground truth" + _shift_note(reference_summary)}]
     for r in results:
         if r.status != "ok":
             rows.append({"engine": r.engine, "status": r.status, "concurrency": None, "acceptance_length": None,

@@ -54,11 +54,17 @@ def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: Engin
     # Every pool this evaluation starts runs on must have a live worker, or nothing starts.
     deployed.require_live_workers(deployed.deployments_needed(config, engine_runs, stage_runs,
                                                               deployed.STAGE_DEPLOYMENTS[-1:]))
-    if stage_runs == "deployments":
-        reference = deployed.reference_acceptance(config, exports)
-    else:
-        reference = eval_tasks.reference_acceptance(config, exports)
-    engines = config.eval.engines
+    # An export an engine would misread fails that engine before anything is spent; when no engine is left to
+    # serve, the reference decoder (minutes to hours on a real target) does not run either.
+    refused = eval_tasks.misread_exports(config, exports)
+    engines = [e for e in config.eval.engines if e.engine not in refused]
+    served = [e for e in engines if engine_runs == "deployments" or eval_tasks.servable_here(e)]
+    reference = None
+    if served:
+        if stage_runs == "deployments":
+            reference = deployed.reference_acceptance(config, exports)
+        else:
+            reference = eval_tasks.reference_acceptance(config, exports)
     if engine_runs == "deployments":
         futures = [_engine_deployment_run(config, e, exports) for e in engines]
         # A child that did not complete fails its task; the engine's row and the run's failure name it.
@@ -68,10 +74,12 @@ def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: Engin
         futures = [eval_tasks.evaluate_engine.submit(config, e, exports) for e in engines]
         failures = [f.result(raise_on_failure=False) for f in futures]
         failures = [x if isinstance(x, BaseException) else None for x in failures]
+    failures = list(refused.values()) + failures
     # The report carries every engine, a failed one with its root cause; then the run fails with that cause.
     failure = next((f for f in failures if f is not None), None)
     try:
-        rendered = eval_tasks.report(config, [eval_tasks.result_key(config, e) for e in engines], reference)
+        rendered = eval_tasks.report(config, [eval_tasks.result_key(config, e) for e in config.eval.engines],
+                                     reference)
     except Exception:
         if failure is not None:
             raise failure  # no report (no engine left a row): the engine's own error is the news

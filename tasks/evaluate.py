@@ -19,6 +19,18 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     return stages.evaluate_engine(config, engine, exports, store_at(config.store.root))
 
 
+@task(name="check-exports")
+def misread_exports(config: PipelineConfig, exports: dict[str, str]) -> dict[str, Exception]:
+    """{engine: refusal} for the exports an engine would misread, from the files alone (not retried: a file does not
+    change by asking again); each refused engine's failed row is in the store."""
+    return stages.misread_exports(config, exports, store_at(config.store.root))
+
+
+def servable_here(engine: EngineConfig) -> bool:
+    """Whether this worker's environment can serve the engine (for an evaluation whose engines run in-process)."""
+    return stages.servable_here(engine)
+
+
 def result_key(config: PipelineConfig, engine: EngineConfig) -> str:
     """The store key of an engine's EvalResult, where a failed evaluation also leaves its row."""
     return stages.engine_result_key(config, engine)
@@ -36,7 +48,7 @@ def reference_acceptance(config: PipelineConfig, exports: dict[str, str]) -> str
 
 
 @task(name="report")
-def report(config: PipelineConfig, result_keys: list[str], reference_key: str) -> dict:
+def report(config: PipelineConfig, result_keys: list[str], reference_key: str | None) -> dict:
     """Parity for each engine, then the markdown + PNG report in the store; published as Prefect artifacts."""
     store = store_at(config.store.root)
     rendered = stages.report(config, store, result_keys, reference_key)

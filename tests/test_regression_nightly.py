@@ -142,6 +142,10 @@ def test_nightly_on_vllm_cpu_baseline_then_wrong_ids_then_perturbed_drafter(trai
         "aux_layer_ids"]
     assert "integration: aux-layer ids" in edited.message, edited.message
     assert f"the training record says [{', '.join(map(str, trained))}]" in edited.message, edited.message
+    # Both refusals came before the reference decoder: only the good night decoded, and the refused nights' reports
+    # carry the failed row.
+    assert len(list(store_root.glob("*/eval/reference/result.json"))) == 1
+    assert len(list(store_root.glob("*/eval/report/report.md"))) == 3
 
     noisy = night("perturbed")
     assert noisy.is_failed()
@@ -150,6 +154,8 @@ def test_nightly_on_vllm_cpu_baseline_then_wrong_ids_then_perturbed_drafter(trai
     [event] = read_events(prefect_server.api_url, str(noisy.state_details.flow_run_id))
     # Same training record, so the same estimate: the measured acceptance fell away from it too.
     assert event.payload["causes"] == ["drafter-or-target", "estimate-gap"], (noisy.message, event.payload)
+    # A drafter that earns nothing still gets its report (parity is not measurable then).
+    assert len(list(store_root.glob("*/eval/report/report.md"))) == 4
 
     records = history.records("tiny-llama", "vllm", trained_demo.run)
     assert [(r.status, r.good) for r in records] == [("baseline", True), ("failed", False), ("failed", False),
