@@ -24,6 +24,7 @@ from draftline.engines.preflight import (
     trained_layer_ids,
 )
 from draftline.errors import ConfigError, EngineError
+from draftline.layout import eval_prefix, eval_result_key
 
 SCHEMA = "draftline-eval/1"
 # The verdict when the engine's own log names other aux layers than the drafter was trained on: it stands whatever
@@ -565,7 +566,7 @@ def refuse_misread_export(cfg: EngineConfig, target_dir: str | Path, drafter_dir
         result = _new_result(cfg, adapter_for(cfg.engine), target_dir, drafter_dir, prompts_path,
                              len(load_prompts(prompts_path, eval_cfg.max_prompts)), eval_cfg, run,
                              trained_aux_layer_ids)
-        _put_json(store, f"{run}/eval/{cfg.engine}/result.json", _refused(result, exc).model_dump(mode="json"))
+        _put_json(store, eval_result_key(run, cfg.engine), _refused(result, exc).model_dump(mode="json"))
         return exc
     return None
 
@@ -585,7 +586,7 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), Path(prompts_path)
     adapter = adapter_for(cfg.engine)
     prompts = load_prompts(prompts_path, eval_cfg.max_prompts)
-    prefix = f"{run}/eval/{cfg.engine}"
+    prefix, result_key = eval_prefix(run, cfg.engine), eval_result_key(run, cfg.engine)
     result = _new_result(cfg, adapter, target_dir, drafter_dir, prompts_path, len(prompts), eval_cfg, run,
                          trained_aux_layer_ids)
     try:
@@ -593,10 +594,10 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     except EngineUnavailable as exc:
         result = result.model_copy(update={"status": "skipped", "reason": str(exc).split("\n")[0],
                                            "finished_at": _now()})
-        _put_json(store, f"{prefix}/result.json", result.model_dump(mode="json"))
+        _put_json(store, result_key, result.model_dump(mode="json"))
         return result
     except ConfigError as exc:  # the row is written first, so the report and the nightly show why
-        _put_json(store, f"{prefix}/result.json", _refused(result, exc).model_dump(mode="json"))
+        _put_json(store, result_key, _refused(result, exc).model_dump(mode="json"))
         raise
     result.engine_version = facts["engine_version"]
     result.target_architecture = facts["architecture"]
@@ -609,7 +610,7 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     except EngineError as exc:
         failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0],
                                            "finished_at": _now()})
-        _put_json(store, f"{prefix}/result.json", failed.model_dump(mode="json"))
+        _put_json(store, result_key, failed.model_dump(mode="json"))
         raise
     points = []
     for (_, _, b_results), (_, acc, s_results), b_repeats, s_repeats, s_accepted in zip(
@@ -625,5 +626,5 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     result.finished_at = _now()
     if reference is not None:
         result = with_parity(result, reference, eval_cfg.parity_threshold, cfg)
-    _put_json(store, f"{prefix}/result.json", result.model_dump(mode="json"))
+    _put_json(store, result_key, result.model_dump(mode="json"))
     return result

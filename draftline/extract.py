@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:  # the benchmark runs this module on GPU machines that have torch and transformers only
     from draftline.config import ExtractConfig
 from draftline.errors import ConfigError, ShardWriteError, is_transient
+from draftline.layout import HIDDEN_STAGE, hidden_plan_key, traces_prefix
 from draftline.safetensors_io import safetensors_chunks
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 from draftline.state_storage import BF16, FP8_DTYPE, FP8_E4M3, SCALE_SUFFIX, bytes_per_token, quantize_rows
@@ -24,12 +25,11 @@ from draftline.target import (
     target_fingerprint, validate_aux_layer_ids,
 )
 
-STAGE = "hidden"
+STAGE = HIDDEN_STAGE
 SUFFIX = ".safetensors"
 # What every shard's last_hidden_states hold, whichever backend made it: the final norm's output, what the
 # lm_head reads (vLLM hands over the last layer's output before the norm; its backend applies the norm).
 LAST_STATE = "final_norm_output"
-TRACES_STAGE = "traces"
 
 
 # ---------------------------------------------------------------- planning
@@ -45,9 +45,9 @@ class ShardPlan:
 
 
 def trace_entries(store, run: str):
-    manifest = store.read_manifest(f"{run}/{TRACES_STAGE}")
+    manifest = store.read_manifest(traces_prefix(run))
     if manifest is None:
-        raise ConfigError(f"{store.uri(run + '/' + TRACES_STAGE)} has no manifest.json; run trace generation for run {run!r} first")
+        raise ConfigError(f"{store.uri(traces_prefix(run))} has no manifest.json; run trace generation for run {run!r} first")
     return [e for e in manifest if e.key.rsplit("/", 1)[-1].startswith("shard-") and e.key.endswith(".jsonl")]
 
 
@@ -59,7 +59,7 @@ def plan_hidden_shards(cfg: ExtractConfig, store, run: str) -> list[ShardPlan]:
     """Group traces, in order, into shards of about cfg.tokens_per_shard tokens; cached in `<run>/hidden/_plan.json`."""
     entries = trace_entries(store, run)
     basis = spec_hash({"traces": [(e.key, e.sha256) for e in entries], "tokens_per_shard": cfg.tokens_per_shard})
-    plan_key = f"{run}/{STAGE}/_plan.json"
+    plan_key = hidden_plan_key(run)
     if store.exists(plan_key):
         cached = json.loads(store.get_bytes(plan_key))
         if cached.get("basis") == basis:

@@ -24,6 +24,7 @@ from draftline.extract import (
     STAGE, HostShard, check_traces, load_shard_traces, trace_entries, finalize_hidden_states,
     length_buckets, plan_hidden_shards, shard_spec, write_hidden_shard,
 )
+from draftline.layout import hidden_logs_prefix
 from draftline.shards import finished_shard
 from draftline.safetensors_io import map_safetensors
 from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STATE_NAMES
@@ -264,7 +265,7 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
                                    write_final_norm(target_dir, spool))
         say(f"starting vLLM to capture layers {layer_ids} of {target_dir} (tensor parallel {settings.tensor_parallel_size})")
         started = time.perf_counter()
-        with launch(spec, settings, logs, store=store, log_key_prefix=f"{run}/{STAGE}/logs") as server:
+        with launch(spec, settings, logs, store=store, log_key_prefix=hidden_logs_prefix(run)) as server:
             timing["engine_start_s"] = round(time.perf_counter() - started, 3)
             say(f"vLLM ready after {timing['engine_start_s']:.0f} s")
             client = SpoolClient(server.base_url, spool, workers=cfg.requests_in_flight, storage=source.storage)

@@ -8,6 +8,7 @@ from pathlib import Path
 from draftline.engines.sglang_findings import sglang_overlap_finding, sglang_prefill_graph_finding
 from draftline.errors import ConfigError
 from draftline.evaluate import EvalResult, _now, logged_aux_layers
+from draftline.layout import report_prefix, training_record_key
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -202,7 +203,7 @@ TRAINING_PLOT = "training_curves.png"
 
 def training_markdown(training: dict | None, run: str | None) -> list[str]:
     """The training section: final figures and what the curves show, or that the run has no training record."""
-    where = f"`{run}/train/metrics.json`" if run else "the run's train/metrics.json"
+    where = f"`{training_record_key(run)}`" if run else "the run's train/metrics.json"
     lines = ["", "## Training", ""]
     history = (training or {}).get("history") or {}
     if not history.get("train"):
@@ -407,7 +408,7 @@ def training_figure(training: dict, run: str):
 def read_training(store, run: str) -> dict | None:
     """The run's training record (`<run>/train/metrics.json`), None when the run has none (a nightly that
     evaluates a drafter trained elsewhere)."""
-    key = f"{run}/train/metrics.json"
+    key = training_record_key(run)
     if store is None or not store.exists(key):
         return None
     return json.loads(store.get_bytes(key))
@@ -418,7 +419,7 @@ def write_report(results: list[EvalResult], store, run: str) -> dict[str, str]:
     `<run>/eval/report/`; returns {file name: store key}."""
     if not results:
         raise ConfigError("no evaluation results to report; run at least one engine first")
-    prefix = f"{run}/eval/report"
+    prefix = report_prefix(run)
     training = read_training(store, run)
     keys = {}
     with tempfile.TemporaryDirectory(prefix="draftline-report-") as tmp:

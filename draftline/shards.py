@@ -7,15 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftline.errors import ConfigError
+from draftline.layout import stage_prefix
 
 
 def shard_key(run: str, stage: str, index: int, suffix: str) -> str:
-    return f"{run}/{stage}/shard-{index:05d}{suffix}"
+    return f"{stage_prefix(run, stage)}/shard-{index:05d}{suffix}"
 
 
 def _record_key(run: str, stage: str, index: int) -> str:
     # One small record per shard instead of a shared manifest: parallel shard tasks never race on one file.
-    return f"{run}/{stage}/_done/shard-{index:05d}.json"
+    return f"{stage_prefix(run, stage)}/_done/shard-{index:05d}.json"
 
 
 def spec_hash(spec: Any) -> str:
@@ -86,4 +87,4 @@ def shard_records(store, run: str, stage: str, count: int) -> list[ShardRecord]:
 
 def write_stage_manifest(store, run: str, stage: str, records: list[ShardRecord], extra: list[dict] = ()) -> None:
     """Write `<run>/<stage>/manifest.json` listing every shard (key, size, sha256, metadata) plus `extra` entries."""
-    store.write_manifest(f"{run}/{stage}", [r.manifest_entry() for r in records] + list(extra))
+    store.write_manifest(stage_prefix(run, stage), [r.manifest_entry() for r in records] + list(extra))

@@ -7,10 +7,9 @@ from typing import Any, Callable
 
 from draftline.config import EngineConfig, PipelineConfig
 from draftline.errors import ConfigError
+from draftline.layout import (eval_result_key, export_prefix, hidden_manifest_key, reference_result_key,
+                              report_page_key, trace_stats_key, trained_drafter_prefix, training_record_key)
 from draftline.store import Store, open_store
-
-EXPORT_STAGE = "export"
-EVAL_STAGE = "eval"
 
 
 def traces(config: PipelineConfig, store: Store) -> dict:
@@ -66,12 +65,12 @@ def engine_gpus(engine: EngineConfig) -> int:
 
 def stored_trace_stats(config: PipelineConfig, store: Store) -> dict:
     """What the trace stage returned, from the store: its stats.json (written last, after every shard)."""
-    return json.loads(store.get_bytes(f"{config.run}/traces/stats.json"))
+    return json.loads(store.get_bytes(trace_stats_key(config.run)))
 
 
 def hidden_manifest_uri(config: PipelineConfig, store: Store) -> str:
     """The extraction stage's manifest, which exists only once every shard does."""
-    key = f"{config.run}/hidden/manifest.json"
+    key = hidden_manifest_key(config.run)
     if not store.exists(key):
         raise ConfigError(f"{store.uri(key)} does not exist; run the extraction stage for run {config.run!r} first")
     return store.uri(key)
@@ -79,7 +78,7 @@ def hidden_manifest_uri(config: PipelineConfig, store: Store) -> str:
 
 def stored_training(config: PipelineConfig, store: Store) -> dict:
     """What the train-drafter flow returned, from the store: the training summary and the exports."""
-    return {"training": json.loads(store.get_bytes(f"{config.run}/train/metrics.json")),
+    return {"training": json.loads(store.get_bytes(training_record_key(config.run))),
             "exports": stored_exports(config, store)}
 
 
@@ -147,7 +146,7 @@ def trained_aux_layer_ids(config: PipelineConfig, store: Store, exports: dict[st
     """The aux layers the training fed the drafter (vLLM convention), from its metrics.json: the one record every
     export and engine log is checked against. The run's own training first; a run that trained nothing (the
     nightly evaluating a production drafter) reads the record its exports' lineage points at."""
-    key = f"{config.run}/train/metrics.json"
+    key = training_record_key(config.run)
     if store.exists(key):
         source, raw = store.uri(key), store.get_bytes(key)
     else:
@@ -193,7 +192,7 @@ def _lineage_training_record(store: Store, exports: dict[str, str]) -> tuple[str
 
 def engine_result_key(config: PipelineConfig, engine: EngineConfig) -> str:
     """Where an engine's EvalResult lives; a failed evaluation writes its row there too, before it raises."""
-    return f"{config.run}/{EVAL_STAGE}/{engine.engine}/result.json"
+    return eval_result_key(config.run, engine.engine)
 
 
 def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> str:
@@ -201,7 +200,7 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
     from draftline import decode
 
     # The trained checkpoint, not an export: an export bug must show as a parity gap, not cancel out in both.
-    trained = f"{config.run}/train/drafter"
+    trained = trained_drafter_prefix(config.run)
     if store.read_manifest(trained) is not None:
         drafter_dir = store.get_dir(trained)
     else:
@@ -220,7 +219,7 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
 
 def reference_key(config: PipelineConfig) -> str:
     """Where the reference decoder's result lives."""
-    return f"{config.run}/{EVAL_STAGE}/reference/result.json"
+    return reference_result_key(config.run)
 
 
 def report(config: PipelineConfig, store: Store, result_keys: list[str], reference_key: str | None
@@ -284,7 +283,7 @@ def summary_rows(results: list, reference_summary: dict | None) -> list[dict[str
 def report_location(config: PipelineConfig) -> str | None:
     """The store URI of the run's evaluation report, when one was written."""
     store = open_store(config.store.root)
-    key = f"{config.run}/{EVAL_STAGE}/report/report.md"
+    key = report_page_key(config.run)
     return store.uri(key) if store.exists(key) else None
 
 
@@ -332,7 +331,6 @@ def run_stage(name: str, config: PipelineConfig) -> Any:
         data = json.dumps(config.model_dump(mode="json"))
         return subprocess.run([sys.executable, "-m", "flows.pipeline", "--config-json", data])
     store = open_store(config.store.root)
-    run_dir = f"{config.run}"
     if name == "traces":
         out = traces(config, store)
     elif name == "extract":
@@ -347,7 +345,7 @@ def run_stage(name: str, config: PipelineConfig) -> Any:
             keys = [evaluate_engine(config, e, exports, store) for e in config.eval.engines]
             ref = reference(config, exports, store)
         else:
-            keys = [f"{run_dir}/{EVAL_STAGE}/{e.engine}/result.json" for e in config.eval.engines]
+            keys = [eval_result_key(config.run, e.engine) for e in config.eval.engines]
             ref = reference_key(config)
         out = report(config, store, [k for k in keys if store.exists(k)], ref)
         print_summary(config, out)
@@ -362,7 +360,7 @@ def stored_exports(config: PipelineConfig, store: Store) -> dict[str, str]:
     """The exports a previous `export` stage wrote, found by their manifests."""
     found = {}
     for fmt in config.export.formats:
-        prefix = f"{config.run}/{EXPORT_STAGE}/{fmt}"
+        prefix = export_prefix(config.run, fmt)
         if store.read_manifest(prefix) is not None:
             found[fmt] = prefix
     if not found:

@@ -13,11 +13,12 @@ from typing import Iterator
 
 from draftline.config import TracesConfig
 from draftline.errors import ConfigError, EngineError
+from draftline.layout import TRACES_STAGE, trace_stats_key, traces_prefix
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 
 log = logging.getLogger(__name__)
 
-STAGE = "traces"
+STAGE = TRACES_STAGE
 SUFFIX = ".jsonl"
 LENGTH_BINS = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 
@@ -355,7 +356,7 @@ def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str) -> 
         "backend": cfg.backend, "temperature": cfg.temperature, "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
     }
-    stats_key = f"{run}/{STAGE}/stats.json"
+    stats_key = trace_stats_key(run)
     stats_bytes = json.dumps(stats, indent=2).encode()
     store.put_bytes(stats_key, stats_bytes)
     write_stage_manifest(store, run, STAGE, records, [{
@@ -419,9 +420,9 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
 
 def trace_shard_keys(store, run: str) -> list[str]:
     """Keys of the trace shards the stage's manifest lists, in order (shards of an older, larger run are ignored)."""
-    manifest = store.read_manifest(f"{run}/{STAGE}")
+    manifest = store.read_manifest(traces_prefix(run))
     if manifest is None:
-        raise ConfigError(f"{store.uri(run + '/' + STAGE)} has no manifest.json; run trace generation for run {run!r} first")
+        raise ConfigError(f"{store.uri(traces_prefix(run))} has no manifest.json; run trace generation for run {run!r} first")
     return [k for k in manifest.keys() if k.rsplit("/", 1)[-1].startswith("shard-") and k.endswith(SUFFIX)]
 
 

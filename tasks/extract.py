@@ -6,6 +6,7 @@ from prefect import task
 
 from draftline import extract, stages
 from draftline.config import PipelineConfig
+from draftline.layout import hidden_manifest_key
 from tasks.common import CACHED_TASK, store_at, transient_retries
 
 
@@ -23,7 +24,7 @@ def extract_stage(config: PipelineConfig) -> dict:
     store = store_at(config.store.root)
     result = extract.extract_hidden_states(config.extract, config.target.path, store, config.run,
                                            dtype=config.target.dtype)
-    return {**result, "manifest": store.uri(f"{config.run}/{extract.STAGE}/manifest.json")}
+    return {**result, "manifest": store.uri(hidden_manifest_key(config.run))}
 
 
 @task(name="extract-manifest", **CACHED_TASK, **transient_retries())
@@ -31,7 +32,7 @@ def extract_manifest(config: PipelineConfig, shard_results: list[dict]) -> str:
     """Write the stage manifest once every shard exists; returns its store URI."""
     store = store_at(config.store.root)
     extract.finalize_hidden_states(store, config.run, len(shard_results))
-    return store.uri(f"{config.run}/{extract.STAGE}/manifest.json")
+    return store.uri(hidden_manifest_key(config.run))
 
 
 def stored_manifest(config: PipelineConfig) -> str:

@@ -7,6 +7,7 @@ from prefect.runtime import flow_run
 
 from draftline import regression, stages
 from draftline.config import PipelineConfig
+from draftline.layout import regression_prefix
 from tasks.common import publish_link, publish_markdown, publish_table, store_at, transient_retries
 
 
@@ -53,7 +54,7 @@ def publish(config: PipelineConfig, judged: dict, history_prefix: str) -> dict[s
     store = store_at(config.store.root)
     verdict = regression.Verdict.model_validate(judged["verdict"])
     history = regression.History(store, history_prefix)
-    keys = regression.write_comparison(verdict, history, config.regression, store, f"{config.run}/regression")
+    keys = regression.write_comparison(verdict, history, config.regression, store, regression_prefix(config.run))
     state = "REGRESSED" if verdict.regressed else "passed"
     publish_table("nightly-regression-table", regression.comparison_rows(verdict, config.regression),
                   f"nightly regression check ({state}) of drafter {verdict.drafter} on {verdict.target}: tonight "

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from draftline.errors import ConfigError
+from draftline.layout import hidden_prefix
 from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STATE_NAMES, dequantize_rows
 
 _SHARD = re.compile(r"(^|/)shard-\d{5}\.safetensors$")
@@ -20,10 +21,10 @@ _SHARD = re.compile(r"(^|/)shard-\d{5}\.safetensors$")
 
 def hidden_shard_keys(store, run: str) -> list[str]:
     """Sorted keys of `<run>/hidden/shard-NNNNN.safetensors`; an empty stage is an error naming the fix."""
-    keys = [k for k in store.list(f"{run}/hidden/") if _SHARD.search(k)]
+    keys = [k for k in store.list(hidden_prefix(run) + "/") if _SHARD.search(k)]
     if not keys:
         raise ConfigError(
-            f"{store.uri(f'{run}/hidden')}/ holds no hidden-state shards; run the extraction stage for run {run!r} first"
+            f"{store.uri(hidden_prefix(run))}/ holds no hidden-state shards; run the extraction stage for run {run!r} first"
         )
     return keys
 
@@ -43,7 +44,7 @@ def _local_path(store, key: str) -> Path | None:
 
 def hidden_shard_entries(store, run: str, keys: list[str]) -> dict:
     """The extraction stage's manifest entry (size, sha256) of each shard key it lists; {} without a manifest."""
-    manifest = store.read_manifest(f"{run}/hidden")
+    manifest = store.read_manifest(hidden_prefix(run))
     return {} if manifest is None else {k: manifest[k] for k in keys if k in manifest}
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from draftline import layout
 from draftline.drafter.model import LINEAGE_FILE, WEIGHTS_FILE, Eagle3Drafter, check_aux_ids
 from draftline.errors import ConfigError
 from draftline.target import num_layers, read_target_config, reader_convention, target_fingerprint, to_convention
@@ -118,18 +119,20 @@ def _manifest_digest(store, prefix: str) -> dict | None:
 def export_from_store(store, run: str, target_dir, formats=FORMATS, num_speculative_tokens: int = 3,
                       train_prefix: str | None = None) -> dict[str, str]:
     """Export `<run>/train/drafter` to `<run>/export/<format>/` in the store; returns each format's store prefix."""
-    train_prefix = train_prefix or f"{run}/train"
-    if store.read_manifest(f"{train_prefix}/drafter") is None:
-        raise ConfigError(f"{store.uri(train_prefix + '/drafter')} holds no trained drafter; run the training stage first")
-    source = store.get_dir(f"{train_prefix}/drafter")
-    lineage = {"data_manifests": {stage: _manifest_digest(store, f"{run}/{stage}") for stage in ("traces", "hidden")},
-               "training_metrics": store.uri(f"{train_prefix}/metrics.json")}
+    train_prefix = train_prefix or layout.train_prefix(run)
+    trained = layout.trained_drafter_in(train_prefix)
+    if store.read_manifest(trained) is None:
+        raise ConfigError(f"{store.uri(trained)} holds no trained drafter; run the training stage first")
+    source = store.get_dir(trained)
+    lineage = {"data_manifests": {stage: _manifest_digest(store, layout.stage_prefix(run, stage))
+                                  for stage in (layout.TRACES_STAGE, layout.HIDDEN_STAGE)},
+               "training_metrics": store.uri(layout.training_record_in(train_prefix))}
     out = {}
     with tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
         dirs = export_drafter(source, target_dir, tmp, formats, num_speculative_tokens, lineage)
         for fmt, path in dirs.items():
-            store.put_dir(f"{run}/export/{fmt}", path)
-            out[fmt] = f"{run}/export/{fmt}"
+            out[fmt] = layout.export_prefix(run, fmt)
+            store.put_dir(out[fmt], path)
     return out
 
 

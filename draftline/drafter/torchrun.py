@@ -20,6 +20,7 @@ import yaml
 from draftline.config import PipelineConfig, TrainConfig
 from draftline.engines.launch import GUARD, root_cause
 from draftline.errors import ConfigError, TrainingError
+from draftline.layout import training_record_key
 from draftline.store import Store
 from draftline.target import resolve_device
 
@@ -80,7 +81,7 @@ def train_with_torchrun(config: PipelineConfig, store: Store, on_line: Callable[
             proc.stdout.close()
     if code != 0:
         raise training_failure(processes, code, list(kept))
-    return json.loads(store.get_bytes(f"{config.run}/train/metrics.json"))
+    return json.loads(store.get_bytes(training_record_key(config.run)))
 
 
 # torch prefixes the lines of a rank's uncaught exception with "[rankN]: ".

@@ -30,14 +30,13 @@ from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.drafter.warm_start import warm_start, warm_start_config
 from draftline.errors import ConfigError
+from draftline.layout import train_prefix, trained_drafter_in, training_record_in
 from draftline.progress import progress_step
 from draftline.target import resolve_device
 
 log = logging.getLogger("draftline.drafter.train")
 # Validation sequences the final decode-schedule replay covers: enough for a stable mean, seconds on a CPU.
 REPLAY_SEQUENCES = 128
-
-STAGE = "train"
 
 
 # ---- target weights ----------------------------------------------------------------------------------------
@@ -145,7 +144,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     """
     drafter_cfg = drafter_cfg or DrafterConfig()
     cfg = cfg or TrainConfig()
-    prefix = out_prefix or f"{run}/{STAGE}"
+    prefix = out_prefix or train_prefix(run)
     device = train_device(cfg.device)
     d = init_distributed(device.type)
     if cfg.num_threads:
@@ -329,10 +328,10 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                "final_val": history["val"][-1] if history["val"] else None, "vocab": vocab_report.to_dict(),
                "aux_layer_ids": aux_ids, "convention": "vllm", "warm_start": warm, "world_size": d.world, "resumed_from": resumed_from,
                "fingerprint": fingerprint, "train_shards": train_keys, "val_shards": val_keys,
-               "history": history, "drafter": store.uri(f"{prefix}/drafter"), "weights_digest": weights_digest(model)}
+               "history": history, "drafter": store.uri(trained_drafter_in(prefix)), "weights_digest": weights_digest(model)}
     if d.main:
         publish_drafter(store, prefix, model, summary, target_dir, run)
-        store.put_bytes(f"{prefix}/metrics.json", json.dumps(summary, indent=1).encode())
+        store.put_bytes(training_record_in(prefix), json.dumps(summary, indent=1).encode())
     barrier(d)
     return summary
 
@@ -368,7 +367,7 @@ def publish_drafter(store, prefix: str, model: Eagle3Drafter, summary: dict, tar
                    "aux_layer_ids_vllm": model.config.aux_layer_ids,
                    "target_num_layers": model.config.target_num_layers, "code_version": code_version()}
         Path(tmp, LINEAGE_FILE).write_text(json.dumps(lineage, indent=2) + "\n")
-        store.put_dir(f"{prefix}/drafter", tmp)
+        store.put_dir(trained_drafter_in(prefix), tmp)
 
 
 def code_version() -> str:

@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from draftline.errors import ConfigError
 from draftline.evaluate import EvalResult
+from draftline.layout import eval_result_key, export_prefix, report_results_key
 
 
 class ProductionDrafter(BaseModel):
@@ -72,7 +73,7 @@ def production_drafter(uri: str, formats: list[str], store, run: str) -> Product
             exports[fmt] = f"{inside}/{fmt}" if inside else fmt
             continue
         # Elsewhere, or without the manifest the evaluation verifies against: tonight's run gets a verified copy.
-        dest = f"{run}/export/{fmt}"
+        dest = export_prefix(run, fmt)
         if copy_tree(source, fmt, store, dest) is None:
             store.write_manifest(dest, [k for k in store.list(dest + "/") if not k.endswith("/manifest.json")])
         exports[fmt] = dest
@@ -89,18 +90,18 @@ def load_results(store, run: str, engines: list[str], target: str, prompt_set: s
     """Each engine's EvalResult of an evaluation run: the report's results.json (with parity) first, else the
     engine's own result.json; an engine with neither is a failed result (it crashed before writing one)."""
     found: dict[str, EvalResult] = {}
-    report_key = f"{run}/eval/report/results.json"
+    report_key = report_results_key(run)
     if store.exists(report_key):
         for item in json.loads(store.get_bytes(report_key)):
             r = EvalResult.model_validate(item)
             found.setdefault(r.engine, r)
     out = []
     for engine in engines:
-        if engine not in found and store.exists(f"{run}/eval/{engine}/result.json"):
-            found[engine] = EvalResult.model_validate_json(store.get_bytes(f"{run}/eval/{engine}/result.json"))
+        if engine not in found and store.exists(eval_result_key(run, engine)):
+            found[engine] = EvalResult.model_validate_json(store.get_bytes(eval_result_key(run, engine)))
         out.append(found.get(engine) or EvalResult(
             run=run, engine=engine, engine_version=None, status="failed",
-            reason=(f"no result at {store.uri(f'{run}/eval/{engine}/result.json')}: the evaluation stopped before "
+            reason=(f"no result at {store.uri(eval_result_key(run, engine))}: the evaluation stopped before "
                     f"writing one ({missing_reason or 'see its flow run log'})"),
             hardware="unknown", target=target, target_path="", drafter=drafter, drafter_path="",
             drafter_lineage=drafter_lineage or {}, prompt_set=prompt_set, num_speculative_tokens=k))

@@ -1,0 +1,112 @@
+"""Where each stage's artifacts live under a run in the store."""
+from __future__ import annotations
+
+TRACES_STAGE = "traces"
+HIDDEN_STAGE = "hidden"
+TRAIN_STAGE = "train"
+EXPORT_STAGE = "export"
+EVAL_STAGE = "eval"
+REGRESSION_STAGE = "regression"
+
+TRAINING_RECORD = "metrics.json"
+TRAINED_DRAFTER = "drafter"
+
+
+def stage_prefix(run: str, stage: str) -> str:
+    """`<run>/<stage>`: the folder of one stage's artifacts (its shards, completion records and manifest)."""
+    return f"{run}/{stage}"
+
+
+def traces_prefix(run: str) -> str:
+    """`<run>/traces`: the trace shards and their manifest."""
+    return stage_prefix(run, TRACES_STAGE)
+
+
+def trace_stats_key(run: str) -> str:
+    """`<run>/traces/stats.json`: what the trace stage returned, written after every shard."""
+    return f"{traces_prefix(run)}/stats.json"
+
+
+def hidden_prefix(run: str) -> str:
+    """`<run>/hidden`: the hidden-state shards and their manifest."""
+    return stage_prefix(run, HIDDEN_STAGE)
+
+
+def hidden_manifest_key(run: str) -> str:
+    """`<run>/hidden/manifest.json`: exists only once every hidden-state shard does."""
+    return f"{hidden_prefix(run)}/manifest.json"
+
+
+def hidden_plan_key(run: str) -> str:
+    """`<run>/hidden/_plan.json`: the cached grouping of traces into hidden-state shards."""
+    return f"{hidden_prefix(run)}/_plan.json"
+
+
+def hidden_logs_prefix(run: str) -> str:
+    """`<run>/hidden/logs`: the capturing vLLM server's logs."""
+    return f"{hidden_prefix(run)}/logs"
+
+
+def train_prefix(run: str) -> str:
+    """`<run>/train`: checkpoints, the training record and the trained drafter."""
+    return stage_prefix(run, TRAIN_STAGE)
+
+
+def training_record_in(prefix: str) -> str:
+    """`<prefix>/metrics.json`: the training record under a training output prefix."""
+    return f"{prefix}/{TRAINING_RECORD}"
+
+
+def trained_drafter_in(prefix: str) -> str:
+    """`<prefix>/drafter`: the trained drafter under a training output prefix."""
+    return f"{prefix}/{TRAINED_DRAFTER}"
+
+
+def training_record_key(run: str) -> str:
+    """`<run>/train/metrics.json`: the run's training record."""
+    return training_record_in(train_prefix(run))
+
+
+def trained_drafter_prefix(run: str) -> str:
+    """`<run>/train/drafter`: the run's trained drafter, before any export."""
+    return trained_drafter_in(train_prefix(run))
+
+
+def export_prefix(run: str, fmt: str) -> str:
+    """`<run>/export/<fmt>`: the drafter exported in one engine's format."""
+    return f"{stage_prefix(run, EXPORT_STAGE)}/{fmt}"
+
+
+def eval_prefix(run: str, engine: str) -> str:
+    """`<run>/eval/<engine>`: one engine's evaluation (result, logs, raw responses)."""
+    return f"{stage_prefix(run, EVAL_STAGE)}/{engine}"
+
+
+def eval_result_key(run: str, engine: str) -> str:
+    """`<run>/eval/<engine>/result.json`: one engine's EvalResult."""
+    return f"{eval_prefix(run, engine)}/result.json"
+
+
+def reference_result_key(run: str) -> str:
+    """`<run>/eval/reference/result.json`: the reference decoder's acceptance."""
+    return eval_result_key(run, "reference")
+
+
+def report_prefix(run: str) -> str:
+    """`<run>/eval/report`: the evaluation report's page, plots and results."""
+    return f"{stage_prefix(run, EVAL_STAGE)}/report"
+
+
+def report_page_key(run: str) -> str:
+    """`<run>/eval/report/report.md`: the evaluation report's markdown page."""
+    return f"{report_prefix(run)}/report.md"
+
+
+def report_results_key(run: str) -> str:
+    """`<run>/eval/report/results.json`: every engine's EvalResult as the report shows it (with parity)."""
+    return f"{report_prefix(run)}/results.json"
+
+
+def regression_prefix(run: str) -> str:
+    """`<run>/regression`: the nightly's comparison page, figures and plot."""
+    return stage_prefix(run, REGRESSION_STAGE)
