@@ -45,7 +45,8 @@ def _engine_deployment_run(config: PipelineConfig, engine: EngineConfig, exports
 @flow(name="evaluate", log_prints=True)
 def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: EngineRuns = "in-process",
              stage_runs: StageRuns = "in-process") -> dict:
-    """The reference decoder, then every engine in parallel, then parity and the report.
+    """Each engine's export checked against the training record, the reference decoder, then every engine in
+    parallel, then parity and the report.
 
     The reference runs first, not beside the engines: it times plain against speculative decoding, and on a
     machine that also serves an engine both timings would measure the contention. With stage_runs "deployments"
