@@ -271,6 +271,9 @@ class EvalConfig(Strict):
     use_chat_template: bool = True
     engines: list[EngineConfig] = [EngineConfig(engine="vllm"), EngineConfig(engine="sglang")]
     reference: ReferenceConfig = ReferenceConfig()
+    # false: one engine's evaluation after the other. For engines that share a GPU (one machine serving both), where
+    # servers running at once would time each other's contention and share its memory.
+    engines_in_parallel: bool = True
     # "auto": set from what wrong aux-layer ids cost this target (reference.aux_shifts) and the measured spread;
     # a number fixes it.
     parity_threshold: float | Literal["auto"] = "auto"

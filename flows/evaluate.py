@@ -46,7 +46,7 @@ def _engine_deployment_run(config: PipelineConfig, engine: EngineConfig, exports
 def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: EngineRuns = "in-process",
              stage_runs: StageRuns = "in-process") -> dict:
     """Each engine's export checked against the training record, the reference decoder, then every engine in
-    parallel, then parity and the report.
+    parallel (or one after the other, eval.engines_in_parallel: false), then parity and the report.
 
     The reference runs first, not beside the engines: it times plain against speculative decoding, and on a
     machine that also serves an engine both timings would measure the contention. With stage_runs "deployments"
@@ -66,15 +66,21 @@ def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: Engin
             reference = deployed.reference_acceptance(config, exports)
         else:
             reference = eval_tasks.reference_acceptance(config, exports)
-    if engine_runs == "deployments":
-        futures = [_engine_deployment_run(config, e, exports) for e in engines]
-        # A child that did not complete fails its task; the engine's row and the run's failure name it.
-        failures = [f.result(raise_on_failure=False) for f in futures]
-        failures = [EngineError(str(x), transient=False) if isinstance(x, BaseException) else None for x in failures]
+    def start(engine: EngineConfig):
+        if engine_runs == "deployments":
+            return _engine_deployment_run(config, engine, exports)
+        return eval_tasks.evaluate_engine.submit(config, engine, exports)
+
+    if config.eval.engines_in_parallel:
+        futures = [start(e) for e in engines]
+        outcomes = [f.result(raise_on_failure=False) for f in futures]
     else:
-        futures = [eval_tasks.evaluate_engine.submit(config, e, exports) for e in engines]
-        failures = [f.result(raise_on_failure=False) for f in futures]
-        failures = [x if isinstance(x, BaseException) else None for x in failures]
+        outcomes = [start(e).result(raise_on_failure=False) for e in engines]
+    if engine_runs == "deployments":
+        # A child that did not complete fails its task; the engine's row and the run's failure name it.
+        failures = [EngineError(str(x), transient=False) if isinstance(x, BaseException) else None for x in outcomes]
+    else:
+        failures = [x if isinstance(x, BaseException) else None for x in outcomes]
     failures = list(refused.values()) + failures
     # The report carries every engine, a failed one with its root cause; then the run fails with that cause.
     failure = next((f for f in failures if f is not None), None)
