@@ -16,6 +16,11 @@ from draftline.store import check_store_uri
 _SECRET_KEY = re.compile(r"(secret|password|passwd|token_value|access_key|api_key|credentials?)$", re.I)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
+# k, the draft tokens per step, by default; MAX_K bounds k and train.ttt_steps alike, so a training can unroll as deep
+# as any engine may draft.
+DEFAULT_K = 3
+MAX_K = 16
+
 
 class Strict(BaseModel):
     """Base for all config sections: unknown keys are errors, and models are immutable."""
@@ -162,7 +167,7 @@ class DrafterConfig(Strict):
 class TrainConfig(Strict):
     """Drafter training with training-time test (TTT)."""
 
-    ttt_steps: int = Field(7, ge=1, le=16)
+    ttt_steps: int = Field(7, ge=1, le=MAX_K)
     step_weight_decay: float = Field(0.8, gt=0.0, le=1.0)
     learning_rate: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -210,7 +215,7 @@ class EngineConfig(ServerSettings):
     """One engine evaluation: how to launch it and how to load it."""
 
     engine: Literal["vllm", "sglang"]
-    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=MAX_K)
     concurrency: list[int] = [1]
     # Requests per concurrency point, at least (the prompts repeat round-robin): a point of a few waves is noisy.
     # Default: every prompt once, and at least two requests per slot.
@@ -242,7 +247,7 @@ class EngineConfig(ServerSettings):
 class ReferenceConfig(Strict):
     """The engine-independent reference decoder used for parity."""
 
-    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=MAX_K)
     max_prompts: int | None = Field(None, ge=1)
     batch_size: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -288,12 +293,33 @@ class EvalConfig(Strict):
     @model_validator(mode="after")
     def _reference_matches_engines(self):
         ks = {e.num_speculative_tokens for e in self.engines}
-        if ks and self.reference.num_speculative_tokens not in ks:
+        if ks and self.reference_k not in ks:
             raise ValueError(
-                f"reference.num_speculative_tokens={self.reference.num_speculative_tokens} differs from the engines' "
+                f"reference.num_speculative_tokens={self.reference_k} differs from the engines' "
                 f"{sorted(ks)}; parity compares like with like, so set them equal"
             )
         return self
+
+    # The one rule for k. An engine drafts its own num_speculative_tokens (EngineConfig); everything else takes k
+    # from these two, so the exports, the reference decoder and the nightly agree with the engines by construction.
+    @property
+    def reference_k(self) -> int:
+        """k of the reference decoder, and of the nightly's rows for engines that left none: one of the engines'
+        (checked when the config is read), so parity compares like with like."""
+        return self.reference.num_speculative_tokens
+
+    @property
+    def export_k(self) -> int:
+        """k the exports advertise (the speculators format's greedy proposal): the deepest any engine drafts, else
+        the reference decoder's."""
+        return max((e.num_speculative_tokens for e in self.engines), default=self.reference_k)
+
+
+def validated_at(k: int, ttt_steps: int) -> bool:
+    """Whether a drafter trained with `ttt_steps` TTT steps was validated drafting k tokens per step: training
+    unrolls, and validates, every depth up to ttt_steps. Engines may draft deeper; only the offline estimate of
+    acceptance at k needs the training to have validated k."""
+    return k <= ttt_steps
 
 
 class RegressionConfig(Strict):

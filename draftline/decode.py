@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from draftline.config import DEFAULT_K
 from draftline.errors import ConfigError
 from draftline.target import capture_hidden_states, decoder_layers, resolve_device
 
@@ -965,7 +966,7 @@ def load_drafter(drafter_dir: str | Path, target_model, dtype: torch.dtype, devi
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128,
+def reference_acceptance(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_tokens: int = 128,
                          device: str = "auto", dtype: str = "float32", *, temperature: float = 0.0,
                          max_prompts: int | None = None, use_chat_template: bool = True, batch_size: int = 1,
                          seed: int = 0, draft_sampling: str = "greedy", target=None, fast: bool | None = None,
@@ -985,7 +986,7 @@ def reference_acceptance(target_dir, drafter_dir, prompts, k: int = 3, max_new_t
                          other_precision=other_precision).summary()
 
 
-def run_reference(target_dir, drafter_dir, prompts, k: int = 3, max_new_tokens: int = 128, device: str = "auto",
+def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_tokens: int = 128, device: str = "auto",
                   dtype: str = "float32", *, temperature: float = 0.0, max_prompts: int | None = None,
                   use_chat_template: bool = True, batch_size: int = 1, seed: int = 0, draft_sampling: str = "greedy",
                   target=None, fast: bool | None = None, sync_every: int | None = None,

@@ -86,9 +86,8 @@ def export(config: PipelineConfig, store: Store) -> dict[str, str]:
     """Write every configured engine format; returns {format: store prefix of that export directory}."""
     from draftline.drafter import export as export_lib
 
-    k = max((e.num_speculative_tokens for e in config.eval.engines), default=config.eval.reference.num_speculative_tokens)
     return export_lib.export_from_store(store, config.run, config.target.path, config.export.formats,
-                                        num_speculative_tokens=k)
+                                        num_speculative_tokens=config.eval.export_k)
 
 
 def _drafter_dir(store: Store, exports: dict[str, str], fmt: str) -> Path:
@@ -206,7 +205,7 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
     else:
         drafter_dir = _drafter_dir(store, exports, "sglang" if "sglang" in exports else next(iter(exports)))
     summary = decode.reference_acceptance(
-        config.target.path, drafter_dir, config.eval.prompts, k=config.eval.reference.num_speculative_tokens,
+        config.target.path, drafter_dir, config.eval.prompts, k=config.eval.reference_k,
         max_new_tokens=config.eval.max_new_tokens, max_prompts=config.eval.reference.max_prompts or config.eval.max_prompts,
         use_chat_template=config.eval.use_chat_template, device=config.eval.reference.device,
         temperature=config.eval.temperature, batch_size=config.eval.reference.batch_size,

@@ -28,7 +28,7 @@ def judge(config: PipelineConfig, drafter: dict, history_prefix: str, evaluation
     lineage = regression.lineage_name(production.lineage, production.uri.rstrip("/").rsplit("/", 1)[-1])
     results = regression.load_results(
         store, config.run, [e.engine for e in config.eval.engines], config.target.display_name,
-        config.eval.prompts.rsplit("/", 1)[-1], config.eval.reference.num_speculative_tokens,
+        config.eval.prompts.rsplit("/", 1)[-1], config.eval.reference_k,
         drafter=production.uri, drafter_lineage=production.lineage, missing_reason=evaluation_error)
     # The production drafter's own training record (through its lineage), not this run's: it holds the offline
     # estimate the measured acceptance is compared with.

@@ -155,6 +155,19 @@ def test_reference_and_engines_must_draft_the_same_number_of_tokens():
                       "engines": [{"engine": "vllm", "num_speculative_tokens": 3}]}, EvalConfig, "eval")
 
 
+def test_one_rule_gives_the_k_of_the_reference_the_exports_and_the_training_estimate():
+    from draftline.config import validated_at
+
+    cfg = parse_config({"prompts": "p.jsonl", "reference": {"num_speculative_tokens": 3},
+                        "engines": [{"engine": "vllm", "num_speculative_tokens": 3},
+                                    {"engine": "sglang", "num_speculative_tokens": 5}]}, EvalConfig, "eval")
+    assert cfg.reference_k == 3 and cfg.export_k == 5  # exports advertise the deepest engine's k
+    no_engines = parse_config({"prompts": "p.jsonl", "engines": [], "reference": {"num_speculative_tokens": 4}},
+                              EvalConfig, "eval")
+    assert no_engines.export_k == no_engines.reference_k == 4
+    assert validated_at(3, 3) and validated_at(3, 7) and not validated_at(8, 7)
+
+
 def test_three_distinct_aux_layer_ids_are_required():
     data = demo_data()
     data["extract"]["aux_layer_ids"] = [2, 2, 5]

@@ -10,6 +10,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from draftline import layout
+from draftline.config import DEFAULT_K
 from draftline.drafter.model import LINEAGE_FILE, WEIGHTS_FILE, Eagle3Drafter, check_aux_ids
 from draftline.errors import ConfigError
 from draftline.target import num_layers, read_target_config, reader_convention, target_fingerprint, to_convention
@@ -65,7 +66,7 @@ def _speculators_config(model: Eagle3Drafter, target_dir, num_speculative_tokens
 
 
 def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: dict,
-                 num_speculative_tokens: int = 3, include_embeddings: bool = True) -> Path:
+                 num_speculative_tokens: int = DEFAULT_K, include_embeddings: bool = True) -> Path:
     """One engine-format directory: config.json, model.safetensors, draftline.json."""
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is unknown; use one of {list(FORMATS)}")
@@ -94,7 +95,7 @@ def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: d
     return out
 
 
-def export_drafter(drafter_dir, target_dir, out_root, formats=FORMATS, num_speculative_tokens: int = 3,
+def export_drafter(drafter_dir, target_dir, out_root, formats=FORMATS, num_speculative_tokens: int = DEFAULT_K,
                    lineage: dict | None = None) -> dict[str, Path]:
     """Export a trained drafter dir (SGLang/EAGLE layout with draftline.json) into `<out_root>/<format>/` dirs."""
     source = Path(drafter_dir)
@@ -116,7 +117,7 @@ def _manifest_digest(store, prefix: str) -> dict | None:
     return {"uri": store.uri(key), "sha256": hashlib.sha256(store.get_bytes(key)).hexdigest()}
 
 
-def export_from_store(store, run: str, target_dir, formats=FORMATS, num_speculative_tokens: int = 3,
+def export_from_store(store, run: str, target_dir, formats=FORMATS, num_speculative_tokens: int = DEFAULT_K,
                       train_prefix: str | None = None) -> dict[str, str]:
     """Export `<run>/train/drafter` to `<run>/export/<format>/` in the store; returns each format's store prefix."""
     train_prefix = train_prefix or layout.train_prefix(run)
@@ -156,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     store = open_store(cfg.store.root)
-    out = export_from_store(store, cfg.run, cfg.target.path, cfg.export.formats,
-                            cfg.eval.engines[0].num_speculative_tokens if cfg.eval.engines else 3)
+    out = export_from_store(store, cfg.run, cfg.target.path, cfg.export.formats, cfg.eval.export_k)
     print(json.dumps({fmt: store.uri(prefix) for fmt, prefix in out.items()}, indent=2))
     return 0
 

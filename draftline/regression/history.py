@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from draftline.config import validated_at
 from draftline.errors import ConfigError
 from draftline.evaluate import EvalResult
 
@@ -89,7 +90,7 @@ def offline_estimate(training_record: dict[str, Any] | bytes | str | None, k: in
     record = json.loads(training_record) if isinstance(training_record, (bytes, str)) else training_record
     final = record.get("final_val") or {}
     accuracy = final.get("accuracy")
-    if not accuracy or (k is not None and k > len(accuracy)):
+    if not accuracy or (k is not None and not validated_at(k, len(accuracy))):  # one accuracy per TTT step
         return None, None
     by_k = (final.get("replayed") or {}).get("acceptance_length_by_k") or []
     depth = len(accuracy) if k is None else k
