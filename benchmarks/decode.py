@@ -54,7 +54,8 @@ from draftline.decode import SpeculativeDecoder, expected_acceptance, plain_deco
 from draftline.drafter.model import Eagle3Drafter  # noqa: E402
 from draftline.drafter.ttt import TTTModel  # noqa: E402
 from draftline.drafter.vocab import build_vocab, count_tokens  # noqa: E402
-from draftline.target import capture_hidden_states, default_aux_layer_ids  # noqa: E402
+from draftline.aux_ids import default_aux_layer_ids  # noqa: E402
+from draftline.target import capture_hidden_states  # noqa: E402
 
 
 

@@ -50,7 +50,8 @@ from draftline.extract import (  # noqa: E402
 from draftline.state_storage import FP8_E4M3, STORAGES, quantize_slots  # noqa: E402
 from draftline.store import base as store_module  # noqa: E402
 from draftline.store import BackgroundFlush, LocalStore  # noqa: E402
-from draftline.target import decoder_layers, default_aux_layer_ids  # noqa: E402
+from draftline.aux_ids import default_aux_layer_ids  # noqa: E402
+from draftline.target import decoder_layers  # noqa: E402
 
 
 def sync(device):

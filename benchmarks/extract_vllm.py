@@ -94,7 +94,8 @@ def bench_vllm(args) -> dict:
     from draftline.extract_vllm import CapturedTarget, SpoolClient, _capture_shards, check_architecture, write_final_norm
     from draftline.state_storage import bytes_per_token
     from draftline.store import LocalStore
-    from draftline.target import default_aux_layer_ids, read_target_config, target_fingerprint
+    from draftline.aux_ids import default_aux_layer_ids
+    from draftline.target import read_target_config, target_fingerprint
 
     cpu = args.cpu
     seq_len = args.seq_len or (128 if cpu else 2048)

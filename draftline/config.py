@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from draftline.aux_ids import AuxLayerIds
 from draftline.errors import ConfigError
 from draftline.store import check_store_uri
 
@@ -146,8 +147,8 @@ class ExtractConfig(Strict):
     @field_validator("aux_layer_ids")
     @classmethod
     def _three_ids(cls, v):
-        if v is not None and (len(v) != 3 or len(set(v)) != 3 or any(i < 0 for i in v)):
-            raise ValueError(f"{v} must be three distinct non-negative layer ids, e.g. [2, 4, 5]")
+        if v is not None:
+            AuxLayerIds.of(v)  # the range waits for the target's layer count (AuxLayerIds.for_target)
         return v
 
 

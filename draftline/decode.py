@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from draftline.aux_ids import AuxLayerIds, outside
 from draftline.config import DEFAULT_K
 from draftline.errors import ConfigError
 from draftline.target import capture_hidden_states, decoder_layers, resolve_device
@@ -909,7 +910,7 @@ def variant_runs(decoder: "SpeculativeDecoder", batches: Sequence[Sequence[Seque
     another precision (other: its dtype name and a loader of (target, drafter) in it). Each row gives its acceptance
     and `kept_share`, the share of accepted draft tokens per step it keeps: what wrong ids would cost on this target,
     and how far numerics alone move acceptance."""
-    trained = list(decoder.aux_layer_ids)
+    trained = AuxLayerIds.of(decoder.aux_layer_ids)
     base = reference.mean_acceptance_length - 1.0
     num_layers = len(decoder_layers(decoder.model))
 
@@ -927,9 +928,9 @@ def variant_runs(decoder: "SpeculativeDecoder", batches: Sequence[Sequence[Seque
 
     shifted = []
     for shift in shifts:
-        ids = [i + shift for i in trained]
+        ids = trained.shifted(shift)
         row: dict = {"shift": shift, "aux_layer_ids": ids}
-        if not all(0 <= i < num_layers for i in ids):
+        if outside(ids, num_layers):
             shifted.append({**row, "skipped": f"layers {ids} are outside the target's 0..{num_layers - 1}"})
             continue
         shifted.append({**row, **decode(decoder.model, decoder.drafter, ids)})
@@ -937,7 +938,7 @@ def variant_runs(decoder: "SpeculativeDecoder", batches: Sequence[Sequence[Seque
     if other is not None:
         # Loaded afresh: casting the caller's target there and back would not give its weights back bit for bit.
         model, drafter = other[1]()
-        other_row = {"dtype": other[0], **decode(model, drafter, trained)}
+        other_row = {"dtype": other[0], **decode(model, drafter, trained.as_list())}
         del model, drafter
     return shifted, other_row
 

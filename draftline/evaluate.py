@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel
 
+from draftline.aux_ids import AuxLayerIdsError, config_aux_layer_ids, same_layers
 from draftline.config import EngineConfig, EvalConfig
 from draftline.engines.base import Acceptance, EngineAdapter
 from draftline.engines.client import (
@@ -20,8 +21,7 @@ from draftline.engines.client import (
 from draftline.engines.launch import launch
 from draftline.engines.vllm import AUX_LAYERS_FROM_MODEL_DEFAULTS
 from draftline.engines.preflight import (
-    AuxLayerIdsError, EngineUnavailable, aux_layer_ids, check_drafter, drafter_format, engine_convention, preflight,
-    trained_layer_ids,
+    EngineUnavailable, check_drafter, drafter_format, engine_convention, preflight, trained_layer_ids,
 )
 from draftline.errors import ConfigError, EngineError
 from draftline.layout import eval_prefix, eval_result_key
@@ -270,7 +270,7 @@ def likely_causes(result: EvalResult, engine_cfg: EngineConfig | None = None) ->
     logged = logged_aux_layers(result, lineage)
     if logged and logged[1]:
         causes.append(logged[0])
-    if config and not config.get("speculators_config") and not aux_layer_ids(config):
+    if config and not config.get("speculators_config") and not config_aux_layer_ids(config):
         causes.append("the drafter config has no eagle_aux_hidden_state_layer_ids, so the engine guessed its "
                       "default layers")
     convention = lineage.get("convention")
@@ -332,7 +332,7 @@ def logged_aux_layers(result: EvalResult, lineage: dict | None = None) -> tuple[
     fell_back = facts.get("aux_hidden_state_layers_from") == AUX_LAYERS_FROM_MODEL_DEFAULTS
     not_read = (f"{result.engine} did not read the layer ids in the drafter's config (vLLM 0.25's GPU model runner "
                 "reads them only at the config's top level, where draftline's vLLM export now writes them too)")
-    if sorted(used) == sorted(trained):  # vLLM sorts the ids it is given
+    if same_layers(used, trained):
         said += f", the layers the drafter was trained on in {result.engine}'s convention"
         if fell_back:
             said += (f", but only because those are also the target's defaults: {not_read}; harmless here, but a "

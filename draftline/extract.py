@@ -15,14 +15,15 @@ import torch
 
 if TYPE_CHECKING:  # the benchmark runs this module on GPU machines that have torch and transformers only
     from draftline.config import ExtractConfig
+from draftline.aux_ids import VLLM, AuxLayerIds
 from draftline.errors import ConfigError, ShardWriteError, is_transient
 from draftline.layout import HIDDEN_STAGE, hidden_plan_key, traces_prefix
 from draftline.safetensors_io import safetensors_chunks
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 from draftline.state_storage import BF16, FP8_DTYPE, FP8_E4M3, SCALE_SUFFIX, bytes_per_token, quantize_rows
 from draftline.target import (
-    VLLM, capture_hidden_states, decoder_model, load_target, num_layers, read_target_config, resolve_device,
-    target_fingerprint, validate_aux_layer_ids,
+    capture_hidden_states, decoder_model, load_target, num_layers, read_target_config, resolve_device,
+    target_fingerprint,
 )
 
 STAGE = HIDDEN_STAGE
@@ -218,7 +219,7 @@ class HiddenStateExtractor:
             raise ConfigError("HiddenStateExtractor needs a target directory or a loaded model; pass target_dir")
         # Validate ids against the config before loading any weights.
         depth = num_layers(read_target_config(self.target_dir)) if self.target_dir else num_layers(model)
-        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, depth)
+        self.aux_layer_ids = AuxLayerIds.for_target(aux_layer_ids, depth).as_list()
         self.device = torch.device(resolve_device(device, "extract.device"))
         self.model = model if model is not None else load_target(self.target_dir, dtype, self.device)[0]
         self.decoder = decoder_model(self.model)
@@ -425,7 +426,7 @@ class _Stage:
     def __init__(self, cfg: ExtractConfig, target_dir, store, run, dtype, model=None):
         self.cfg, self.target_dir, self.store, self.run, self.dtype = cfg, str(target_dir), store, run, dtype
         # Cheap checks first: bad layer ids fail before traces are read or weights loaded.
-        validate_aux_layer_ids(cfg.aux_layer_ids, num_layers(self.target_dir))
+        AuxLayerIds.for_target(cfg.aux_layer_ids, num_layers(self.target_dir))
         self.entries = {e.key: e for e in trace_entries(store, run)}
         self.trace_sha = {k: e.sha256 for k, e in self.entries.items()}
         self.plans = plan_hidden_shards(cfg, store, run)

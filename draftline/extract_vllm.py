@@ -18,6 +18,7 @@ from typing import Callable
 import httpx
 import torch
 
+from draftline.aux_ids import VLLM, AuxLayerIds
 from draftline.config import ExtractConfig, ServerSettings
 from draftline.errors import ConfigError, EngineError
 from draftline.extract import (
@@ -28,9 +29,7 @@ from draftline.layout import hidden_logs_prefix
 from draftline.shards import finished_shard
 from draftline.safetensors_io import map_safetensors
 from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STATE_NAMES
-from draftline.target import (
-    VLLM, final_norm_params, num_layers, read_target_config, target_fingerprint, validate_aux_layer_ids,
-)
+from draftline.target import final_norm_params, num_layers, read_target_config, target_fingerprint
 
 BACKEND = "vllm"
 # How long a finished request's spooled file may take to appear: the connector writes it after the response.
@@ -217,7 +216,7 @@ def extract_with_vllm(cfg: ExtractConfig, target_dir: str | Path, store, run: st
     target_dir = str(target_dir)
     say = progress or (lambda msg: None)
     depth = num_layers(target_dir)
-    aux_ids = validate_aux_layer_ids(cfg.aux_layer_ids, depth)
+    aux_ids = AuxLayerIds.for_target(cfg.aux_layer_ids, depth).as_list()
     check_devices(cfg.vllm, "extract.vllm")
     text = read_target_config(target_dir)
     settings = cfg.vllm.resolved(dtype)

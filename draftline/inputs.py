@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftline.aux_ids import AuxLayerIds
 from draftline.config import PipelineConfig
 from draftline.errors import ConfigError
 
@@ -31,14 +32,14 @@ def _check(report: InputReport, what: str, check) -> None:
 
 
 def _target(config: PipelineConfig) -> str:
-    from draftline.target import _weight_files, num_layers, read_target_config, validate_aux_layer_ids
+    from draftline.target import _weight_files, num_layers, read_target_config
 
     root = Path(config.target.path)
     cfg = read_target_config(root)  # config.json, model_type; text_config for wrappers such as Kimi-K2.5
     if not _weight_files(root):
         raise ConfigError(f"target.path {root} has no weights (*.safetensors); point it at a full checkpoint")
     layers = num_layers(cfg)
-    ids = validate_aux_layer_ids(config.extract.aux_layer_ids, layers)
+    ids = AuxLayerIds.for_target(config.extract.aux_layer_ids, layers).as_list()
     arch = (cfg.get("architectures") or ["?"])[0]
     return f"target.path {root}: {arch}, {layers} layers, aux layers {ids} (vLLM convention)"
 

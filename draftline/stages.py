@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from draftline.aux_ids import VLLM, AuxLayerIds
 from draftline.config import EngineConfig, PipelineConfig
 from draftline.errors import ConfigError
 from draftline.layout import (eval_result_key, export_prefix, hidden_manifest_key, reference_result_key,
@@ -154,11 +155,9 @@ def trained_aux_layer_ids(config: PipelineConfig, store: Store, exports: dict[st
             return None
         source, raw = found
     record = json.loads(raw)
-    if record.get("convention", "vllm") != "vllm":
-        raise ConfigError(f"{source} records aux-layer ids in the {record.get('convention')!r} convention; "
-                          "draftline's training writes vLLM's, so rerun the training stage")
-    ids = record.get("aux_layer_ids")
-    return [int(i) for i in ids] if ids else None
+    ids = AuxLayerIds.stored(record.get("aux_layer_ids") or None, record.get("convention", VLLM), source,
+                             "rerun the training stage")
+    return ids.as_list() if ids else None
 
 
 def lineage_training_record(store: Store, exports: dict[str, str]) -> dict | None:

@@ -1,4 +1,4 @@
-"""Load a target model, capture its aux and final hidden states with hooks, and own the vLLM/SGLang layer-id conventions."""
+"""Load a target model, read its config, and capture its aux and final hidden states with hooks."""
 from __future__ import annotations
 
 import hashlib
@@ -10,20 +10,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from draftline.aux_ids import AuxLayerIds
 from draftline.errors import ConfigError
-
-# The one place that defines what an aux-layer id means.
-#   vLLM id k   = the INPUT of decoder layer k   (= the output of layer k-1; k=0 is the embedding output)
-#   SGLang id k = the OUTPUT of decoder layer k  (SGLang adds +1 internally to reach the same tensor)
-# So the same physical tensor has sglang_id = vllm_id - 1. Everything in draftline stores vLLM ids.
-# SGLang's DeepSeek-V2/V3 model (which Kimi-K2.5 delegates to) adds the +1 only when the first id is 1 and reads any
-# other list as vLLM ids (0.5.14, models/deepseek_v2.py set_eagle3_layers_to_capture): the "sglang-deepseek" convention.
-VLLM = "vllm"
-SGLANG = "sglang"
-SGLANG_DEEPSEEK = "sglang-deepseek"
-CONVENTIONS = (VLLM, SGLANG, SGLANG_DEEPSEEK)
-# Text-model types SGLang serves with its DeepSeek-V2 class (kimi_k2 is its alias for deepseek_v3).
-SGLANG_DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Above this many bytes of weights the fingerprint hashes safetensors headers instead of every byte.
@@ -37,84 +25,6 @@ def resolve_device(device: str, field: str = "device") -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"{field}={device!r} but no CUDA device is visible; use 'auto' or 'cpu'")
     return device
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """The ids every engine falls back to: inputs of layers 2, L//2 and L-3 (vLLM convention)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def vllm_to_sglang(ids: list[int]) -> list[int]:
-    """Same tensors, SGLang's convention ("output of layer k"): one less than vLLM's "input of layer k"."""
-    return [int(i) - 1 for i in ids]
-
-
-def sglang_to_vllm(ids: list[int]) -> list[int]:
-    """Same tensors, vLLM's convention ("input of layer k"): one more than SGLang's "output of layer k"."""
-    return [int(i) + 1 for i in ids]
-
-
-def sglang_convention(target_cfg: dict) -> str:
-    """How SGLang reads aux ids for this target: "sglang-deepseek" for DeepSeek-V2/V3 text models (Kimi-K2.5's
-    included), "sglang" (always +1) for the others."""
-    text = target_cfg.get("text_config", target_cfg)
-    return SGLANG_DEEPSEEK if text.get("model_type") in SGLANG_DEEPSEEK_MODEL_TYPES else SGLANG
-
-
-def reader_convention(reader: str, target_cfg: dict) -> str:
-    """The convention an engine ("vllm", "sglang") or export format ("speculators" too) reads aux ids in."""
-    return sglang_convention(target_cfg) if reader == SGLANG else VLLM
-
-
-def to_convention(vllm_ids: list[int], convention: str) -> list[int]:
-    """Express vLLM-convention ids in `convention` (one of CONVENTIONS)."""
-    ids = [int(i) for i in vllm_ids]
-    if convention == VLLM:
-        return ids
-    if convention == SGLANG:
-        return vllm_to_sglang(ids)
-    if convention == SGLANG_DEEPSEEK:
-        # Lists SGLang's DeepSeek model reads with +1 (first id 1) work in every SGLang; others only in >= 0.5.14.
-        if ids and ids[0] == 2:
-            return vllm_to_sglang(ids)
-        if ids and ids[0] == 1:
-            raise ConfigError(f"aux-layer ids {ids} (vLLM convention) cannot be written for SGLang's DeepSeek-V3 "
-                              "models, which read a first id of 1 as layer 2 and 0 as the embeddings; choose a first "
-                              "aux layer other than 1 in extract.aux_layer_ids")
-        return ids
-    raise ConfigError(f"layer-id convention {convention!r} is unknown; use one of {list(CONVENTIONS)}")
-
-
-def from_convention(ids: list[int], convention: str) -> list[int]:
-    """Turn ids written in `convention` into vLLM-convention ids."""
-    ids = [int(i) for i in ids]
-    if convention == VLLM:
-        return ids
-    if convention == SGLANG:
-        return sglang_to_vllm(ids)
-    if convention == SGLANG_DEEPSEEK:
-        return sglang_to_vllm(ids) if ids and ids[0] == 1 else ids
-    raise ConfigError(f"layer-id convention {convention!r} is unknown; use one of {list(CONVENTIONS)}")
-
-
-def validate_aux_layer_ids(ids: list[int] | None, num_layers: int, field: str = "extract.aux_layer_ids") -> list[int]:
-    """Return the vLLM-convention ids to capture (defaults when None), or raise one sentence naming the fix."""
-    if num_layers < 3:
-        raise ConfigError(f"the target has {num_layers} decoder layers; EAGLE-3 needs three distinct aux layers, so use a target with at least 3")
-    fix = f"set {field} to three distinct layer-input ids between 0 and {num_layers - 1} (vLLM convention)"
-    if ids is None:
-        chosen = default_aux_layer_ids(num_layers)
-        if len(set(chosen)) != 3 or not all(0 <= i < num_layers for i in chosen):
-            raise ConfigError(f"the default aux layers {chosen} (inputs of 2, L//2, L-3) are not three distinct layers "
-                              f"of a {num_layers}-layer target; {fix}")
-        return sorted(chosen)
-    chosen = [int(i) for i in ids]
-    bad = [i for i in chosen if not 0 <= i < num_layers]
-    if bad:
-        raise ConfigError(f"{field}={chosen} has ids {bad} out of range for a target with {num_layers} layers; {fix}")
-    if len(chosen) != 3 or len(set(chosen)) != 3:
-        raise ConfigError(f"{field}={chosen} is not three distinct layers; {fix}")
-    return sorted(chosen)
 
 
 def read_target_config(path: str | Path) -> dict:
@@ -234,7 +144,7 @@ def capture_hidden_states(
     nothing else is kept, unlike output_hidden_states=True which holds every layer.
     """
     layers = decoder_layers(model)
-    ids = validate_aux_layer_ids(aux_layer_ids, len(layers))
+    ids = AuxLayerIds.for_target(aux_layer_ids, len(layers)).ids
     handles = []
 
     def pre_hook(name):

@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the pipeline locally (ephemeral Prefect API unless PREFECT_API_URL is set) and print the final table."""
     import argparse
 
+    from draftline.aux_ids import AuxLayerIdsError
     from draftline.cli import load_with_overrides
-    from draftline.engines.preflight import AuxLayerIdsError
     from draftline.errors import DraftlineError, EngineError
     from draftline.inputs import check_inputs
     from draftline.stages import print_summary, report_location

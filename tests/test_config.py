@@ -48,7 +48,7 @@ def test_the_llama_example_runs_every_stage_on_one_gpu(tmp_path):
     Llama-3.1-8B-Instruct's (its config.json; the weights are not read)."""
     from draftline import stages
     from draftline.extract_vllm import check_devices
-    from draftline.target import default_aux_layer_ids
+    from draftline.aux_ids import default_aux_layer_ids
 
     path = ROOT / "configs" / "llama-3.1-8b.yaml"
     cfg = load_config(path)

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftline.aux_ids import sglang_convention
 from draftline.demo import kimi
 from draftline.drafter.train import load_target_head
 from draftline.engines.preflight import check_architecture, check_drafter_target_fields
 from draftline.errors import ConfigError
-from draftline.target import decoder_layers, load_target, num_layers, sglang_convention
+from draftline.target import decoder_layers, load_target, num_layers
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 KIMI, DEEPSEEK = ASSETS / "demo-kimi", ASSETS / "demo-deepseek"

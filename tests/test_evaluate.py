@@ -394,10 +394,10 @@ def test_likely_causes_lead_with_the_layers_the_engine_says_it_used(tmp_path):
     from draftline.evaluate import likely_causes
     from draftline.report import engine_log_findings
 
-    from draftline.engines.preflight import aux_layer_ids
+    from draftline.aux_ids import config_aux_layer_ids
 
     drafter = _drafter(tmp_path, "vllm")
-    trained = list(aux_layer_ids(json.loads((drafter / "config.json").read_text())))
+    trained = list(config_aux_layer_ids(json.loads((drafter / "config.json").read_text())))
     lineage = json.loads((drafter / LINEAGE_FILE).read_text())
     (drafter / LINEAGE_FILE).write_text(json.dumps({**lineage, "aux_layer_ids_vllm": trained}))  # as export writes it
     shifted = tuple(i - 1 for i in trained)
@@ -419,14 +419,14 @@ def test_likely_causes_lead_with_the_layers_the_engine_says_it_used(tmp_path):
 def test_layers_the_engine_logs_against_the_trained_ones_are_the_verdict_whatever_the_parity(tmp_path):
     """On small targets a neighbouring layer costs a few percent of acceptance, so parity can read 1.10 with the
     wrong layers; the engine's own log is the verdict then, in the table, the report's first lines and the nightly."""
+    from draftline.aux_ids import config_aux_layer_ids
     from draftline.config import RegressionConfig
-    from draftline.engines.preflight import aux_layer_ids
     from draftline.evaluate import with_parity
     from draftline.report import report_markdown
     from draftline.regression import figures_of, judge
 
     drafter = _drafter(tmp_path, "vllm")
-    trained = list(aux_layer_ids(json.loads((drafter / "config.json").read_text())))
+    trained = list(config_aux_layer_ids(json.loads((drafter / "config.json").read_text())))
     lineage = json.loads((drafter / LINEAGE_FILE).read_text())
     (drafter / LINEAGE_FILE).write_text(json.dumps({**lineage, "aux_layer_ids_vllm": trained}))
     result = _result(drafter, accepted_pp=(0.6, 0.3, 0.2))

@@ -1,4 +1,5 @@
-"""target.py: loading, the vLLM/SGLang layer-id conventions, and hooks that capture exactly the right tensors."""
+"""target.py and aux_ids.py: loading, the vLLM/SGLang layer-id conventions, and hooks that capture exactly the right
+tensors."""
 from __future__ import annotations
 
 import json
@@ -8,32 +9,53 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftline.errors import ConfigError
-from draftline.target import (
-    capture_hidden_states, decoder_layers, default_aux_layer_ids, from_convention, load_target, num_layers,
-    sglang_to_vllm, target_fingerprint, to_convention, validate_aux_layer_ids, vllm_to_sglang,
+from draftline.aux_ids import (
+    AuxLayerIds, config_aux_layer_ids, default_aux_layer_ids, from_convention, outside, same_layers, sglang_to_vllm,
+    to_convention, vllm_to_sglang,
 )
+from draftline.errors import ConfigError
+from draftline.target import capture_hidden_states, decoder_layers, load_target, num_layers, target_fingerprint
 
 
 @given(st.integers(min_value=7, max_value=4096))
 def test_default_ids_are_three_distinct_layer_inputs_for_every_depth(L):
     ids = default_aux_layer_ids(L)
     assert ids == [2, L // 2, L - 3]
-    assert validate_aux_layer_ids(None, L) == ids  # ascending, distinct, in range
+    assert AuxLayerIds.for_target(None, L).as_list() == ids  # ascending, distinct, in range
     # SGLang's view of the same tensors is one less; the round trip is the identity.
     assert vllm_to_sglang(ids) == [1, L // 2 - 1, L - 4]
     assert sglang_to_vllm(vllm_to_sglang(ids)) == ids
     assert from_convention(to_convention(ids, "sglang"), "sglang") == ids
 
 
+def test_aux_layer_ids_hold_three_distinct_vllm_ids_and_convert_only_at_an_engines_edge():
+    ids = AuxLayerIds.read([1, 3, 5], "sglang")  # an SGLang export's ids: outputs of layers 1, 3, 5
+    assert ids.as_list() == [2, 4, 6] and ids.written("sglang") == [1, 3, 5] and ids.written("vllm") == [2, 4, 6]
+    for bad in ([2, 2, 5], [2, 4], [-1, 2, 3]):
+        with pytest.raises(ConfigError, match="three distinct non-negative"):
+            AuxLayerIds.of(bad)
+    with pytest.raises(ConfigError, match="contradict a target with 6 layers"):
+        ids.check_fits(6)
+    assert ids.shifted(-1) == [1, 3, 5] and outside([-1, 2, 7], 7) == [-1, 7] and outside([-1, 2], 7, "sglang") == []
+    assert same_layers([5, 2, 4], [2, 4, 5]) and not same_layers([2, 4, 5], [1, 4, 5])
+    with pytest.raises(ConfigError, match="records aux-layer ids in the 'sglang' convention"):
+        AuxLayerIds.stored([1, 3, 5], "sglang", "metrics.json", "rerun the training stage")
+    assert AuxLayerIds.stored(None, "vllm", "metrics.json", "") is None
+    # Where the engines look: eagle_config first (SGLang), then the top level (vLLM's V2 runner, speculators).
+    assert config_aux_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
+                                 "eagle_aux_hidden_state_layer_ids": [2, 4, 6]}) == [1, 3, 5]
+    assert config_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}) == [2, 4, 6]
+    assert config_aux_layer_ids({"eagle_config": {}}) is None
+
+
 def test_three_layer_target_defaults_to_all_layers():
-    assert validate_aux_layer_ids(None, 3) == [0, 1, 2]  # (2, 1, 0) in ascending order
+    assert AuxLayerIds.for_target(None, 3).as_list() == [0, 1, 2]  # (2, 1, 0) in ascending order
 
 
 @given(st.sampled_from([1, 2, 4, 5, 6]))
 def test_shallow_targets_need_explicit_ids_and_say_so(L):
     with pytest.raises(ConfigError) as err:
-        validate_aux_layer_ids(None, L)
+        AuxLayerIds.for_target(None, L)
     msg = str(err.value)
     assert "\n" not in msg
     assert ("set extract.aux_layer_ids" in msg) if L >= 3 else ("at least 3" in msg)
@@ -78,7 +100,7 @@ def test_hooks_capture_the_same_tensors_as_output_hidden_states_on_both_targets(
     for kind, path in target_dirs.items():
         model, tok = load_target(path, "bfloat16", "cpu")
         L = num_layers(model)
-        ids = validate_aux_layer_ids(None, L)
+        ids = AuxLayerIds.for_target(None, L).as_list()
         captured = {}
         batch = torch.randint(5, tok.vocab_size, (2, 12))
         with torch.no_grad(), capture_hidden_states(model, ids, lambda n, h: captured.__setitem__(n, h.clone())):
@@ -96,11 +118,11 @@ def test_hooks_capture_the_same_tensors_as_output_hidden_states_on_both_targets(
 
 def test_ids_out_of_range_fail_with_one_sentence_naming_the_field():
     with pytest.raises(ConfigError) as err:
-        validate_aux_layer_ids([2, 4, 8], 8)
+        AuxLayerIds.for_target([2, 4, 8], 8)
     msg = str(err.value)
     assert "extract.aux_layer_ids=[2, 4, 8]" in msg and "between 0 and 7" in msg and "\n" not in msg
     with pytest.raises(ConfigError, match="three distinct"):
-        validate_aux_layer_ids([2, 2, 5], 8)
+        AuxLayerIds.for_target([2, 2, 5], 8)
 
 
 def test_target_dir_without_config_fails_with_one_sentence(tmp_path):

@@ -10,10 +10,11 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from draftline import layout
+from draftline.aux_ids import AuxLayerIds, reader_convention
 from draftline.config import DEFAULT_K
-from draftline.drafter.model import LINEAGE_FILE, WEIGHTS_FILE, Eagle3Drafter, check_aux_ids
+from draftline.drafter.model import LINEAGE_FILE, WEIGHTS_FILE, Eagle3Drafter
 from draftline.errors import ConfigError
-from draftline.target import num_layers, read_target_config, reader_convention, target_fingerprint, to_convention
+from draftline.target import num_layers, read_target_config, target_fingerprint
 
 FORMATS = ("vllm", "sglang", "speculators")
 
@@ -23,7 +24,7 @@ def check_target(model: Eagle3Drafter, target_dir) -> dict:
     cfg = read_target_config(target_dir)
     text = cfg.get("text_config", cfg)
     layers = num_layers(cfg)
-    check_aux_ids(model.config.aux_layer_ids, layers)
+    AuxLayerIds.of(model.config.aux_layer_ids).check_fits(layers)
     for ours, theirs, what in ((model.config.target_hidden_size, text.get("hidden_size"), "hidden_size"),
                                (model.config.vocab_size, text.get("vocab_size"), "vocab_size")):
         if theirs is not None and ours != theirs:
@@ -85,9 +86,9 @@ def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: d
     else:
         model.save_pretrained(out, convention=convention, include_embeddings=include_embeddings)
         config = json.loads((out / "config.json").read_text())
-    ids = to_convention(model.config.aux_layer_ids, convention)
-    record = {**lineage, "format": fmt, "convention": convention, "aux_layer_ids": ids,
-              "aux_layer_ids_vllm": list(model.config.aux_layer_ids),
+    ids = AuxLayerIds.of(model.config.aux_layer_ids)
+    record = {**lineage, "format": fmt, "convention": convention, "aux_layer_ids": ids.written(convention),
+              "aux_layer_ids_vllm": ids.as_list(),
               "draft_vocab_size": model.config.draft_vocab_size, "target_hidden_size": model.config.target_hidden_size,
               "has_d2t": model.config.draft_vocab_size < model.config.vocab_size,
               "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

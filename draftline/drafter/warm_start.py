@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
+from draftline.aux_ids import config_aux_layer_ids, same_layers, sglang_convention
 from draftline.config import DrafterConfig
-from draftline.drafter.model import (MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_aux_layer_ids,
-                                     config_for_target, target_rope_theta)
+from draftline.drafter.model import (MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_for_target,
+                                     target_rope_theta)
 from draftline.errors import ConfigError
 
 
@@ -53,8 +54,6 @@ def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bo
     """Copy weights from an existing SGLang/EAGLE drafter dir; its vocabulary replaces ours unless `remap`. A drafter
     without draftline.json has its ids read as SGLang reads them for this target; one that names no ids (many public
     drafters) starts this run's layers, and the record says so."""
-    from draftline.target import sglang_convention
-
     old = Eagle3Drafter.from_pretrained(source, convention=sglang_convention(target_cfg), embed_tokens=embed,
                                         assume_aux_layer_ids=model.config.aux_layer_ids)
     ours, theirs = model.config, old.config
@@ -66,7 +65,7 @@ def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bo
                 f"warm start {source} has {name}={getattr(theirs, name)} but this drafter needs {getattr(ours, name)}; "
                 "start from a drafter made for the same target, or train from scratch"
             )
-    if named and sorted(theirs.aux_layer_ids) != sorted(ours.aux_layer_ids):
+    if named and not same_layers(theirs.aux_layer_ids, ours.aux_layer_ids):
         raise ConfigError(
             f"warm start {source} reads aux layers {theirs.aux_layer_ids} (vLLM convention) but the hidden states were "
             f"extracted at {ours.aux_layer_ids}; extract with extract.aux_layer_ids={theirs.aux_layer_ids}"

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Literal
 
+from draftline.aux_ids import (AuxLayerIdsError, config_aux_layer_ids, default_aux_layer_ids, outside, reader_convention,
+                               same_layers, to_convention)
 from draftline.config import EngineConfig, ServerSettings
 from draftline.engines.registry import engine_version, sglang_supports_eagle3, vllm_supports_eagle3
 from draftline.errors import ConfigError, EngineError
@@ -21,10 +23,6 @@ from draftline.errors import ConfigError, EngineError
 MIN_COMPUTE_CAPABILITY = {"vllm": (7, 0), "sglang": (8, 0)}
 # Export formats each engine loads (the speculators format carries vLLM-convention ids).
 ENGINE_FORMATS = {"vllm": {"vllm", "speculators"}, "sglang": {"sglang"}}
-
-
-class AuxLayerIdsError(ConfigError):
-    """An export whose aux-layer ids the engine would read as other layers than the drafter was trained on."""
 
 
 class EngineUnavailable(EngineError):
@@ -153,18 +151,8 @@ def drafter_format(drafter_dir: Path) -> tuple[dict, dict]:
     return json.loads(cfg_path.read_text()), lineage
 
 
-def aux_layer_ids(config: dict) -> list[int] | None:
-    for holder in (config.get("eagle_config") or {}, config, (config.get("speculators_config") or {})):
-        ids = holder.get("eagle_aux_hidden_state_layer_ids")
-        if ids:
-            return list(ids)
-    return None
-
-
 def engine_convention(engine: str, target_dir: Path | None) -> str:
     """The convention `engine` reads aux ids in for this target (SGLang's depends on the target's family)."""
-    from draftline.target import reader_convention
-
     cfg_path = Path(target_dir) / "config.json" if target_dir is not None else None
     target_cfg = json.loads(cfg_path.read_text()) if cfg_path is not None and cfg_path.is_file() else {}
     return reader_convention(engine, target_cfg)
@@ -174,8 +162,6 @@ def trained_layer_ids(engine: str, lineage: dict, trained_vllm_ids: list[int] | 
                       target_dir: Path | None = None) -> tuple[list[int] | None, str]:
     """The layers the weights were trained on, in `engine`'s convention, and where that comes from: the training
     record when given (it wrote the weights), else the export's draftline.json; (None, "") when neither says."""
-    from draftline.target import to_convention
-
     want = engine_convention(engine, target_dir)
     if trained_vllm_ids:
         return to_convention(trained_vllm_ids, want), "the training record"
@@ -188,15 +174,13 @@ def check_aux_ids_agree(engine: str, drafter_dir: Path, config_ids: list[int], l
                         trained_vllm_ids: list[int] | None, target_dir: Path | None = None) -> None:
     """The ids the engine will read (config.json), the export's lineage and the training record must name the same
     layers; otherwise one sentence naming each value and which to trust (the record: it produced the weights)."""
-    from draftline.target import to_convention
-
     want = engine_convention(engine, target_dir)
     claims = {f"its config.json (what {engine} reads)": list(config_ids)}
     if lineage.get("aux_layer_ids_vllm"):
         claims["its draftline.json"] = to_convention(lineage["aux_layer_ids_vllm"], want)
     if trained_vllm_ids:
         claims["the training record"] = to_convention(trained_vllm_ids, want)
-    if len({tuple(sorted(v)) for v in claims.values()}) <= 1:  # engines sort the ids they read
+    if same_layers(*claims.values()):
         return
     trusted, source = trained_layer_ids(engine, lineage, trained_vllm_ids, target_dir)
     said = "; ".join(f"{where} says {ids}" for where, ids in claims.items())
@@ -222,15 +206,15 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
                           f"not load; pass the {engine} export of this drafter")
     if config.get("speculators_model_type") or config.get("speculators_config"):
         # vLLM reads the speculators layout's top-level ids (vLLM convention); they must name the trained layers too.
-        ids = aux_layer_ids(config)
+        ids = config_aux_layer_ids(config)
         if ids:
             check_aux_ids_agree(engine, drafter_dir, ids, lineage, trained_vllm_ids, target_dir)
         return lineage
-    ids = aux_layer_ids(config)
+    ids = config_aux_layer_ids(config)
     if not ids:
         raise AuxLayerIdsError(f"drafter {drafter_dir}/config.json: no eagle_aux_hidden_state_layer_ids; the engine would "
                           "silently fall back to its default layers, so re-export with explicit ids")
-    from draftline.target import default_aux_layer_ids, num_layers  # imports torch: only when checking
+    from draftline.target import num_layers  # imports torch: only when checking
 
     check_aux_ids_agree(engine, drafter_dir, ids, lineage, trained_vllm_ids, target_dir)
     top_level = config.get("eagle_aux_hidden_state_layer_ids")
@@ -243,8 +227,7 @@ def check_drafter(engine: str, drafter_dir: Path, target_dir: Path, trained_vllm
     except ConfigError:
         layers = None  # a config without a layer count: the engine's own load says more
     if layers is not None:
-        lo = -1 if want == "sglang" else 0  # only plain SGLang ids start one below vLLM's
-        bad = [i for i in ids if not lo <= i < layers]
+        bad = outside(ids, layers, want)
         if bad:
             raise AuxLayerIdsError(f"drafter {drafter_dir}: aux-layer ids {ids} do not fit a target with {layers} layers "
                               f"({bad} out of range); re-export the drafter for this target")
