@@ -1,16 +1,21 @@
-"""Each pipeline stage as one call on a PipelineConfig: what the CLI runs directly and the Prefect tasks wrap."""
+"""Every stage, shard and nightly step as one call on a PipelineConfig: what the CLI runs and every Prefect task wraps."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from draftline.aux_ids import VLLM, AuxLayerIds
 from draftline.config import EngineConfig, PipelineConfig
 from draftline.errors import ConfigError
 from draftline.layout import (eval_result_key, export_prefix, hidden_manifest_key, reference_result_key,
-                              report_page_key, trace_stats_key, trained_drafter_prefix, training_record_key)
+                              regression_prefix, report_page_key, trace_stats_key, trained_drafter_prefix,
+                              training_record_key)
 from draftline.store import Store, open_store
+
+if TYPE_CHECKING:  # the regression package imports the evaluation's engines: only when a nightly needs it
+    from draftline.evaluate import EvalResult
+    from draftline.regression import ProductionDrafter, Verdict
 
 
 def traces(config: PipelineConfig, store: Store) -> dict:
@@ -25,6 +30,63 @@ def extract(config: PipelineConfig, store: Store) -> dict:
 
     return extract_lib.extract_hidden_states(config.extract, config.target.path, store, config.run,
                                              dtype=config.target.dtype)
+
+
+# The same two stages a shard at a time, as the flows run them where no engine server answers every shard: the
+# stage's own call above when one does (a start costs minutes).
+
+def traces_in_one_server(config: PipelineConfig) -> bool:
+    """Whether the traces come from a vLLM server draftline starts, which answers every shard."""
+    return config.traces.backend == "vllm" and not config.traces.endpoint
+
+
+def trace_shard_count(config: PipelineConfig) -> int:
+    from draftline import traces as trace_lib
+
+    return trace_lib.num_trace_shards(config.traces, trace_lib.load_prompts(config.traces))
+
+
+def trace_shard(config: PipelineConfig, store: Store, shard_index: int) -> dict:
+    """One shard of traces; a shard already published intact is skipped."""
+    from draftline import traces as trace_lib
+
+    return trace_lib.generate_trace_shard(config.traces, config.target.path, trace_lib.load_prompts(config.traces),
+                                          store, config.run, shard_index, dtype=config.target.dtype,
+                                          device=config.traces.device)
+
+
+def finish_traces(config: PipelineConfig, store: Store) -> dict:
+    """Stats and the stage manifest once every trace shard is published; returns the stats."""
+    from draftline import traces as trace_lib
+
+    return trace_lib.finalize_traces(config.traces, trace_lib.load_prompts(config.traces), store, config.run)
+
+
+def extraction_in_one_server(config: PipelineConfig) -> bool:
+    """Whether the hidden states come from a vLLM server, which reads every shard."""
+    return config.extract.backend == "vllm"
+
+
+def hidden_shard_count(config: PipelineConfig, store: Store) -> int:
+    from draftline import extract as extract_lib
+
+    return extract_lib.num_hidden_shards(config.extract, store, config.run)
+
+
+def extract_shard(config: PipelineConfig, store: Store, shard_index: int) -> dict:
+    """Hidden states of one shard of traces; a shard already published intact is skipped."""
+    from draftline import extract as extract_lib
+
+    return extract_lib.extract_shard(config.extract, config.target.path, store, config.run, shard_index,
+                                     dtype=config.target.dtype)
+
+
+def finish_extraction(config: PipelineConfig, store: Store, num_shards: int) -> str:
+    """The stage manifest once every hidden-state shard exists; returns its URI."""
+    from draftline import extract as extract_lib
+
+    extract_lib.finalize_hidden_states(store, config.run, num_shards)
+    return hidden_manifest_uri(config, store)
 
 
 def train(config: PipelineConfig, store: Store, on_line: Callable[[str], None] | None = None) -> dict:
@@ -317,6 +379,62 @@ def _stage_time(row: dict) -> str:
     if row.get("cached"):
         text += " (cached: nothing recomputed)"
     return text
+
+
+def production_drafter(config: PipelineConfig, store: Store, drafter_uri: str) -> ProductionDrafter:
+    """The nightly's drafter: its exports under `drafter_uri` (copied into this run when they live in another store),
+    their fingerprints and lineage; refused when an engine's export is missing."""
+    from draftline import regression
+
+    return regression.production_drafter(drafter_uri, [e.engine for e in config.eval.engines], store, config.run)
+
+
+def judge_regression(config: PipelineConfig, store: Store, production: ProductionDrafter, history_prefix: str,
+                     evaluation_error: str | None = None) -> tuple[Verdict, list[EvalResult]]:
+    """(Verdict, EvalResults): the evaluation of run `config.run` against each engine's history series;
+    `evaluation_error` explains the engines that left no result."""
+    from draftline import regression
+
+    lineage = regression.lineage_name(production.lineage, production.uri.rstrip("/").rsplit("/", 1)[-1])
+    results = regression.load_results(
+        store, config.run, [e.engine for e in config.eval.engines], config.target.display_name,
+        config.eval.prompts.rsplit("/", 1)[-1], config.eval.reference_k,
+        drafter=production.uri, drafter_lineage=production.lineage, missing_reason=evaluation_error)
+    # The production drafter's own training record (through its lineage), not this run's: it holds the offline
+    # estimate the measured acceptance is compared with.
+    verdict = regression.judge_all(results, regression.History(store, history_prefix), config.regression,
+                                   fingerprints=production.fingerprints, lineage=lineage, drafter=production.uri,
+                                   target=config.target.display_name, target_fingerprint=_target_fingerprint(config),
+                                   training_record=lineage_training_record(store, production.exports))
+    return verdict, results
+
+
+def _target_fingerprint(config: PipelineConfig) -> str | None:
+    """Tells a changed target from a changed drafter; only for a target in a local folder."""
+    from draftline.target import target_fingerprint
+
+    return target_fingerprint(config.target.path) if Path(config.target.path, "config.json").is_file() else None
+
+
+def compare_with_history(config: PipelineConfig, store: Store, verdict: Verdict, history_prefix: str
+                         ) -> dict[str, Any]:
+    """comparison.md/.json and history.png in the run's regression folder; returns their store keys by name, and the
+    table rows and the page (its plot left in the store) for the flow to publish."""
+    from draftline import regression
+
+    keys = regression.write_comparison(verdict, regression.History(store, history_prefix), config.regression, store,
+                                       regression_prefix(config.run))
+    return {"keys": keys, "rows": regression.comparison_rows(verdict, config.regression),
+            "markdown": regression.comparison_markdown(verdict, config.regression, plot_name=None)}
+
+
+def record_history(config: PipelineConfig, store: Store, verdict: Verdict, results: list[EvalResult],
+                   history_prefix: str, accept_new_baseline: bool, nightly_run: str | None) -> list[str]:
+    """Append tonight's records to the history, whatever the verdict; returns their store keys."""
+    from draftline import regression
+
+    return regression.record(verdict, results, regression.History(store, history_prefix),
+                             accept=accept_new_baseline, nightly_run=nightly_run, drafter_uri=verdict.drafter)
 
 
 def run_stage(name: str, config: PipelineConfig) -> Any:

@@ -239,12 +239,23 @@ def _shard_spec(cfg: TracesConfig, target_dir: str, prompts: list[dict], dtype: 
     return spec_hash({"cfg": knobs, "target": target_fingerprint(target_dir), "dtype": dtype, "prompts": prompts})
 
 
+def _device(cfg: TracesConfig, device: str) -> str:
+    """Where the transformers backend generates ('auto': a GPU when one is visible); vLLM picks its own."""
+    if cfg.backend != "transformers":
+        return device
+    from draftline.target import resolve_device
+
+    return resolve_device(device, "traces.device")
+
+
 def generate_trace_shard(cfg: TracesConfig, target_dir: str | Path, prompts: list[dict], store, run: str,
                          shard_index: int, dtype: str = "bfloat16", device: str = "cpu") -> dict:
     """Answer shard `shard_index` of `prompts` (from load_prompts) and publish it; skip if already published intact.
 
     Returns the shard's stats (count, dropped by reason, token totals, length histogram, computed: bool).
+    device: as for generate_traces.
     """
+    device = _device(cfg, device)
     target_dir = str(target_dir)
     mine = shard_prompts(cfg, prompts, shard_index)
     spec = _shard_spec(cfg, target_dir, mine, dtype)
@@ -381,10 +392,7 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
     """The whole stage: every unfinished shard (one vLLM start for all of them), then stats and manifest.
 
     device: where the transformers backend generates ('auto': a GPU when one is visible); vLLM picks its own."""
-    if cfg.backend == "transformers":
-        from draftline.target import resolve_device
-
-        device = resolve_device(device, "traces.device")
+    device = _device(cfg, device)
     prompts = load_prompts(cfg)
     target_dir = str(target_dir)
     n = num_trace_shards(cfg, prompts)

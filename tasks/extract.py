@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from prefect import task
 
-from draftline import extract, stages
+from draftline import stages
 from draftline.config import PipelineConfig
-from draftline.layout import hidden_manifest_key
 from tasks.common import CACHED_TASK, store_at, transient_retries
 
 
 @task(name="extract-shard", **CACHED_TASK, **transient_retries())
 def extract_shard(config: PipelineConfig, shard_index: int) -> dict:
     """Hidden states of one shard of traces; a shard already published intact is skipped by the library."""
-    return extract.extract_shard(config.extract, config.target.path, store_at(config.store.root), config.run,
-                                 shard_index, dtype=config.target.dtype)
+    return stages.extract_shard(config, store_at(config.store.root), shard_index)
 
 
 @task(name="extract-stage", **CACHED_TASK, **transient_retries())
@@ -22,17 +20,13 @@ def extract_stage(config: PipelineConfig) -> dict:
     """Every pending shard through one supervised vLLM server (a start costs minutes; finished shards are skipped);
     the result names the stage manifest's URI under "manifest"."""
     store = store_at(config.store.root)
-    result = extract.extract_hidden_states(config.extract, config.target.path, store, config.run,
-                                           dtype=config.target.dtype)
-    return {**result, "manifest": store.uri(hidden_manifest_key(config.run))}
+    return {**stages.extract(config, store), "manifest": stages.hidden_manifest_uri(config, store)}
 
 
 @task(name="extract-manifest", **CACHED_TASK, **transient_retries())
 def extract_manifest(config: PipelineConfig, shard_results: list[dict]) -> str:
     """Write the stage manifest once every shard exists; returns its store URI."""
-    store = store_at(config.store.root)
-    extract.finalize_hidden_states(store, config.run, len(shard_results))
-    return store.uri(hidden_manifest_key(config.run))
+    return stages.finish_extraction(config, store_at(config.store.root), len(shard_results))
 
 
 def stored_manifest(config: PipelineConfig) -> str:
@@ -41,8 +35,8 @@ def stored_manifest(config: PipelineConfig) -> str:
 
 
 def uses_engine(config: PipelineConfig) -> bool:
-    return config.extract.backend == "vllm"
+    return stages.extraction_in_one_server(config)
 
 
 def shard_count(config: PipelineConfig) -> int:
-    return extract.num_hidden_shards(config.extract, store_at(config.store.root), config.run)
+    return stages.hidden_shard_count(config, store_at(config.store.root))

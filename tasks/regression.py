@@ -7,7 +7,6 @@ from prefect.runtime import flow_run
 
 from draftline import regression, stages
 from draftline.config import PipelineConfig
-from draftline.layout import regression_prefix
 from tasks.common import publish_link, publish_markdown, publish_table, store_at, transient_retries
 
 
@@ -15,37 +14,16 @@ from tasks.common import publish_link, publish_markdown, publish_table, store_at
 def production_drafter(config: PipelineConfig, drafter: str) -> dict:
     """The exports under the drafter URI (copied into tonight's run when they live in another store), their
     fingerprints and lineage; fails early when an engine's export is missing."""
-    formats = [e.engine for e in config.eval.engines]
-    store = store_at(config.store.root)
-    return regression.production_drafter(drafter, formats, store, config.run).model_dump(mode="json")
+    return stages.production_drafter(config, store_at(config.store.root), drafter).model_dump(mode="json")
 
 
 @task(name="judge-against-history", **transient_retries(retries=2, base_delay_s=5.0))
 def judge(config: PipelineConfig, drafter: dict, history_prefix: str, evaluation_error: str | None = None) -> dict:
     """Tonight's EvalResults against each engine's history series; returns the Verdict as JSON."""
-    store = store_at(config.store.root)
-    production = regression.ProductionDrafter.model_validate(drafter)
-    lineage = regression.lineage_name(production.lineage, production.uri.rstrip("/").rsplit("/", 1)[-1])
-    results = regression.load_results(
-        store, config.run, [e.engine for e in config.eval.engines], config.target.display_name,
-        config.eval.prompts.rsplit("/", 1)[-1], config.eval.reference_k,
-        drafter=production.uri, drafter_lineage=production.lineage, missing_reason=evaluation_error)
-    # The production drafter's own training record (through its lineage), not this run's: it holds the offline
-    # estimate the measured acceptance is compared with.
-    verdict = regression.judge_all(results, regression.History(store, history_prefix), config.regression,
-                                   fingerprints=production.fingerprints, lineage=lineage, drafter=production.uri,
-                                   target=config.target.display_name, target_fingerprint=_target_fingerprint(config),
-                                   training_record=stages.lineage_training_record(store, production.exports))
+    verdict, results = stages.judge_regression(config, store_at(config.store.root),
+                                               regression.ProductionDrafter.model_validate(drafter), history_prefix,
+                                               evaluation_error)
     return {"verdict": verdict.model_dump(mode="json"), "results": [r.model_dump(mode="json") for r in results]}
-
-
-def _target_fingerprint(config: PipelineConfig) -> str | None:
-    """Tells a changed target from a changed drafter; only for a target in a local folder."""
-    from pathlib import Path
-
-    from draftline.target import target_fingerprint
-
-    return target_fingerprint(config.target.path) if Path(config.target.path, "config.json").is_file() else None
 
 
 @task(name="publish-comparison", **transient_retries(retries=2, base_delay_s=5.0))
@@ -53,13 +31,13 @@ def publish(config: PipelineConfig, judged: dict, history_prefix: str) -> dict[s
     """comparison.md/.json and history.png in the store, and the same table and page as Prefect artifacts."""
     store = store_at(config.store.root)
     verdict = regression.Verdict.model_validate(judged["verdict"])
-    history = regression.History(store, history_prefix)
-    keys = regression.write_comparison(verdict, history, config.regression, store, regression_prefix(config.run))
+    compared = stages.compare_with_history(config, store, verdict, history_prefix)
+    keys = compared["keys"]
     state = "REGRESSED" if verdict.regressed else "passed"
-    publish_table("nightly-regression-table", regression.comparison_rows(verdict, config.regression),
+    publish_table("nightly-regression-table", compared["rows"],
                   f"nightly regression check ({state}) of drafter {verdict.drafter} on {verdict.target}: tonight "
                   "against the last good run and the rolling median")
-    publish_markdown("nightly-regression", regression.comparison_markdown(verdict, config.regression, plot_name=None)
+    publish_markdown("nightly-regression", compared["markdown"]
                      + f"\nPlot and raw figures: {store.uri(keys['history.png'])}, "
                        f"{store.uri(keys['comparison.json'])}\n",
                      f"nightly regression check: {state}")
@@ -74,8 +52,7 @@ def record(config: PipelineConfig, judged: dict, history_prefix: str, accept_new
     store = store_at(config.store.root)
     verdict = regression.Verdict.model_validate(judged["verdict"])
     results = [regression.EvalResult.model_validate(r) for r in judged["results"]]
-    keys = regression.record(verdict, results, regression.History(store, history_prefix),
-                             accept=accept_new_baseline, nightly_run=nightly_run, drafter_uri=verdict.drafter)
+    keys = stages.record_history(config, store, verdict, results, history_prefix, accept_new_baseline, nightly_run)
     return [store.uri(k) for k in keys]
 
 

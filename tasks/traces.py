@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from draftline import stages, traces
+from draftline import stages
 from draftline.config import PipelineConfig
 from tasks.common import CACHED_TASK, store_at, transient_retries
 
@@ -11,23 +11,19 @@ from tasks.common import CACHED_TASK, store_at, transient_retries
 @task(name="trace-shard", **CACHED_TASK, **transient_retries())
 def trace_shard(config: PipelineConfig, shard_index: int) -> dict:
     """Answer one shard of prompts (transformers backend or a served vLLM endpoint); skips a shard already published."""
-    prompts = traces.load_prompts(config.traces)
-    return traces.generate_trace_shard(config.traces, config.target.path, prompts, store_at(config.store.root),
-                                       config.run, shard_index, dtype=config.target.dtype)
+    return stages.trace_shard(config, store_at(config.store.root), shard_index)
 
 
 @task(name="trace-stage", **CACHED_TASK, **transient_retries())
 def trace_stage(config: PipelineConfig) -> dict:
     """All pending shards through one offline vLLM engine (a start costs minutes; finished shards are skipped)."""
-    return traces.generate_traces(config.traces, config.target.path, store_at(config.store.root), config.run,
-                                  dtype=config.target.dtype)
+    return stages.traces(config, store_at(config.store.root))
 
 
 @task(name="trace-stats", **CACHED_TASK, **transient_retries())
 def trace_stats(config: PipelineConfig, shard_results: list[dict]) -> dict:
     """Stats and stage manifest once every shard is published (shard_results only orders this after them)."""
-    prompts = traces.load_prompts(config.traces)
-    return traces.finalize_traces(config.traces, prompts, store_at(config.store.root), config.run)
+    return stages.finish_traces(config, store_at(config.store.root))
 
 
 def stored_stats(config: PipelineConfig) -> dict:
@@ -36,8 +32,8 @@ def stored_stats(config: PipelineConfig) -> dict:
 
 
 def shard_count(config: PipelineConfig) -> int:
-    return traces.num_trace_shards(config.traces, traces.load_prompts(config.traces))
+    return stages.trace_shard_count(config)
 
 
 def uses_offline_engine(config: PipelineConfig) -> bool:
-    return config.traces.backend == "vllm" and not config.traces.endpoint
+    return stages.traces_in_one_server(config)

@@ -79,6 +79,29 @@ def test_rerun_skips_verified_shards_and_redoes_a_damaged_one(llama_traces, targ
     assert generate_trace_shard(other, target_dirs["llama"], load_prompts(other), store, "t", 0)["computed"] is True
 
 
+def test_the_flows_shard_by_shard_path_writes_what_the_stage_writes_and_reads_traces_device(tmp_path, target_dirs,
+                                                                                            tiny_prompts):
+    """The Prefect flows answer the prompts a shard at a time through draftline.stages, as the CLI's whole stage does
+    through it: the same shards, and the same traces.device."""
+    from draftline import stages
+    from draftline.config import load_config
+
+    traces = {"prompts": str(tiny_prompts), "backend": "transformers", "traces_per_shard": 4, "max_new_tokens": 8}
+    overrides = {"store": {"root": str(tmp_path)}, "target": {"path": str(target_dirs["llama"])}, "traces": traces}
+    whole, by_shard = (load_config("configs/demo.yaml", overrides={**overrides, "run": run}) for run in ("w", "s"))
+    store = open_store(str(tmp_path))
+    stats = stages.traces(whole, store)
+    assert not stages.traces_in_one_server(by_shard) and stages.trace_shard_count(by_shard) == stats["shards"] == 3
+    for i in range(stats["shards"]):
+        assert stages.trace_shard(by_shard, store, i)["computed"] is True
+    assert stages.finish_traces(by_shard, store)["count"] == stats["count"]
+    for shard in sorted((tmp_path / "w/traces").glob("shard-*.jsonl")):
+        assert (tmp_path / "s/traces" / shard.name).read_bytes() == shard.read_bytes(), shard.name
+    on_gpu = load_config("configs/demo.yaml", overrides={**overrides, "run": "g", "traces": {**traces, "device": "cuda"}})
+    with pytest.raises(ConfigError, match=r"traces.device='cuda' but no CUDA device is visible"):
+        stages.trace_shard(on_gpu, store, 0)
+
+
 def test_sampling_is_seeded_per_prompt(tmp_path, target_dirs, tiny_prompts):
     store = open_store(str(tmp_path))
     cfg = TracesConfig(prompts=str(tiny_prompts), temperature=1.0, top_p=0.9, max_new_tokens=12, max_prompts=4,
