@@ -226,3 +226,18 @@ def test_shards_extracted_again_under_the_same_names_are_not_resumed_on(tiny_hid
     with pytest.raises(ConfigError, match=r"step-00000004\.pt was written by a run with another config or data; use "
                                           r"a new run name, or delete .*checkpoints to start over"):
         train_drafter(store, "tiny", tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg)
+
+
+def test_validation_taking_far_more_than_val_fraction_is_said_with_the_fix(tiny_hidden_run, tmp_path, caplog):
+    store = open_store(str(tiny_hidden_run.store_root))
+    shards = store.read_manifest(f"{tiny_hidden_run.run}/hidden").entries
+    assert 2 < len(shards) < 10  # one held-out shard is more than twice 5% of the tokens
+    cfg = TrainConfig(max_steps=1, val_every=1, checkpoint_every=1, **{**SMALL, "val_fraction": 0.05})
+    with caplog.at_level("WARNING", logger="draftline.drafter.train"):
+        train_drafter(store, tiny_hidden_run.run, tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg,
+                      out_prefix="tiny/train-held-out")
+    held_out = shards[-1].metadata["tokens"] / sum(e.metadata["tokens"] for e in shards)
+    said = [r.getMessage() for r in caplog.records if "holds out" in r.getMessage()]
+    assert said == [f"validation holds out {100 * held_out:.0f}% of the tokens (1 of {len(shards)} shards) for "
+                    "train.val_fraction 0.05; cut smaller shards (extract.tokens_per_shard) to train on more of the "
+                    "traces"]

@@ -37,6 +37,15 @@ def split_shards(keys: list[str], val_fraction: float) -> tuple[list[str], list[
     return keys[:-n_val], keys[-n_val:]
 
 
+def held_out_share(entries: dict, val_keys: list[str]) -> float | None:
+    """The share of the shards' tokens that validation holds out (from their manifest entries), or None where an
+    entry lacks its token count."""
+    tokens = {k: (e.metadata or {}).get("tokens") for k, e in entries.items()}
+    if not tokens or any(t is None for t in tokens.values()) or not sum(tokens.values()):
+        return None
+    return sum(tokens[k] for k in val_keys if k in tokens) / sum(tokens.values())
+
+
 def _local_path(store, key: str) -> Path | None:
     path = getattr(store, "path", None)
     return Path(path(key)) if callable(path) else None

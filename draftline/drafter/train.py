@@ -23,8 +23,9 @@ from draftline.aux_ids import VLLM, AuxLayerIds, sglang_convention
 from draftline.config import DrafterConfig, TrainConfig
 from draftline.drafter.checkpoint import (load_latest_checkpoint, rng_state, run_fingerprint, save_checkpoint,
                                           set_rng_state)
-from draftline.drafter.data import (BatchStream, Cursor, collate, hidden_shard_entries, hidden_shard_keys, pack_rows,
-                                    rank_rows, read_shard_metadata, read_shard_tensors, shard_sequences, split_shards)
+from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_share, hidden_shard_entries,
+                                    hidden_shard_keys, pack_rows, rank_rows, read_shard_metadata, read_shard_tensors,
+                                    shard_sequences, split_shards)
 from draftline.drafter.replay import replayed_acceptance
 from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
@@ -156,6 +157,12 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     keys = hidden_shard_keys(store, run)
     entries = hidden_shard_entries(store, run, keys)  # every shard is checked against these before it is used
     train_keys, val_keys = split_shards(keys, cfg.val_fraction)
+    held_out = held_out_share(entries, val_keys)
+    if d.main and held_out is not None and held_out > 2 * cfg.val_fraction:
+        # Validation takes whole shards: with few large shards it takes far more than val_fraction from training.
+        log.warning("validation holds out %.0f%% of the tokens (%d of %d shards) for train.val_fraction %.2f; cut "
+                    "smaller shards (extract.tokens_per_shard) to train on more of the traces", 100 * held_out,
+                    len(val_keys), len(keys), cfg.val_fraction)
     meta = read_shard_metadata(store, keys[0])
     aux_ids = AuxLayerIds.stored(json.loads(meta["aux_layer_ids"]), meta.get("convention", VLLM), store.uri(keys[0]),
                                  "extract the hidden states again").as_list()

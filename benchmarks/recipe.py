@@ -1,0 +1,173 @@
+"""Drafter recipe choices on the demo, one at a time: acceptance in the reference decoder for the same traces and the
+same training wall time.
+
+Each variant changes one setting of configs/demo.yaml's training (or how its traces are cut into shards), trains on
+a copy of the demo's traces and shards, exports, and runs the reference decoder on the eval prompts (k = 3, no
+layer-shift or other-precision decodes). Variants whose steps cost more or less than the baseline's (TTT depth, the
+draft vocabulary) get the number of steps that fills the baseline's training time, from a timed short run of each
+against the baseline's. A second seed of the baseline gives the run-to-run spread the differences must exceed.
+
+Run after `make demo` (it reads ./runs/demo/traces and ./runs/demo/hidden), on an otherwise idle machine (the step
+calibration is a timing):
+    .venv/bin/python benchmarks/recipe.py [--variants baseline,seed-1,...] [--demo-runs ./runs]
+Writes benchmarks/results/recipe-cpu.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from draftline import stages  # noqa: E402
+from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config  # noqa: E402
+from draftline.store import open_store  # noqa: E402
+
+# name: (what it changes, config overrides, whether its steps are re-counted to the baseline's training time)
+VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "baseline": ("configs/demo.yaml as it is", {}, False),
+    "seed-1": ("the baseline with train.seed 1: the run-to-run spread", {"train": {"seed": 1}}, False),
+    "lr-x2": ("learning rate 0.004 (twice)", {"train": {"learning_rate": 0.004}}, False),
+    "lr-x0.5": ("learning rate 0.001 (half)", {"train": {"learning_rate": 0.001}}, False),
+    "lr-floor-0.1": ("the cosine ends at 0.1 of the peak learning rate", {"train": {"min_lr_ratio": 0.1}}, False),
+    "ttt-1": ("1 TTT step (no unrolling)", {"train": {"ttt_steps": 1}}, True),
+    "ttt-5": ("5 TTT steps", {"train": {"ttt_steps": 5}}, True),
+    "step-weight-1.0": ("every TTT step's loss weighted the same (step_weight_decay 1.0)",
+                        {"train": {"step_weight_decay": 1.0}}, False),
+    "step-weight-0.6": ("later TTT steps weighted less (step_weight_decay 0.6)", {"train": {"step_weight_decay": 0.6}},
+                        False),
+    "vocab-1024": ("draft vocabulary 1024 tokens", {"drafter": {"draft_vocab_size": 1024}}, True),
+    "vocab-4096": ("draft vocabulary 4096 tokens", {"drafter": {"draft_vocab_size": 4096}}, True),
+    "shards-8k": ("shards of 8,192 tokens: validation holds out 1 shard of 8, not 1 of 2 (more training data)",
+                  {"extract": {"tokens_per_shard": 8192}}, False),
+}
+CALIBRATION_STEPS = 20
+
+
+def variant_config(base: PipelineConfig, name: str, overrides: dict, root: Path, steps: int | None = None
+                   ) -> PipelineConfig:
+    raw = merge_overrides(base.model_dump(mode="json"), overrides)
+    raw["run"] = f"recipe-{name}" if steps is None else f"recipe-calibrate-{name}"
+    raw["store"]["root"] = str(root)
+    raw["eval"]["engines"] = [e for e in raw["eval"]["engines"] if e["engine"] == "vllm"]
+    raw["eval"]["reference"].update(aux_shifts=[], other_precision=False)
+    if steps is not None:
+        raw["train"].update(max_steps=steps, val_every=steps, checkpoint_every=steps, warmup_steps=min(
+            raw["train"]["warmup_steps"], steps // 2))
+    return parse_config(raw, PipelineConfig, f"recipe variant {name}")
+
+
+def seeded_run(config: PipelineConfig, demo_runs: Path, demo: PipelineConfig) -> None:
+    """The variant's run folder with the demo's traces, and its shards unless the variant cuts its own; a run seeded
+    by an earlier, interrupted invocation is kept, so a rerun goes on where it stopped."""
+    run_dir = Path(config.store.root) / config.run
+    if (run_dir / "traces").exists():
+        return  # seeded before: the stages resume from what the run holds
+    shutil.copytree(demo_runs / "demo" / "traces", run_dir / "traces")
+    store = open_store(config.store.root)
+    if config.extract == demo.extract:
+        shutil.copytree(demo_runs / "demo" / "hidden", run_dir / "hidden")
+    else:
+        stages.extract(config, store)
+
+
+def timed_training(config: PipelineConfig) -> tuple[dict, float]:
+    store = open_store(config.store.root)
+    t = time.perf_counter()
+    training = stages.train(config, store)
+    return training, time.perf_counter() - t
+
+
+def run_variant(base: PipelineConfig, name: str, root: Path, demo_runs: Path, baseline_step_s: float | None) -> dict:
+    what, overrides, recount = VARIANTS[name]
+    steps = base.train.max_steps
+    calibration = None
+    if recount:
+        probe = variant_config(base, name, overrides, root, steps=CALIBRATION_STEPS)
+        shutil.rmtree(root / probe.run, ignore_errors=True)  # a timing: never resumed
+        seeded_run(probe, demo_runs, base)
+        _, seconds = timed_training(probe)
+        step_s = seconds / CALIBRATION_STEPS
+        steps = max(1, round(base.train.max_steps * baseline_step_s / step_s))
+        calibration = {"seconds_per_step": step_s, "baseline_seconds_per_step": baseline_step_s}
+        shutil.rmtree(root / probe.run)
+    raw_overrides = merge_overrides(overrides, {"train": {"max_steps": steps, "val_every": max(1, steps // 2),
+                                                          "checkpoint_every": max(1, steps // 2)}})
+    config = variant_config(base, name, raw_overrides, root)
+    seeded_run(config, demo_runs, base)
+    training, train_s = timed_training(config)
+    store = open_store(config.store.root)
+    exports = stages.export(config, store)
+    t = time.perf_counter()
+    reference = json.loads(store.get_bytes(stages.reference(config, exports, store)))
+    final_val = training.get("final_val") or {}
+    by_k = (final_val.get("replayed") or {}).get("acceptance_length_by_k") or []  # index k - 1
+    row = {"variant": name, "what": what, "overrides": overrides, "steps": training["steps"], "train_s": round(train_s, 1),
+           "calibration": calibration, "train_shards": len(training.get("train_shards") or []),
+           "val_shards": len(training.get("val_shards") or []),
+           "draft_vocab_coverage": (training.get("vocab") or {}).get("coverage"),
+           "validation_acceptance_length": final_val.get("acceptance_length"),
+           "replayed_acceptance_length_k3": by_k[2] if len(by_k) >= 3 else None,
+           "reference_acceptance_length": reference["mean_acceptance_length"],
+           "reference_per_position": reference["per_position_acceptance"],
+           "reference_s": round(time.perf_counter() - t, 1)}
+    print(f"[{name}] {row['steps']} steps in {row['train_s']} s: reference tau {row['reference_acceptance_length']:.3f}",
+          flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--demo-runs", default=str(REPO / "runs"), help="the store `make demo` wrote (its demo run)")
+    ap.add_argument("--store", default=str(REPO / "runs" / "recipe"), help="store folder for the variants' runs")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recipe-cpu.json"))
+    args = ap.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        sys.exit(f"--variants: {unknown} are not variants; choose from {', '.join(VARIANTS)}")
+    demo_runs = Path(args.demo_runs).resolve()
+    if not (demo_runs / "demo" / "hidden" / "manifest.json").is_file():
+        sys.exit(f"{demo_runs / 'demo'} has no hidden states: run `make demo` first")
+    os.chdir(REPO)  # the demo config's paths are relative to the repository root
+    base = load_config(REPO / "configs" / "demo.yaml")
+    root = Path(args.store).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    # The baseline's seconds per step, timed like every recount's probe (same short run, same machine).
+    probe = variant_config(base, "baseline", {}, root, steps=CALIBRATION_STEPS)
+    shutil.rmtree(root / probe.run, ignore_errors=True)  # a timing: never resumed
+    seeded_run(probe, demo_runs, base)
+    baseline_step_s = timed_training(probe)[1] / CALIBRATION_STEPS
+    shutil.rmtree(root / probe.run)
+    rows = [run_variant(base, n, root, demo_runs, baseline_step_s) for n in names]
+    by_name = {r["variant"]: r for r in rows}
+    if "baseline" in by_name:
+        b = by_name["baseline"]["reference_acceptance_length"]
+        for r in rows:
+            r["reference_vs_baseline"] = r["reference_acceptance_length"] / b
+    import torch
+
+    result = {"hardware": f"{platform.machine()}, {os.cpu_count()}-core CPU", "torch_threads": torch.get_num_threads(),
+              "date": date.today().isoformat(), "config": "configs/demo.yaml", "baseline_steps": base.train.max_steps,
+              "baseline_seconds_per_step": baseline_step_s, "variants": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'variant':<16} {'steps':>5} {'train s':>8} {'reference tau':>14} {'vs baseline':>11} {'replayed k=3':>12}")
+    for r in rows:
+        print(f"{r['variant']:<16} {r['steps']:>5} {r['train_s']:>8.1f} {r['reference_acceptance_length']:>14.3f} "
+              f"{r.get('reference_vs_baseline', float('nan')):>11.3f} {r['replayed_acceptance_length_k3'] or float('nan'):>12.3f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
