@@ -49,6 +49,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "vocab-4096": ("draft vocabulary 4096 tokens", {"drafter": {"draft_vocab_size": 4096}}, True),
     "shards-8k": ("shards of 8,192 tokens: validation holds out 1 shard of 8, not 1 of 2 (more training data)",
                   {"extract": {"tokens_per_shard": 8192}}, False),
+    "shards-8k-seed-1": ("shards of 8,192 tokens with train.seed 1", {"extract": {"tokens_per_shard": 8192},
+                                                                     "train": {"seed": 1}}, False),
 }
 CALIBRATION_STEPS = 20
 
