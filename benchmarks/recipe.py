@@ -10,7 +10,7 @@ against the baseline's. A second seed of the baseline gives the run-to-run sprea
 Run after `make demo` (it reads ./runs/demo/traces and ./runs/demo/hidden), on an otherwise idle machine (the step
 calibration is a timing):
     .venv/bin/python benchmarks/recipe.py [--variants baseline,seed-1,...] [--demo-runs ./runs]
-Writes benchmarks/results/recipe-cpu.json and prints a table.
+Writes benchmarks/results/recipe-cpu.json (variants run before and not again stay in it) and prints a table.
 """
 from __future__ import annotations
 
@@ -152,6 +152,9 @@ def main() -> None:
     baseline_step_s = timed_training(probe)[1] / CALIBRATION_STEPS
     shutil.rmtree(root / probe.run)
     rows = [run_variant(base, n, root, demo_runs, baseline_step_s) for n in names]
+    out = Path(args.out)
+    if out.is_file():  # an earlier invocation's variants stay beside this one's (each keeps its own calibration)
+        rows = [r for r in json.loads(out.read_text())["variants"] if r["variant"] not in names] + rows
     by_name = {r["variant"]: r for r in rows}
     if "baseline" in by_name:
         b = by_name["baseline"]["reference_acceptance_length"]
@@ -162,8 +165,8 @@ def main() -> None:
     result = {"hardware": f"{platform.machine()}, {os.cpu_count()}-core CPU", "torch_threads": torch.get_num_threads(),
               "date": date.today().isoformat(), "config": "configs/demo.yaml", "baseline_steps": base.train.max_steps,
               "baseline_seconds_per_step": baseline_step_s, "variants": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'variant':<16} {'steps':>5} {'train s':>8} {'reference tau':>14} {'vs baseline':>11} {'replayed k=3':>12}")
     for r in rows:
         print(f"{r['variant']:<16} {r['steps']:>5} {r['train_s']:>8.1f} {r['reference_acceptance_length']:>14.3f} "
