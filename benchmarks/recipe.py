@@ -47,10 +47,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
                         False),
     "vocab-1024": ("draft vocabulary 1024 tokens", {"drafter": {"draft_vocab_size": 1024}}, True),
     "vocab-4096": ("draft vocabulary 4096 tokens", {"drafter": {"draft_vocab_size": 4096}}, True),
-    "shards-8k": ("shards of 8,192 tokens: validation holds out 1 shard of 8, not 1 of 2 (more training data)",
-                  {"extract": {"tokens_per_shard": 8192}}, False),
-    "shards-8k-seed-1": ("shards of 8,192 tokens with train.seed 1", {"extract": {"tokens_per_shard": 8192},
-                                                                     "train": {"seed": 1}}, False),
+    # The demo's shards before 2026-12-03: validation held out 1 shard of 2, not 1 of 8 (less training data).
+    "shards-32k": ("shards of 32,768 tokens: validation holds out 1 shard of 2", {"extract": {"tokens_per_shard": 32768}},
+                   False),
+    "shards-32k-seed-1": ("shards of 32,768 tokens with train.seed 1", {"extract": {"tokens_per_shard": 32768},
+                                                                        "train": {"seed": 1}}, False),
 }
 CALIBRATION_STEPS = 20
 
