@@ -63,6 +63,15 @@ def write_random_traces(store, run: str, sequences: list[list[int]], per_shard: 
     store.write_manifest(f"{run}/traces", entries)
 
 
+def drop_measured_shards(hidden: Path) -> None:
+    """Free the disk after a timed pass (off the clock): every shard but the first, which the backends' comparison
+    reads. Long passes (--sequences) of both backends and layouts would not fit the disk side by side."""
+    for path in hidden.glob("shard-*.safetensors"):
+        if path.name != "shard-00000.safetensors":
+            path.unlink()
+    os.sync()
+
+
 def _states(f, key: str) -> torch.Tensor:
     """A shard's state tensor as values (fp8-e4m3 shards dequantized with their scales)."""
     from draftline.state_storage import SCALE_SUFFIX, dequantize_rows
@@ -131,6 +140,7 @@ def bench_vllm(args) -> dict:
             write_random_traces(hf_store, layout, passes[layout], per_shard)
             hf = extract_hidden_states(ExtractConfig(device=device, storage=layout, **shape), target, hf_store, layout)
             figures[layout]["transformers_full_extraction_tokens_per_s"] = tokens / hf["seconds"]
+            drop_measured_shards(work / "hf" / layout / "hidden")
         import draftline.extract as extract_module
         extract_module._EXTRACTORS.clear()  # free the transformers copy of the target before vLLM loads its own
         if torch.cuda.is_available():
@@ -167,6 +177,7 @@ def bench_vllm(args) -> dict:
                     figures[layout]["full_extraction_tokens_per_s"] = tokens / (time.perf_counter() - t)
                 finally:
                     client.close()
+                drop_measured_shards(work / "vllm" / layout / "hidden")
             client = SpoolClient(server.base_url, spool, workers=args.requests_in_flight)
             try:
                 t = time.perf_counter()
