@@ -261,9 +261,10 @@ def train_drafter(model, rows, val_rows, args, device):
     replay = TTTModel(drafter, model.lm_head.weight.detach(), args.ttt_steps, 1024, "eager", dtype).eval()
     with torch.no_grad(), autocast:
         replayed = replayed_acceptance(replay, [TraceStates(r["input_ids"], r["loss_mask"].bool(), r["aux"], r["last"])
-                                                for r in val_rows], device)
+                                                for r in val_rows], device, limit=args.eval_tokens)
     return drafter.to(dtype), {"train_seconds": train_s, "steps": args.train_steps, "ttt_steps": args.ttt_steps,
                                "val_accuracy": accuracy, "replayed": replayed, "val_sequences": len(val_rows),
+                               "replayed_answer_tokens": args.eval_tokens,
                                "vocab": report.to_dict(), "aux_layer_ids_vllm": aux_ids}
 
 

@@ -58,18 +58,19 @@ def decode_rounds(hit: torch.Tensor, lossable: torch.Tensor, answer: int, limit:
     return accepted
 
 
-def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device) -> dict:
+def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device, limit: int | None = None) -> dict:
     """Mean acceptance length (1 + accepted draft tokens per round) and per-position acceptance over the rounds
-    of replaying every sequence's answer, the reference decoder's figures' definitions; `acceptance_length_by_k`
-    replays the same hits drafting only the first k' steps, for every k' up to the unroll's depth (an engine
-    drafting fewer tokens than training unrolled starts its rounds elsewhere)."""
+    of replaying every sequence's answer (its first `limit` tokens, as a decode of that many new tokens sees it),
+    the reference decoder's figures' definitions; `acceptance_length_by_k` replays the same hits drafting only the
+    first k' steps, for every k' up to the unroll's depth (an engine drafting fewer tokens than training unrolled
+    starts its rounds elsewhere)."""
     k = ttt.steps
     counts: list[list[int]] = [[] for _ in range(k)]  # per drafted depth k' = index + 1
     with torch.no_grad():
         for seq in sequences:
             hit, lossable, answer = draft_hits(ttt, seq, device)
             for depth in range(1, k + 1):
-                counts[depth - 1] += decode_rounds(hit[:depth], lossable[:depth], answer)
+                counts[depth - 1] += decode_rounds(hit[:depth], lossable[:depth], answer, limit)
     full = counts[-1]
     rounds = len(full)
     per_position = [sum(n > j for n in full) / rounds if rounds else 0.0 for j in range(k)]
