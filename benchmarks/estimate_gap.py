@@ -127,7 +127,7 @@ def main() -> None:
     n = base.eval.reference.max_prompts or base.eval.max_prompts
 
     traces = validation_traces(demo_root, base.run, base.train.val_fraction)
-    step = len(traces) // n
+    step = max(1, len(traces) // n)  # fewer validation traces than prompts: all of them
     chosen = traces[::step][:n]
     prompts = {json.loads(line)["id"]: line for line in Path(base.traces.prompts).read_text().splitlines() if line.strip()}
     root.mkdir(parents=True, exist_ok=True)
