@@ -2,16 +2,16 @@
 acceptance comes from, on the demo (issue 26, item 1).
 
 The estimate (train/metrics.json final_val.acceptance_length = 1 + sum_j prod_{i<=j} acc_i) comes from per-TTT-step
-validation accuracies over the held-out hidden-state shards of the TRAINING traces; the reference decoder measures
-acceptance on the EVAL prompts. This script runs the reference decoder (draftline.stages.reference, the demo's
+validation accuracies over the held-out sequences of the TRAINING traces' hidden-state shards; the reference decoder
+measures acceptance on the EVAL prompts. This script runs the reference decoder (draftline.stages.reference, the demo's
 trained drafter, aux_shifts [] and no other-precision decode) on:
-  val-64     32 training prompts whose traces were in the validation shards, at the eval's max_new_tokens
+  val-64     32 training prompts whose traces training validated on, at the eval's max_new_tokens
   val-96     the same 32 prompts at the traces' max_new_tokens (optional: --long)
   eval-64    the eval prompts again, as the demo ran them (optional: --repeat): is the decoder deterministic?
-The 32 validation prompts are spread evenly over the validation shards' traces (trace order, every n-th).
+The 32 validation prompts are spread evenly over the validation traces (trace order, every n-th).
 It also reads the answer lengths of the validation traces (their loss_mask) and puts the validation per-step
 accuracies beside each run's per-position and conditional acceptance. With --offline it replays the trained
-drafter's TTT unroll over the validation shards (offline_validation: per-step, chain and walk figures, seconds on
+drafter's TTT unroll over the validation traces (offline_validation: per-step, chain and walk figures, seconds on
 a CPU), which separates what the estimate's formula assumes from what the prompts and the decoder change.
 
 Run after `make demo` (reads ./runs/demo, writes nothing there):
@@ -38,22 +38,26 @@ sys.path.insert(0, str(REPO))
 
 from draftline import stages  # noqa: E402
 from draftline.config import load_config  # noqa: E402
-from draftline.drafter.data import split_shards  # noqa: E402
+from draftline.drafter.data import hidden_shard_entries, hidden_shard_keys, split_validation  # noqa: E402
 from draftline.drafter.ttt import acceptance_length  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 
 
+def validation_parts(demo_root: Path, run: str, val_fraction: float) -> list:
+    """The shard parts training validates on (draftline.drafter.data.split_validation), in shard order."""
+    store = open_store(str(demo_root))
+    keys = hidden_shard_keys(store, run)
+    return split_validation(store, keys, hidden_shard_entries(store, run, keys), val_fraction)[1]
+
+
 def validation_traces(demo_root: Path, run: str, val_fraction: float) -> list[dict]:
-    """The traces (id, prompt_id, answer length) of the hidden shards split_shards holds out, in shard order."""
+    """The traces (id, prompt_id, answer length) training validates on, in shard order."""
     from safetensors import safe_open
 
-    manifest = json.loads((demo_root / run / "hidden" / "manifest.json").read_text())
-    keys = [f"{run}/hidden/{e['key']}" for e in manifest["entries"]]
-    _, val_keys = split_shards(keys, val_fraction)
     ids: list[str] = []
-    for key in val_keys:
-        with safe_open(str(demo_root / key), "pt") as f:
-            ids += json.loads(f.metadata()["trace_ids"])
+    for part in validation_parts(demo_root, run, val_fraction):
+        with safe_open(str(demo_root / part.key), "pt") as f:
+            ids += json.loads(f.metadata()["trace_ids"])[part.start:part.stop]
     wanted, lengths = set(ids), {}
     for shard in sorted((demo_root / run / "traces").glob("shard-*.jsonl")):
         for line in shard.read_text().splitlines():
@@ -123,7 +127,7 @@ def main() -> None:
     n = base.eval.reference.max_prompts or base.eval.max_prompts
 
     traces = validation_traces(demo_root, base.run, base.train.val_fraction)
-    step = len(traces) // n
+    step = max(1, len(traces) // n)  # fewer validation traces than prompts: all of them
     chosen = traces[::step][:n]
     prompts = {json.loads(line)["id"]: line for line in Path(base.traces.prompts).read_text().splitlines() if line.strip()}
     root.mkdir(parents=True, exist_ok=True)
@@ -206,9 +210,6 @@ def offline_validation(base, demo_root: Path, chosen: list[dict], max_new_tokens
     target_cfg, embed, head = load_target_head(base.target.path)
     model = Eagle3Drafter.from_pretrained(demo_root / base.run / "train" / "drafter", embed_tokens=embed.float()).eval()
     ttt = TTTModel(model, head, k, cfg.logits_chunk_tokens, "eager", torch.float32).eval()
-    manifest = json.loads((demo_root / base.run / "hidden" / "manifest.json").read_text())
-    keys = [f"{base.run}/hidden/{e['key']}" for e in manifest["entries"]]
-    _, val_keys = split_shards(keys, cfg.val_fraction)
     chosen_ids = {t["id"] for t in chosen}
     store = open_store(str(demo_root))
     # name -> (which traces, how many answer tokens of each: None for all)
@@ -219,11 +220,11 @@ def offline_validation(base, demo_root: Path, chosen: list[dict], max_new_tokens
     from safetensors import safe_open
 
     with torch.no_grad():
-        for key in val_keys:
-            with safe_open(str(demo_root / key), "pt") as f:
-                trace_ids = json.loads(f.metadata()["trace_ids"])
-            x = read_shard_tensors(store, key)
-            cu = x["cu_seqlens"].tolist()
+        for part in validation_parts(demo_root, base.run, cfg.val_fraction):
+            with safe_open(str(demo_root / part.key), "pt") as f:
+                trace_ids = json.loads(f.metadata()["trace_ids"])[part.start:part.stop]
+            x = read_shard_tensors(store, part.key)
+            cu = x["cu_seqlens"].tolist()[part.start:None if part.stop is None else part.stop + 1]
             for tid, a0, b0 in zip(trace_ids, cu[:-1], cu[1:]):
                 b0 = min(b0, a0 + cfg.max_seq_len)
                 t = b0 - a0

@@ -47,9 +47,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
                         False),
     "vocab-1024": ("draft vocabulary 1024 tokens", {"drafter": {"draft_vocab_size": 1024}}, True),
     "vocab-4096": ("draft vocabulary 4096 tokens", {"drafter": {"draft_vocab_size": 4096}}, True),
-    # The demo's shards before 2026-12-03: validation held out 1 shard of 2, not 1 of 8 (less training data).
-    "shards-32k": ("shards of 32,768 tokens: validation holds out 1 shard of 2", {"extract": {"tokens_per_shard": 32768}},
-                   False),
+    # The demo's shards before 2026-12-03, when validation held out whole shards (then 1 of 2, not 1 of 8).
+    "shards-32k": ("shards of 32,768 tokens", {"extract": {"tokens_per_shard": 32768}}, False),
     "shards-32k-seed-1": ("shards of 32,768 tokens with train.seed 1", {"extract": {"tokens_per_shard": 32768},
                                                                         "train": {"seed": 1}}, False),
 }
@@ -117,8 +116,11 @@ def run_variant(base: PipelineConfig, name: str, root: Path, demo_runs: Path, ba
     row = {"variant": name, "what": what, "overrides": overrides, "steps": training["steps"], "train_s": round(train_s, 1),
            "calibration": calibration, "train_shards": len(training.get("train_shards") or []),
            "val_shards": len(training.get("val_shards") or []),
+           "val_sequences": training.get("val_sequences"), "held_out_share": training.get("held_out_share"),
            "draft_vocab_coverage": (training.get("vocab") or {}).get("coverage"),
            "validation_acceptance_length": final_val.get("acceptance_length"),
+           "replayed_acceptance_length": (final_val.get("replayed") or {}).get("acceptance_length"),
+           "replayed_rounds": (final_val.get("replayed") or {}).get("rounds"),
            "replayed_acceptance_length_k3": by_k[2] if len(by_k) >= 3 else None,
            "reference_acceptance_length": reference["mean_acceptance_length"],
            "reference_per_position": reference["per_position_acceptance"],

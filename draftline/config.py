@@ -179,6 +179,7 @@ class TrainConfig(Strict):
     grad_clip: float = Field(0.5, gt=0.0)
     val_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(200, ge=1)
+    # Share of the tokens validation holds out: the last sequences (shard order), whatever the shard size.
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     # Rows of target logits formed at once (bf16 on GPU); the loss over the draft vocabulary takes as many
     # logits per chunk, so vocab_size / draft_vocab_size times the rows.

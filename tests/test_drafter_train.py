@@ -1,6 +1,8 @@
 """Drafter training on real extracted shards: it learns, survives SIGKILL, warm-starts, and trains the same under DDP."""
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -228,16 +230,18 @@ def test_shards_extracted_again_under_the_same_names_are_not_resumed_on(tiny_hid
         train_drafter(store, "tiny", tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg)
 
 
-def test_validation_taking_far_more_than_val_fraction_is_said_with_the_fix(tiny_hidden_run, tmp_path, caplog):
-    store = open_store(str(tiny_hidden_run.store_root))
+def test_the_training_record_names_the_held_out_sequences_and_their_share(trained, tiny_hidden_run):
+    """Validation takes the last sequences up to train.val_fraction of the tokens (tests/test_validation_split.py);
+    metrics.json says which, as `<shard key>[start:stop]`, with their number and share of the tokens."""
+    store, summary = trained
     shards = store.read_manifest(f"{tiny_hidden_run.run}/hidden").entries
-    assert 2 < len(shards) < 10  # one held-out shard is more than twice 5% of the tokens
-    cfg = TrainConfig(max_steps=1, val_every=1, checkpoint_every=1, **{**SMALL, "val_fraction": 0.05})
-    with caplog.at_level("WARNING", logger="draftline.drafter.train"):
-        train_drafter(store, tiny_hidden_run.run, tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=128), cfg,
-                      out_prefix="tiny/train-held-out")
-    held_out = shards[-1].metadata["tokens"] / sum(e.metadata["tokens"] for e in shards)
-    said = [r.getMessage() for r in caplog.records if "holds out" in r.getMessage()]
-    assert said == [f"validation holds out {100 * held_out:.0f}% of the tokens (1 of {len(shards)} shards) for "
-                    "train.val_fraction 0.05; cut smaller shards (extract.tokens_per_shard) to train on more of the "
-                    "traces"]
+    sequences, tokens = (sum(e.metadata[k] for e in shards) for k in ("sequences", "tokens"))
+    assert sequences == tiny_hidden_run.sequences and tokens % sequences == 0  # the fixture's traces: one length
+    assert summary["val_sequences"] == math.ceil(0.25 * sequences)
+    assert summary["held_out_share"] == pytest.approx(summary["val_sequences"] / sequences)
+    parts = [re.fullmatch(r"tiny/hidden/(shard-\d{5}\.safetensors)\[(\d+):(\d+)\]", p).groups()
+             for p in summary["train_shards"] + summary["val_shards"]]
+    assert [shard for shard, _, _ in parts] == sorted(shard for shard, _, _ in parts)
+    assert sum(int(b) - int(a) for _, a, b in parts) == sequences
+    assert sum(int(b) - int(a) for _, a, b in parts[len(summary["train_shards"]):]) == summary["val_sequences"]
+    assert json.loads(store.get_bytes("tiny/train-base/metrics.json"))["val_shards"] == summary["val_shards"]

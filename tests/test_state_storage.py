@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftline.config import ExtractConfig, PipelineConfig, parse_config
-from draftline.drafter.data import BatchStream, read_shard_tensors
+from draftline.drafter.data import BatchStream, ShardPart, read_shard_tensors
 from draftline.errors import ConfigError
 from draftline.extract import extract_hidden_states
 from draftline.state_storage import FP8_E4M3, FP8_MAX, dequantize_rows, quantize_rows, quantize_slots
@@ -151,7 +151,8 @@ def test_shards_written_before_the_option_existed_read_as_before(tmp_path):
     store = open_store(str(tmp_path))
     read = read_shard_tensors(store, "old/hidden/shard-00000.safetensors")
     assert read.keys() == tensors.keys() and all(torch.equal(read[k], tensors[k]) for k in tensors)
-    stream = BatchStream(store, ["old/hidden/shard-00000.safetensors"], 100, 64, seed=0, shuffle=False, epochs=1)
+    stream = BatchStream(store, [ShardPart("old/hidden/shard-00000.safetensors")], 100, 64, seed=0, shuffle=False,
+                         epochs=1)
     batch = stream.next_batch()
     stream.close()
     assert [len(s) for s in batch] == [3, 4] and torch.equal(batch[1].aux, tensors["aux_hidden_states"][3:])

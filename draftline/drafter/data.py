@@ -6,7 +6,7 @@ import re
 import struct
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,23 +27,6 @@ def hidden_shard_keys(store, run: str) -> list[str]:
             f"{store.uri(hidden_prefix(run))}/ holds no hidden-state shards; run the extraction stage for run {run!r} first"
         )
     return keys
-
-
-def split_shards(keys: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """(train, validation): the last ceil(fraction * n) shards are held out, at least one when there are two or more."""
-    if val_fraction <= 0 or len(keys) < 2:
-        return list(keys), []
-    n_val = max(1, min(len(keys) - 1, round(val_fraction * len(keys) + 0.4999)))
-    return keys[:-n_val], keys[-n_val:]
-
-
-def held_out_share(entries: dict, val_keys: list[str]) -> float | None:
-    """The share of the shards' tokens that validation holds out (from their manifest entries), or None where an
-    entry lacks its token count."""
-    tokens = {k: (e.metadata or {}).get("tokens") for k, e in entries.items()}
-    if not tokens or any(t is None for t in tokens.values()) or not sum(tokens.values()):
-        return None
-    return sum(tokens[k] for k in val_keys if k in tokens) / sum(tokens.values())
 
 
 def _local_path(store, key: str) -> Path | None:
@@ -106,6 +89,82 @@ def read_shard_metadata(store, key: str) -> dict[str, str]:
     return header.get("__metadata__", {})
 
 
+@dataclass(frozen=True)
+class ShardPart:
+    """Sequences [start, stop) of one hidden-state shard, in the shard's order (stop None: to its end)."""
+
+    key: str
+    start: int = 0
+    stop: int | None = None
+    tokens: int | None = field(default=None, compare=False)  # the stored tokens of these sequences, where known
+
+    def __str__(self) -> str:
+        return f"{self.key}[{self.start}:{'' if self.stop is None else self.stop}]"
+
+
+def shard_cu_seqlens(store, key: str, expect=None) -> list[int]:
+    """The sequence boundaries of a shard (its cu_seqlens tensor only, for a local shard)."""
+    return read_shard_tensors(store, key, names=("cu_seqlens",), expect=expect)["cu_seqlens"].tolist()
+
+
+def split_validation(store, keys: list[str], entries: dict, val_fraction: float
+                     ) -> tuple[list[ShardPart], list[ShardPart]]:
+    """(train, validation) parts: validation holds out the last sequences (shard order, then sequence order) until
+    their tokens reach val_fraction of all tokens, at least one when there are two or more, never all of them.
+
+    Whole shards are counted from their manifest entries (`tokens`, `sequences`); the shard at the boundary, and any
+    whose entry lacks the counts, from its cu_seqlens."""
+    counts = {}
+    for key in keys:
+        meta = getattr(entries.get(key), "metadata", None) or {}
+        if "tokens" in meta and "sequences" in meta:
+            counts[key] = (int(meta["tokens"]), int(meta["sequences"]))
+        else:
+            cu = shard_cu_seqlens(store, key, entries.get(key))
+            counts[key] = (cu[-1] - cu[0], len(cu) - 1)
+    total_tokens = sum(t for t, _ in counts.values())
+    total_sequences = sum(n for _, n in counts.values())
+    whole = lambda key: ShardPart(key, 0, counts[key][1], counts[key][0])  # noqa: E731
+    if val_fraction <= 0 or total_sequences < 2:
+        return [whole(k) for k in keys if counts[k][1]], []
+    target = val_fraction * total_tokens
+    held_tokens, held_sequences = 0, 0
+    val: list[ShardPart] = []
+    for i in range(len(keys) - 1, -1, -1):
+        key = keys[i]
+        tokens, sequences = counts[key]
+        # At least one sequence stays in training: the walk stops before the first shard's first sequence.
+        room = total_sequences - 1 - held_sequences
+        if held_tokens + tokens <= target and sequences <= room:
+            held_tokens, held_sequences = held_tokens + tokens, held_sequences + sequences
+            if sequences:
+                val.insert(0, whole(key))
+            continue
+        cu = shard_cu_seqlens(store, key, entries.get(key))
+        start = sequences
+        while start > 0 and held_tokens < target and sequences - start < room:
+            start -= 1
+            held_tokens += cu[start + 1] - cu[start]
+        held_sequences += sequences - start
+        train = [whole(k) for k in keys[:i] if counts[k][1]]
+        if start > 0:
+            train.append(ShardPart(key, 0, start, cu[start] - cu[0]))
+        if start < sequences:
+            val.insert(0, ShardPart(key, start, sequences, cu[-1] - cu[start]))
+        return train, val
+    return [], val  # not reached: the walk stops at the boundary shard before it takes every sequence
+
+
+def held_out_summary(train: list[ShardPart], val: list[ShardPart]) -> dict:
+    """The validation's sequences and tokens, and its share of all tokens (None where a part's tokens are unknown)."""
+    parts = train + val
+    known = all(p.tokens is not None for p in parts)
+    total = sum(p.tokens for p in parts) if known else 0
+    return {"val_sequences": sum(p.stop - p.start for p in val if p.stop is not None),
+            "val_tokens": sum(p.tokens for p in val) if known else None,
+            "held_out_share": sum(p.tokens for p in val) / total if known and total else None}
+
+
 @dataclass
 class Sequence:
     input_ids: torch.Tensor  # [n] int64
@@ -117,9 +176,10 @@ class Sequence:
         return self.input_ids.numel()
 
 
-def shard_sequences(tensors: dict[str, torch.Tensor], max_seq_len: int) -> list[Sequence]:
-    """Split a shard at cu_seqlens into sequences, each cut to max_seq_len tokens."""
-    cu = tensors["cu_seqlens"].tolist()
+def shard_sequences(tensors: dict[str, torch.Tensor], max_seq_len: int, start: int = 0, stop: int | None = None
+                    ) -> list[Sequence]:
+    """Split a shard at cu_seqlens into its sequences [start, stop), each cut to max_seq_len tokens."""
+    cu = tensors["cu_seqlens"].tolist()[start:None if stop is None else stop + 1]
     out = []
     for a, b in zip(cu[:-1], cu[1:]):
         b = min(b, a + max_seq_len)
@@ -129,9 +189,15 @@ def shard_sequences(tensors: dict[str, torch.Tensor], max_seq_len: int) -> list[
     return out
 
 
+def part_sequences(store, part: ShardPart, max_seq_len: int, expected: dict | None = None) -> list[Sequence]:
+    """The sequences of one shard part, each cut to max_seq_len tokens."""
+    tensors = read_shard_tensors(store, part.key, expect=(expected or {}).get(part.key))
+    return shard_sequences(tensors, max_seq_len, part.start, part.stop)
+
+
 @dataclass
 class Cursor:
-    """Where the stream stands: epoch, position in that epoch's shard order, next sequence in that shard."""
+    """Where the stream stands: epoch, position in that epoch's part order, next sequence in that part."""
 
     epoch: int = 0
     shard: int = 0
@@ -149,16 +215,17 @@ def _permutation(n: int, *seed_parts: int) -> list[int]:
 class BatchStream:
     """Endless global batches of whole sequences (about tokens_per_batch tokens) in an order fixed by the seed.
 
-    One shard is in memory at a time (the next is fetched in the background); the cursor after each batch
-    is enough to resume the exact same sequence of batches.
+    Reads shard parts (a part's sequences only, sliced before shuffling so that a cursor always means the same data);
+    one part is in memory at a time (the next is fetched in the background); the cursor after each batch is enough
+    to resume the exact same sequence of batches.
     """
 
-    def __init__(self, store, keys: list[str], tokens_per_batch: int, max_seq_len: int, seed: int,
+    def __init__(self, store, parts: list[ShardPart], tokens_per_batch: int, max_seq_len: int, seed: int,
                  cursor: Cursor | None = None, shuffle: bool = True, epochs: int | None = None,
                  expected: dict | None = None):
-        if not keys:
-            raise ConfigError("no hidden-state shards to train on; lower train.val_fraction or extract more traces")
-        self.store, self.keys = store, list(keys)
+        if not parts:
+            raise ConfigError("no hidden-state sequences to train on; lower train.val_fraction or extract more traces")
+        self.store, self.parts = store, list(parts)
         self.expected = expected or {}  # key -> manifest entry each shard is checked against
         self.tokens_per_batch, self.max_seq_len = tokens_per_batch, max_seq_len
         self.seed, self.shuffle, self.epochs = seed, shuffle, epochs
@@ -167,18 +234,18 @@ class BatchStream:
         self._pending: dict[tuple[int, int], object] = {}
         self._loaded: tuple[tuple[int, int], list[Sequence]] | None = None
 
-    def _shard_order(self, epoch: int) -> list[int]:
-        return _permutation(len(self.keys), self.seed, epoch) if self.shuffle else list(range(len(self.keys)))
+    def _part_order(self, epoch: int) -> list[int]:
+        return _permutation(len(self.parts), self.seed, epoch) if self.shuffle else list(range(len(self.parts)))
 
     def _fetch(self, epoch: int, pos: int) -> list[Sequence]:
-        key = self.keys[self._shard_order(epoch)[pos]]
-        seqs = shard_sequences(read_shard_tensors(self.store, key, expect=self.expected.get(key)), self.max_seq_len)
+        part = self.parts[self._part_order(epoch)[pos]]
+        seqs = part_sequences(self.store, part, self.max_seq_len, self.expected)
         if self.shuffle:
             seqs = [seqs[i] for i in _permutation(len(seqs), self.seed, epoch, pos, 1)]
         return seqs
 
     def _next_slot(self, epoch: int, pos: int) -> tuple[int, int]:
-        return (epoch, pos + 1) if pos + 1 < len(self.keys) else (epoch + 1, 0)
+        return (epoch, pos + 1) if pos + 1 < len(self.parts) else (epoch + 1, 0)
 
     def _sequences(self, epoch: int, pos: int) -> list[Sequence]:
         slot = (epoch, pos)

@@ -23,9 +23,9 @@ from draftline.aux_ids import VLLM, AuxLayerIds, sglang_convention
 from draftline.config import DrafterConfig, TrainConfig
 from draftline.drafter.checkpoint import (load_latest_checkpoint, rng_state, run_fingerprint, save_checkpoint,
                                           set_rng_state)
-from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_share, hidden_shard_entries,
-                                    hidden_shard_keys, pack_rows, rank_rows, read_shard_metadata, read_shard_tensors,
-                                    shard_sequences, split_shards)
+from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_summary, hidden_shard_entries,
+                                    hidden_shard_keys, pack_rows, part_sequences, rank_rows, read_shard_metadata,
+                                    split_validation)
 from draftline.drafter.replay import replayed_acceptance
 from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
@@ -117,12 +117,13 @@ def train_device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def prepare_vocab(store, prefix: str, train_keys: list[str], vocab_size: int, draft_vocab_size: int, d: Dist,
+def prepare_vocab(store, prefix: str, train_parts: list, vocab_size: int, draft_vocab_size: int, d: Dist,
                   expected: dict | None = None):
-    """d2t/t2d from the training shards, computed once (rank 0) and kept at `<prefix>/vocab.pt` for resumes and ranks."""
+    """d2t/t2d from the training parts of the shards, computed once (rank 0) and kept at `<prefix>/vocab.pt` for
+    resumes and ranks."""
     key = f"{prefix}/vocab.pt"
     if d.main and not store.exists(key):
-        counts = counts_from_hidden_shards(store, train_keys, vocab_size, expected)
+        counts = counts_from_hidden_shards(store, train_parts, vocab_size, expected)
         d2t, t2d, report = build_vocab(counts, draft_vocab_size)
         buf = io.BytesIO()
         torch.save({"d2t": d2t, "t2d": t2d, "report": report.to_dict()}, buf)
@@ -156,13 +157,12 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
 
     keys = hidden_shard_keys(store, run)
     entries = hidden_shard_entries(store, run, keys)  # every shard is checked against these before it is used
-    train_keys, val_keys = split_shards(keys, cfg.val_fraction)
-    held_out = held_out_share(entries, val_keys)
-    if d.main and held_out is not None and held_out > 2 * cfg.val_fraction:
-        # Validation takes whole shards: with few large shards it takes far more than val_fraction from training.
-        log.warning("validation holds out %.0f%% of the tokens (%d of %d shards) for train.val_fraction %.2f; cut "
-                    "smaller shards (extract.tokens_per_shard) to train on more of the traces", 100 * held_out,
-                    len(val_keys), len(keys), cfg.val_fraction)
+    train_parts, val_parts = split_validation(store, keys, entries, cfg.val_fraction)
+    held_out = held_out_summary(train_parts, val_parts)
+    if d.main and val_parts:
+        log.info("validation holds out the last %d sequences (%s of the tokens): %s", held_out["val_sequences"],
+                 "?" if held_out["held_out_share"] is None else f"{held_out['held_out_share']:.1%}",
+                 ", ".join(str(p) for p in val_parts))
     meta = read_shard_metadata(store, keys[0])
     aux_ids = AuxLayerIds.stored(json.loads(meta["aux_layer_ids"]), meta.get("convention", VLLM), store.uri(keys[0]),
                                  "extract the hidden states again").as_list()
@@ -172,7 +172,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     model = (Eagle3Drafter(warm_start_config(cfg.warm_start, target_cfg, drafter_cfg, aux_ids)) if cfg.warm_start
              else Eagle3Drafter.from_target_config(target_cfg, drafter_cfg, aux_ids))
     model.load_target_weights(embed)
-    d2t, t2d, vocab_report = prepare_vocab(store, prefix, train_keys, model.config.vocab_size,
+    d2t, t2d, vocab_report = prepare_vocab(store, prefix, train_parts, model.config.vocab_size,
                                            model.config.draft_vocab_size, d, entries)
     model.set_vocab(d2t, t2d)
     warm = warm_start(model, cfg.warm_start, embed, cfg.warm_start_remap_vocab, target_cfg) if cfg.warm_start else None
@@ -196,8 +196,10 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
     # The shards' contents, not only their names: re-extracted shards (another storage, another target) start over.
-    fingerprint = run_fingerprint(drafter_cfg, cfg, aux_ids, [[k, entries[k].sha256 if k in entries else None]
-                                                              for k in keys])
+    # And the split: a cursor counts positions in the training parts, which mean other data under another split.
+    fingerprint = run_fingerprint(drafter_cfg, cfg, aux_ids, {
+        "shards": [[k, entries[k].sha256 if k in entries else None] for k in keys],
+        "train": [str(p) for p in train_parts], "val": [str(p) for p in val_parts]})
     step, cursor, history, resumed_from = 0, Cursor(), {"train": [], "val": []}, None
     resumed = load_latest_checkpoint(store, prefix, fingerprint)
     if resumed is not None:
@@ -211,7 +213,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         if d.main:
             log.info("resumed from %s at step %d", store.uri(latest_key), step)
 
-    stream = BatchStream(store, train_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, cursor=cursor,
+    stream = BatchStream(store, train_parts, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, cursor=cursor,
                          expected=entries)
     aux_width, hidden = 3 * model.config.target_hidden_size, model.config.target_hidden_size
     weights = torch.tensor([cfg.step_weight_decay ** j for j in range(cfg.ttt_steps)], device=device)
@@ -229,7 +231,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     def validate() -> dict:
         ttt.eval()
         sums = torch.zeros(4, cfg.ttt_steps, device=device)
-        vstream = BatchStream(store, val_keys, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, shuffle=False, epochs=1,
+        vstream = BatchStream(store, val_parts, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, shuffle=False, epochs=1,
                               expected=entries)
         try:
             with torch.no_grad(), autocast:
@@ -251,8 +253,8 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         """The decode-schedule estimate (draftline.drafter.replay) over the first REPLAY_SEQUENCES validation
         sequences: what the reference decoder will measure, where the per-step accuracies overstate it."""
         sequences: list = []
-        for key in val_keys:
-            sequences += shard_sequences(read_shard_tensors(store, key, expect=entries.get(key)), cfg.max_seq_len)
+        for part in val_parts:
+            sequences += part_sequences(store, part, cfg.max_seq_len, entries)
             if len(sequences) >= REPLAY_SEQUENCES:
                 break
         # Eager attention: one sequence per forward, each of its own length, which compiled attention would recompile for.
@@ -313,7 +315,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
             tokens_seen += sum(len(s) for s in batch)
             pending.append({"step": step, "loss": all_sum(loss.detach() / d.world, d), "lr": scheduler.get_last_lr()[0],
                             "grad_norm": grad_norm, "stats": stats, "tokens_seen": tokens_seen})
-            validating = bool(val_keys) and (step % cfg.val_every == 0 or step == cfg.max_steps)
+            validating = bool(val_parts) and (step % cfg.val_every == 0 or step == cfg.max_steps)
             if validating or step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
                 record_pending()  # the log in step order, and a checkpoint holds the history up to its step
             if validating:
@@ -334,7 +336,8 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     summary = {"run": run, "steps": step, "final_train": history["train"][-1] if history["train"] else None,
                "final_val": history["val"][-1] if history["val"] else None, "vocab": vocab_report.to_dict(),
                "aux_layer_ids": aux_ids, "convention": VLLM, "warm_start": warm, "world_size": d.world, "resumed_from": resumed_from,
-               "fingerprint": fingerprint, "train_shards": train_keys, "val_shards": val_keys,
+               "fingerprint": fingerprint, "train_shards": [str(p) for p in train_parts],
+               "val_shards": [str(p) for p in val_parts], **held_out,
                "history": history, "drafter": store.uri(trained_drafter_in(prefix)), "weights_digest": weights_digest(model)}
     if d.main:
         publish_drafter(store, prefix, model, summary, target_dir, run)

@@ -71,15 +71,19 @@ def build_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tens
     return d2t, t2d, report
 
 
-def counts_from_hidden_shards(store, keys: list[str], vocab_size: int, expected: dict | None = None) -> torch.Tensor:
-    """Token counts over the loss-masked tokens of hidden-state shards (reads only input_ids and loss_mask; with
-    `expected`, each shard's bytes are checked against its manifest entry first)."""
+def counts_from_hidden_shards(store, parts, vocab_size: int, expected: dict | None = None) -> torch.Tensor:
+    """Token counts over the loss-masked tokens of hidden-state shard parts (draftline.drafter.data.ShardPart: only
+    their sequences; reads only input_ids, loss_mask and cu_seqlens; with `expected`, each shard's bytes are checked
+    against its manifest entry first)."""
     from draftline.drafter.data import read_shard_tensors
 
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for key in keys:
-        tensors = read_shard_tensors(store, key, names=("input_ids", "loss_mask"), expect=(expected or {}).get(key))
-        counts += count_tokens(tensors["input_ids"], tensors["loss_mask"], vocab_size)
+    for part in parts:
+        tensors = read_shard_tensors(store, part.key, names=("input_ids", "loss_mask", "cu_seqlens"),
+                                     expect=(expected or {}).get(part.key))
+        cu = tensors["cu_seqlens"].tolist()
+        a, b = cu[part.start], cu[len(cu) - 1 if part.stop is None else part.stop]
+        counts += count_tokens(tensors["input_ids"][a:b], tensors["loss_mask"][a:b], vocab_size)
     return counts
 
 
