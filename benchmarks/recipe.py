@@ -47,6 +47,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
                         False),
     "vocab-1024": ("draft vocabulary 1024 tokens", {"drafter": {"draft_vocab_size": 1024}}, True),
     "vocab-4096": ("draft vocabulary 4096 tokens", {"drafter": {"draft_vocab_size": 4096}}, True),
+    # A larger validation: whether the replayed estimate's distance to the reference decoder is the sample's size.
+    "val-0.2": ("validation holds out 20% of the tokens", {"train": {"val_fraction": 0.2}}, False),
     # The demo's shards before 2026-12-03, when validation held out whole shards (then 1 of 2, not 1 of 8).
     "shards-32k": ("shards of 32,768 tokens", {"extract": {"tokens_per_shard": 32768}}, False),
     "shards-32k-seed-1": ("shards of 32,768 tokens with train.seed 1", {"extract": {"tokens_per_shard": 32768},
