@@ -35,7 +35,8 @@ the fast path on a GPU); a GPU run also reports the eager path's figures on a fe
 With --save the target and drafter exports are written right after training, before any decoding measurement, and
 a failed measurement still writes the JSON (with "error"), so later benchmarks can use the saved files.
 
-Needs only torch, transformers and safetensors (no pydantic, Prefect or store). Writes benchmarks/results/decode-<hw>.json.
+Needs torch, transformers, safetensors and pydantic (draftline.config; on the H200 from the vLLM site), no Prefect or
+store. Writes benchmarks/results/decode-<hw>.json.
 """
 from __future__ import annotations
 
