@@ -98,7 +98,8 @@ def train(config: PipelineConfig, store: Store, on_line: Callable[[str], None] |
         return train_with_torchrun(config, store, on_line)
     from draftline.drafter import train as train_lib
 
-    return train_lib.train_drafter(store, config.run, config.target.path, config.drafter, config.train)
+    return train_lib.train_drafter(store, config.run, config.target.path, config.drafter, config.train,
+                                   replay_answer_tokens=config.eval.max_new_tokens)
 
 
 def stage_gpus(config: PipelineConfig, stage: str) -> int:

@@ -24,7 +24,8 @@ def trained(tiny_hidden_run, tmp_path_factory):
     summary = train_drafter(store, tiny_hidden_run.run, tiny_hidden_run.target_dir, DrafterConfig(draft_vocab_size=256),
                             TrainConfig(ttt_steps=3, max_steps=200, tokens_per_batch=1024, max_seq_len=256,
                                         learning_rate=3e-3, warmup_steps=10, val_every=200, checkpoint_every=1000,
-                                        val_fraction=0.2, device="cpu"), out_prefix=prefix)
+                                        val_fraction=0.2, device="cpu"), out_prefix=prefix,
+                            replay_answer_tokens=40)
     drafter_dir = store.get_dir(f"{prefix}/drafter", tmp_path_factory.mktemp("trained") / "drafter")
     yield tiny_hidden_run.target_dir, drafter_dir, summary
     torch.set_num_threads(before)
@@ -64,7 +65,7 @@ def test_a_trained_drafter_is_accepted_and_the_output_stays_the_targets(trained)
     replayed = summary["final_val"]["replayed"]
     print(f"replayed as decoding drafts: {replayed['acceptance_length']:.3f} over {replayed['rounds']} rounds "
           f"(per position {[round(x, 3) for x in replayed['per_position']]})")
-    assert replayed["rounds"] > 100
+    assert replayed["rounds"] > 100 and replayed["answer_tokens"] == 40  # the 40 tokens the decoder generates below
     p = replayed["per_position"]
     assert 1.0 < replayed["acceptance_length"] == pytest.approx(1 + sum(p)) and p == sorted(p, reverse=True)
     # The same hits replayed drafting fewer tokens, for engines whose k is below the training's unroll: one figure
