@@ -189,6 +189,9 @@ def report_markdown(results: list[EvalResult], training: dict | None = None, run
                       f"{r.engine} logged these while serving (first sentence of each, once per server):", ""]
             lines += [f"- {w.text} ({_servers(w.servers)})" for w in r.engine_warnings]
     lines += training_markdown(training, run)
+    said = estimate_sentence(training, results)
+    if said:
+        lines += ["", said]
     lines += ["", "## Plots", "", "![acceptance by position](acceptance_by_position.png)", "",
               "![throughput and speedup](throughput_speedup.png)", ""]
     if training is not None and training.get("history", {}).get("train"):
@@ -228,6 +231,30 @@ def training_markdown(training: dict | None, run: str | None) -> list[str]:
             said += f", acceptance length {v['acceptance_length']:.2f}"
         lines += ["", said + "."]
     return lines
+
+
+def estimate_sentence(training: dict | None, results: list[EvalResult]) -> str | None:
+    """Training's replayed estimate at the reference decoder's k beside what the reference decoder measured, with
+    the estimate's spread over its validation sequences: whether the estimate predicted this evaluation."""
+    replayed = (((training or {}).get("final_val") or {}).get("replayed")) or {}
+    by_k = replayed.get("acceptance_length_by_k") or []
+    ref = next((r for r in results if r.parity and r.parity.reference_mean_acceptance_length), None)
+    if ref is None or not 0 < ref.num_speculative_tokens <= len(by_k) or not by_k[ref.num_speculative_tokens - 1]:
+        return None
+    k = ref.num_speculative_tokens
+    estimate, measured = by_k[k - 1], ref.parity.reference_mean_acceptance_length
+    interval = (replayed.get("interval_by_k") or [None] * k)[k - 1]
+    said = (f"Training's replayed estimate at k = {k}: {estimate:.3f} over {replayed.get('sequences', 'its')} "
+            f"validation sequences")
+    if interval:
+        said += f" ({interval[0]:.3f} to {interval[1]:.3f} as they are resampled)"
+    said += f"; the reference decoder measured {measured:.3f} on the eval prompts, {measured / estimate:.3f} of it"
+    if not interval:
+        return said + "."
+    if interval[0] <= measured <= interval[1]:
+        return said + ", within the validation sample's own spread."
+    return (said + ", outside the validation sample's own spread: the eval prompts are unlike the validation traces "
+            "(the prompts of another task or length), or there are too few of them to measure it.")
 
 
 def _pyplot():

@@ -73,3 +73,7 @@ def test_a_trained_drafter_is_accepted_and_the_output_stays_the_targets(trained)
     by_k = replayed["acceptance_length_by_k"]
     assert len(by_k) == len(p) and by_k[-1] == pytest.approx(replayed["acceptance_length"])
     assert 1.0 < by_k[0] <= 2.0
+    # Each figure with its spread over the validation sequences resampled: how far it can be from other prompts'.
+    assert len(replayed["interval_by_k"]) == len(by_k) and replayed["sequences"] > 1
+    for (lo, hi), tau in zip(replayed["interval_by_k"], by_k):
+        assert lo <= tau <= hi and lo < hi

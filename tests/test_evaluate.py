@@ -678,3 +678,29 @@ def test_report_has_the_runs_training_curves_or_says_it_has_no_training_record(t
     assert "per-step accuracy (draft step 1 first) 0.800, 0.720, 0.640" in training
     assert "Held-out at step 40: loss 5.000, per-step accuracy 0.550, 0.520, 0.500, acceptance length 1.98" in training
     assert "![training curves](training_curves.png)" in md
+
+
+def test_report_says_whether_the_reference_decoder_met_the_trainings_replayed_estimate(tmp_path):
+    """The replayed estimate predicts other prompts only as well as the validation traces sample them: the report
+    puts the reference decoder's figure beside the estimate at its k and says whether it fell within that spread."""
+    from draftline.report import estimate_sentence
+
+    ok = with_parity(_result(_drafter(tmp_path, "vllm")), REFERENCE, 0.8)  # k = 3, the reference decoder 2.2
+
+    def training(interval_at_3):
+        replayed = {"acceptance_length_by_k": [1.5, 1.9, 2.25, 2.4], "sequences": 31,
+                    "interval_by_k": [None, None, interval_at_3, None]}
+        return {**_training_record(), "final_val": {"replayed": replayed}}
+
+    within = estimate_sentence(training([2.1, 2.4]), [ok])
+    assert within == ("Training's replayed estimate at k = 3: 2.250 over 31 validation sequences (2.100 to 2.400 as "
+                      "they are resampled); the reference decoder measured 2.200 on the eval prompts, 0.978 of it, "
+                      "within the validation sample's own spread.")
+    outside = estimate_sentence(training([2.23, 2.27]), [ok])
+    assert outside.endswith("0.978 of it, outside the validation sample's own spread: the eval prompts are unlike the "
+                            "validation traces (the prompts of another task or length), or there are too few of them "
+                            "to measure it.")
+    assert estimate_sentence(training([2.1, 2.4]), [ok]) in report_markdown([ok], training([2.1, 2.4]), "demo")
+    # No replay recorded (an older training record), or none as deep as the reference decoder drafted: no claim.
+    assert estimate_sentence(_training_record(), [ok]) is None
+    assert estimate_sentence({"final_val": {"replayed": {"acceptance_length_by_k": [1.5, 1.9]}}}, [ok]) is None

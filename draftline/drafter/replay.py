@@ -58,22 +58,54 @@ def decode_rounds(hit: torch.Tensor, lossable: torch.Tensor, answer: int, limit:
     return accepted
 
 
+def resampled_acceptance_lengths(per_sequence: list[tuple[int, int]], draws: int = 2000, seed: int = 0) -> torch.Tensor:
+    """The pooled mean acceptance length, 1 + accepted / rounds, of `draws` samples of the sequences drawn again with
+    replacement, from each sequence's (rounds, accepted draft tokens): how far the figure moves with the sample."""
+    x = torch.tensor(per_sequence, dtype=torch.float64).reshape(-1, 2)
+    pick = torch.randint(0, len(x), (draws, len(x)), generator=torch.Generator().manual_seed(seed))
+    sums = x[pick].sum(1)
+    return 1 + sums[:, 1] / sums[:, 0].clamp(min=1)
+
+
+def resampled_interval(per_sequence: list[tuple[int, int]]) -> list[float] | None:
+    """5th and 95th percentile of resampled_acceptance_lengths, None without a round to resample."""
+    if not any(n for n, _ in per_sequence):
+        return None
+    q = torch.quantile(resampled_acceptance_lengths(per_sequence), torch.tensor([0.05, 0.95], dtype=torch.float64))
+    return [float(v) for v in q]
+
+
 def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device, limit: int | None = None) -> dict:
     """Mean acceptance length (1 + accepted draft tokens per round) and per-position acceptance over the rounds
     of replaying every sequence's answer (its first `limit` tokens, as a decode of that many new tokens sees it),
     the reference decoder's figures' definitions; `acceptance_length_by_k` replays the same hits drafting only the
     first k' steps, for every k' up to the unroll's depth (an engine drafting fewer tokens than training unrolled
-    starts its rounds elsewhere)."""
+    starts its rounds elsewhere). `interval_by_k`: each figure's 5th-95th percentile over resampled sequences, since
+    the estimate predicts decoding on other prompts only as well as these sequences sample them."""
     k = ttt.steps
     counts: list[list[int]] = [[] for _ in range(k)]  # per drafted depth k' = index + 1
+    per_sequence: list[list[tuple[int, int]]] = [[] for _ in range(k)]
     with torch.no_grad():
         for seq in sequences:
             hit, lossable, answer = draft_hits(ttt, seq, device)
             for depth in range(1, k + 1):
-                counts[depth - 1] += decode_rounds(hit[:depth], lossable[:depth], answer, limit)
+                rounds = decode_rounds(hit[:depth], lossable[:depth], answer, limit)
+                counts[depth - 1] += rounds
+                per_sequence[depth - 1].append((len(rounds), sum(rounds)))
     full = counts[-1]
     rounds = len(full)
     per_position = [sum(n > j for n in full) / rounds if rounds else 0.0 for j in range(k)]
     return {"acceptance_length": 1.0 + sum(full) / rounds if rounds else None, "per_position": per_position,
-            "rounds": rounds,
-            "acceptance_length_by_k": [1.0 + sum(c) / len(c) if c else None for c in counts]}
+            "rounds": rounds, "sequences": len(per_sequence[-1]),
+            "acceptance_length_by_k": [1.0 + sum(c) / len(c) if c else None for c in counts],
+            "interval_by_k": [resampled_interval(c) for c in per_sequence]}
+
+
+def replayed_summary(replayed: dict) -> str:
+    """The log's clause for a replay result: its acceptance length at the unroll's depth and that figure's spread."""
+    if not replayed.get("acceptance_length"):
+        return ""
+    interval = (replayed.get("interval_by_k") or [None])[-1]
+    spread = (f" ({interval[0]:.3f}-{interval[1]:.3f} over its {replayed['sequences']} sequences resampled)"
+              if interval else "")
+    return f", replayed as decoding drafts {replayed['acceptance_length']:.3f}{spread}"

@@ -26,7 +26,7 @@ from draftline.drafter.checkpoint import (load_latest_checkpoint, rng_state, run
 from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_summary, hidden_shard_entries,
                                     hidden_shard_keys, pack_rows, part_sequences, rank_rows, read_shard_metadata,
                                     split_validation)
-from draftline.drafter.replay import replayed_acceptance
+from draftline.drafter.replay import replayed_acceptance, replayed_summary
 from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
@@ -332,8 +332,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                 if d.main:
                     log.info("validation at step %d: loss %.4f accuracy %s acceptance length %.3f%s", step, v["loss"],
                              [round(a, 3) for a in v["accuracy"]], v["acceptance_length"],
-                             f", replayed as decoding drafts {v['replayed']['acceptance_length']:.3f}"
-                             if v.get("replayed", {}).get("acceptance_length") else "")
+                             replayed_summary(v.get("replayed") or {}))
             if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
                 checkpoint()
     finally:
