@@ -16,6 +16,9 @@ the latency case speculation is for) run on held-out prompts. Reported:
   offline_tau = the offline estimate decoding should meet: the decoder's draft schedule replayed on the held-out
           traces with the training unroll (draftline.drafter.replay, drafting k tokens), and tau_over_offline =
           tau / offline_tau (goal >= 0.95); "offline_estimate" keeps the per-step formula 1 + sum prod acc;
+          where they part: "offline_tau_eval_prompts" replays the same schedule on the eval prompts' own greedy
+          answers (the method without the prompt shift), and each ratio comes with its 5th-95th percentile when the
+          prompts of each side are drawn again with replacement (the spread from the sample of prompts alone);
   c     = drafter forward time / plain target decode-step time, both measured in this run with the machinery the
           decoding used: on the fast path (draftline.decode_static; CUDA graphs on a GPU) the drafter's T=1 call and
           the target's T=1 call, each replayed many times at batch 1 between two syncs (the pure forwards: greedy
@@ -57,7 +60,8 @@ sys.path.insert(0, str(ROOT))
 from draftline.decode import SpeculativeDecoder, expected_acceptance, plain_decode  # noqa: E402
 from draftline.drafter.data import Sequence as TraceStates  # noqa: E402
 from draftline.drafter.model import Eagle3Drafter  # noqa: E402
-from draftline.drafter.replay import replayed_acceptance  # noqa: E402
+from draftline.drafter.replay import (decode_rounds, draft_hits, replayed_acceptance,  # noqa: E402
+                                      resampled_acceptance_lengths)
 from draftline.drafter.ttt import TTTModel  # noqa: E402
 from draftline.drafter.vocab import build_vocab, count_tokens  # noqa: E402
 from draftline.aux_ids import default_aux_layer_ids  # noqa: E402
@@ -76,6 +80,10 @@ def parse_args(argv=None):
     p.add_argument("--train-steps", type=int, default=None)
     p.add_argument("--ttt-steps", type=int, default=None)
     p.add_argument("--draft-vocab", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 5e-4 on a GPU, 1e-3 on CPU)")
+    p.add_argument("--batch", type=int, default=None, help="traces per training step (default 16 on a GPU, 8 on CPU)")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="share of the training traces held out for validation and the replayed estimate")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--drafter", default=None,
                    help="--cpu only: use this trained drafter directory (SGLang/EAGLE format) instead of training one")
@@ -110,6 +118,10 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.eager_prompts is None:
         args.eager_prompts = 4 if gpu else 0
+    if args.lr is None:
+        args.lr = 5e-4 if gpu else 1e-3
+    if args.batch is None:
+        args.batch = 16 if gpu else 8
     return args
 
 
@@ -228,12 +240,12 @@ def train_drafter(model, rows, val_rows, args, device):
     dtype = torch.bfloat16 if gpu else torch.float32
     ttt = TTTModel(drafter, model.lm_head.weight.detach(), args.ttt_steps, 1024, "eager", dtype)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3 if not gpu else 5e-4, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 0.5 * (1 + math.cos(math.pi * s / args.train_steps))))
     weights = torch.tensor([0.8 ** j for j in range(args.ttt_steps)], device=device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
-    per_batch = 16 if gpu else 8
+    autocast = training_autocast(device)
+    per_batch = args.batch
     g = torch.Generator().manual_seed(args.seed)
     sync(device)
     t0 = time.perf_counter()
@@ -259,14 +271,61 @@ def train_drafter(model, rows, val_rows, args, device):
     accuracy = (sums[0] / sums[1].clamp(min=1)).tolist()
     drafter.eval()
     # The decode-schedule replay (draftline.drafter.replay), as training records it: the estimate decoding should meet.
-    replay = TTTModel(drafter, model.lm_head.weight.detach(), args.ttt_steps, 1024, "eager", dtype).eval()
+    replay = replay_model(drafter, model, args.ttt_steps, device)
     with torch.no_grad(), autocast:
-        replayed = replayed_acceptance(replay, [TraceStates(r["input_ids"], r["loss_mask"].bool(), r["aux"], r["last"])
-                                                for r in val_rows], device, limit=args.eval_tokens)
-    return drafter.to(dtype), {"train_seconds": train_s, "steps": args.train_steps, "ttt_steps": args.ttt_steps,
+        replayed = replayed_acceptance(replay, [trace_states(r) for r in val_rows], device, limit=args.eval_tokens)
+    return drafter.to(dtype), replay, {"train_seconds": train_s, "steps": args.train_steps, "ttt_steps": args.ttt_steps,
                                "val_accuracy": accuracy, "replayed": replayed, "val_sequences": len(val_rows),
                                "replayed_answer_tokens": args.eval_tokens,
                                "vocab": report.to_dict(), "aux_layer_ids_vllm": aux_ids}
+
+
+# ---------------------------------------------------------------- the replayed estimate, trace by trace
+
+def training_autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+def replay_model(drafter, model, ttt_steps, device):
+    """The training unroll over a float32 copy of the trained drafter, as training's replay runs it (bf16 autocast on
+    a GPU); a copy, so that decoding's bf16 cast of the drafter leaves it as validation saw it."""
+    import copy
+
+    head = copy.deepcopy(drafter).float().eval()
+    return TTTModel(head, model.lm_head.weight.detach(), ttt_steps, 1024, "eager",
+                    torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+
+
+def trace_states(row) -> TraceStates:
+    return TraceStates(row["input_ids"], row["loss_mask"].bool(), row["aux"], row["last"])
+
+
+def replay_rounds(replay, rows, device, limit, k) -> list[tuple[int, int]]:
+    """Per trace: (rounds, accepted draft tokens) of the decode schedule drafting k tokens replayed on its first
+    `limit` answer tokens (draftline.drafter.replay); the per-trace form lets the prompts be resampled."""
+    out = []
+    with torch.no_grad(), training_autocast(device):
+        for r in rows:
+            hit, lossable, answer = draft_hits(replay, trace_states(r), device)
+            accepted = decode_rounds(hit[:k], lossable[:k], answer, limit)
+            out.append((len(accepted), sum(accepted)))
+    return out
+
+
+def tau_of(counts) -> float | None:
+    """Mean acceptance length 1 + accepted / rounds over (rounds, accepted) pairs, pooled as the decoder pools them."""
+    rounds = sum(n for n, _ in counts)
+    return 1.0 + sum(a for _, a in counts) / rounds if rounds else None
+
+
+def resampled_ratio(num, den, paired=False, draws=4000) -> dict:
+    """tau(num) / tau(den) and its 5th-95th percentile when each side's prompts are drawn again with replacement
+    (draftline.drafter.replay.resampled_acceptance_lengths): how far the ratio moves with the sample of prompts alone.
+    Paired: both sides are the same prompts, drawn together (the same seed draws the same indices)."""
+    ratios = (resampled_acceptance_lengths(num, draws, seed=0)
+              / resampled_acceptance_lengths(den, draws, seed=0 if paired else 1))
+    lo, hi = torch.quantile(ratios, torch.tensor([0.05, 0.95], dtype=torch.float64)).tolist()
+    return {"ratio": tau_of(num) / tau_of(den), "p05": lo, "p95": hi, "draws": draws}
 
 
 # ---------------------------------------------------------------- measurement
@@ -293,6 +352,7 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, t
     plain_discarded = spec_discarded = 0
     plain_fw = plain_tokens = spec_tokens = 0
     stats, match, modes, setup_s = None, True, set(), 0.0
+    per_prompt, plain_answers = [], []
     for p in prompts:  # batch 1, alternating, so drift in machine speed hits both alike
         plain = plain_decode(model, [p], new_tokens, eos_token_ids=eos, fast=fast, sync_every=sync_every)
         spec = decoder.generate([p], new_tokens)
@@ -303,6 +363,8 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, t
         plain_s, plain_fw, plain_tokens = plain_s + plain.seconds, plain_fw + plain.target_forwards, plain_tokens + plain.num_tokens
         spec_s, spec_tokens = spec_s + spec.seconds, spec_tokens + spec.num_tokens
         match = match and spec.tokens == plain.tokens
+        per_prompt.append({"drafts": spec.stats.num_drafts, "accepted": spec.stats.num_accepted_tokens})
+        plain_answers += plain.tokens
         if stats is None:
             stats = spec.stats
         else:
@@ -341,9 +403,29 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, t
         "drafter_call_ms": 1e3 * drafter_call_s, "target_step_ms": 1e3 * target_step_s,
         "verify_step_ms": 1e3 * verify_s, **timing, "setup_seconds": setup_s,
         "bound": bound, "fraction_of_bound": speedup / bound, "greedy_outputs_match": match,
+        "per_prompt": per_prompt, "plain_answers": plain_answers,
         "tokens": plain_tokens, "sync_every": sync_every,
         "plain_discarded_forwards": plain_discarded, "spec_discarded_forwards": spec_discarded,
     }
+
+
+def estimate_gap(model, replay, val_rows, eval_prompts, eval_answers, decoded, k, args, device) -> dict:
+    """Where tau and the replayed estimate part: the same replay on the eval prompts' own greedy answers (the answers
+    the plain run decoded) separates the estimate's method from the prompts it was measured on, and resampling each
+    side's prompts says how far the ratios move with the sample alone."""
+    if k > replay.steps:
+        return {}
+    own = capture(model, list(zip(eval_prompts, eval_answers)), list(replay.drafter.config.aux_layer_ids), 8, device)
+    on_eval = replay_rounds(replay, own, device, args.eval_tokens, k)
+    decoded = [(d["drafts"], d["accepted"]) for d in decoded]
+    out = {"offline_tau_eval_prompts": tau_of(on_eval),
+           "tau_over_offline_eval_prompts": resampled_ratio(decoded, on_eval, paired=True)}
+    if val_rows:
+        held_out = replay_rounds(replay, val_rows, device, args.eval_tokens, k)
+        out["offline_tau_held_out"] = tau_of(held_out)  # training's replay, trace by trace
+        out["tau_over_offline_resampled"] = resampled_ratio(decoded, held_out)
+        out["eval_prompts_over_held_out_replay"] = resampled_ratio(on_eval, held_out)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -374,7 +456,8 @@ def main(argv=None) -> dict:
         val = (metrics.get("final_val") or {}).get("accuracy")
         training = {"drafter_dir": str(args.drafter), "metrics": args.metrics, "val_accuracy": val,
                     "replayed": (metrics.get("final_val") or {}).get("replayed"), "steps": metrics.get("steps")}
-        train_prompts = []
+        train_prompts, val_rows = [], []
+        replay = replay_model(drafter, model, max(args.k), device)
     else:
         t = time.perf_counter()
         traces = make_traces(model, train_prompts, args.trace_tokens, eos, 64 if gpu else 16)
@@ -382,8 +465,10 @@ def main(argv=None) -> dict:
         print(f"traces: {len(traces)} in {traces_s:.0f} s", flush=True)
         aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
         rows = capture(model, traces, aux_ids, 32 if gpu else 16, device)
-        n_val = max(1, len(rows) // 10)
-        drafter, training = train_drafter(model, rows[n_val:], rows[:n_val], args, device)
+        n_val = max(1, round(len(rows) * args.val_fraction))
+        val_rows = rows[:n_val]
+        drafter, replay, training = train_drafter(model, rows[n_val:], val_rows, args, device)
+        training.update(lr=args.lr, batch=args.batch, val_fraction=args.val_fraction)
         del rows
     if "train_seconds" in training:
         print(f"drafter trained in {training['train_seconds']:.0f} s; validation accuracy per step "
@@ -401,6 +486,8 @@ def main(argv=None) -> dict:
             by_k = (training.get("replayed") or {}).get("acceptance_length_by_k") or []
             r["offline_tau"] = by_k[k - 1] if k <= len(by_k) else None
             r["tau_over_offline"] = r["tau"] / r["offline_tau"] if r["offline_tau"] else None
+            r.update(estimate_gap(model, replay, val_rows, eval_prompts, r.pop("plain_answers"), r["per_prompt"],
+                                  k, args, device))
             if args.eager_prompts and not any(m.endswith(":eager") for m in r["mode"]):
                 eager = measure(model, drafter, eval_prompts[:args.eager_prompts], k, args.eval_tokens, eos, device,
                                 fast=False)
@@ -439,6 +526,13 @@ def main(argv=None) -> dict:
         print(f"{r['k']:>2} {r['tau']:6.3f} {r['offline_tau'] or float('nan'):6.3f} {offline:7.3f} {r['c']:6.3f} "
               f"{r['bound']:6.3f} {r['speedup']:7.3f} {r['fraction_of_bound']:8.3f} {r['plain_tokens_per_s']:11.1f} "
               f"{r['spec_tokens_per_s']:10.1f} {str(r['greedy_outputs_match']):>5}  {' '.join(r['mode'])}")
+        if "tau_over_offline_eval_prompts" in r:
+            for label, key in (("tau / replay on the eval prompts' own answers", "tau_over_offline_eval_prompts"),
+                               ("tau / replay on the held-out traces", "tau_over_offline_resampled"),
+                               ("replay, eval prompts / held-out traces", "eval_prompts_over_held_out_replay")):
+                if key in r:
+                    q = r[key]
+                    print(f"   {label}: {q['ratio']:.3f} (prompts resampled: {q['p05']:.3f} to {q['p95']:.3f})")
         if "eager" in r:
             e = r["eager"]
             print(f"   eager path on {e['prompts']} prompts: speedup {e['speedup']:.3f}, c {e['c']:.3f}, "
