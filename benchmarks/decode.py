@@ -60,8 +60,8 @@ sys.path.insert(0, str(ROOT))
 from draftline.decode import SpeculativeDecoder, expected_acceptance, plain_decode  # noqa: E402
 from draftline.drafter.data import Sequence as TraceStates  # noqa: E402
 from draftline.drafter.model import Eagle3Drafter  # noqa: E402
-from draftline.drafter.replay import (decode_rounds, draft_hits, replayed_acceptance,  # noqa: E402
-                                      resampled_acceptance_lengths)
+from draftline.drafter.replay import (replayed_acceptance, resampled_acceptance_lengths,  # noqa: E402
+                                      sequence_rounds)
 from draftline.drafter.ttt import TTTModel  # noqa: E402
 from draftline.drafter.vocab import build_vocab, count_tokens  # noqa: E402
 from draftline.aux_ids import default_aux_layer_ids  # noqa: E402
@@ -303,13 +303,9 @@ def trace_states(row) -> TraceStates:
 def replay_rounds(replay, rows, device, limit, k) -> list[tuple[int, int]]:
     """Per trace: (rounds, accepted draft tokens) of the decode schedule drafting k tokens replayed on its first
     `limit` answer tokens (draftline.drafter.replay); the per-trace form lets the prompts be resampled."""
-    out = []
-    with torch.no_grad(), training_autocast(device):
-        for r in rows:
-            hit, lossable, answer = draft_hits(replay, trace_states(r), device)
-            accepted = decode_rounds(hit[:k], lossable[:k], answer, limit)
-            out.append((len(accepted), sum(accepted)))
-    return out
+    with training_autocast(device):
+        by_depth = sequence_rounds(replay, [trace_states(r) for r in rows], device, limit)
+    return [(len(rounds), sum(rounds)) for rounds in by_depth[k - 1]]
 
 
 def tau_of(counts) -> float | None:

@@ -75,6 +75,19 @@ def resampled_interval(per_sequence: list[tuple[int, int]]) -> list[float] | Non
     return [float(v) for v in q]
 
 
+def sequence_rounds(ttt, sequences: Iterable[Sequence], device: torch.device, limit: int | None = None
+                    ) -> list[list[list[int]]]:
+    """Per drafted depth k' (index k' - 1, up to the unroll's depth), per sequence: the accepted draft tokens of each
+    round of replaying its answer's first `limit` tokens (decode_rounds)."""
+    out: list[list[list[int]]] = [[] for _ in range(ttt.steps)]
+    with torch.no_grad():
+        for seq in sequences:
+            hit, lossable, answer = draft_hits(ttt, seq, device)
+            for depth in range(1, ttt.steps + 1):
+                out[depth - 1].append(decode_rounds(hit[:depth], lossable[:depth], answer, limit))
+    return out
+
+
 def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device, limit: int | None = None) -> dict:
     """Mean acceptance length (1 + accepted draft tokens per round) and per-position acceptance over the rounds
     of replaying every sequence's answer (its first `limit` tokens, as a decode of that many new tokens sees it),
@@ -83,15 +96,9 @@ def replayed_acceptance(ttt, sequences: Iterable[Sequence], device: torch.device
     starts its rounds elsewhere). `interval_by_k`: each figure's 5th-95th percentile over resampled sequences, since
     the estimate predicts decoding on other prompts only as well as these sequences sample them."""
     k = ttt.steps
-    counts: list[list[int]] = [[] for _ in range(k)]  # per drafted depth k' = index + 1
-    per_sequence: list[list[tuple[int, int]]] = [[] for _ in range(k)]
-    with torch.no_grad():
-        for seq in sequences:
-            hit, lossable, answer = draft_hits(ttt, seq, device)
-            for depth in range(1, k + 1):
-                rounds = decode_rounds(hit[:depth], lossable[:depth], answer, limit)
-                counts[depth - 1] += rounds
-                per_sequence[depth - 1].append((len(rounds), sum(rounds)))
+    by_depth = sequence_rounds(ttt, sequences, device, limit)
+    counts = [[n for rounds in depth for n in rounds] for depth in by_depth]
+    per_sequence = [[(len(rounds), sum(rounds)) for rounds in depth] for depth in by_depth]
     full = counts[-1]
     rounds = len(full)
     per_position = [sum(n > j for n in full) / rounds if rounds else 0.0 for j in range(k)]
