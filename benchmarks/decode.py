@@ -27,7 +27,9 @@ the latency case speculation is for) run on held-out prompts. Reported:
           synchronised timers of profiled speculative runs and the plain run's time per step;
   bound = tau / (1 + k * c): the speedup if verifying k+1 tokens cost one plain step and nothing else cost time;
   fraction_of_bound = measured speedup / bound (the issue's goal: >= 0.8).
-Greedy outputs of both runs are compared token for token (float noise in bf16 may rarely flip a near tie on GPU).
+Greedy outputs of both runs are compared token for token (float noise in bf16 may rarely flip a near tie on GPU):
+each prompt records the answer token where they first part ("first_divergence", None where equal) and each run how
+many prompts parted ("greedy_diverged_prompts").
 Greedy decoding on the fast path runs --sync-every steps (plain) or iterations (speculative) back to back per host
 sync (default 8; 1 = a sync per step, the earlier behaviour), reported as "sync_every"; steps that ran after the
 output was complete are discarded and reported as "plain_discarded_forwards" / "spec_discarded_forwards" (their time
@@ -331,6 +333,13 @@ def _greedy_capture_error(plain_target):
     return step.capture_error if step is not None else None
 
 
+def first_divergence(plain: list[int], spec: list[int]) -> int | None:
+    """Index of the first answer token where speculative greedy output leaves plain greedy output (None: equal)."""
+    if plain == spec:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+
+
 def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, time_repeats=200, sync_every=None):
     """Plain and speculative greedy decoding at batch 1 on `prompts`, c, tau and the bound; fast and sync_every as
     in SpeculativeDecoder."""
@@ -359,7 +368,8 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, t
         plain_s, plain_fw, plain_tokens = plain_s + plain.seconds, plain_fw + plain.target_forwards, plain_tokens + plain.num_tokens
         spec_s, spec_tokens = spec_s + spec.seconds, spec_tokens + spec.num_tokens
         match = match and spec.tokens == plain.tokens
-        per_prompt.append({"drafts": spec.stats.num_drafts, "accepted": spec.stats.num_accepted_tokens})
+        per_prompt.append({"drafts": spec.stats.num_drafts, "accepted": spec.stats.num_accepted_tokens,
+                           "first_divergence": first_divergence(plain.tokens[0], spec.tokens[0])})
         plain_answers += plain.tokens
         if stats is None:
             stats = spec.stats
@@ -399,6 +409,7 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, t
         "drafter_call_ms": 1e3 * drafter_call_s, "target_step_ms": 1e3 * target_step_s,
         "verify_step_ms": 1e3 * verify_s, **timing, "setup_seconds": setup_s,
         "bound": bound, "fraction_of_bound": speedup / bound, "greedy_outputs_match": match,
+        "greedy_diverged_prompts": sum(x["first_divergence"] is not None for x in per_prompt),
         "per_prompt": per_prompt, "plain_answers": plain_answers,
         "tokens": plain_tokens, "sync_every": sync_every,
         "plain_discarded_forwards": plain_discarded, "spec_discarded_forwards": spec_discarded,
@@ -516,12 +527,13 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{'k':>2} {'tau':>6} {'replay':>6} {'offline':>7} {'c':>6} {'bound':>6} {'speedup':>7} {'fraction':>8} "
-          f"{'plain tok/s':>11} {'spec tok/s':>10} {'match':>5}  mode")
+          f"{'plain tok/s':>11} {'spec tok/s':>10} {'same':>7}  mode")
     for r in runs:
+        same = f"{len(r['per_prompt']) - r['greedy_diverged_prompts']}/{len(r['per_prompt'])}"
         offline = r["offline_estimate"]["mean_acceptance_length"] if r["offline_estimate"] else float("nan")
         print(f"{r['k']:>2} {r['tau']:6.3f} {r['offline_tau'] or float('nan'):6.3f} {offline:7.3f} {r['c']:6.3f} "
               f"{r['bound']:6.3f} {r['speedup']:7.3f} {r['fraction_of_bound']:8.3f} {r['plain_tokens_per_s']:11.1f} "
-              f"{r['spec_tokens_per_s']:10.1f} {str(r['greedy_outputs_match']):>5}  {' '.join(r['mode'])}")
+              f"{r['spec_tokens_per_s']:10.1f} {same:>7}  {' '.join(r['mode'])}")
         if "tau_over_offline_eval_prompts" in r:
             for label, key in (("tau / replay on the eval prompts' own answers", "tau_over_offline_eval_prompts"),
                                ("tau / replay on the held-out traces", "tau_over_offline_resampled"),
