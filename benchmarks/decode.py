@@ -76,7 +76,10 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="demo sizes on CPU (assets/demo-llama)")
     p.add_argument("--k", type=int, nargs="+", default=[3], help="draft tokens per step (one run per value)")
     p.add_argument("--train-prompts", type=int, default=None)
-    p.add_argument("--eval-prompts", type=int, default=None)
+    p.add_argument("--eval-prompts", type=int, default=None, help="how many of the eval prompts, in file order")
+    p.add_argument("--eval-prompts-files", nargs="+", default=["eval_prompts.jsonl"],
+                   help="chat prompt files under assets/prompts, read in order (spare_prompts.jsonl: 138 more that "
+                        "neither training nor the eval set uses)")
     p.add_argument("--trace-tokens", type=int, default=None, help="new tokens per training trace")
     p.add_argument("--eval-tokens", type=int, default=None, help="new tokens per evaluation prompt")
     p.add_argument("--train-steps", type=int, default=None)
@@ -151,7 +154,8 @@ def demo_target_and_prompts(args, device):
         name = f"demo-llama inflated to {billions:.2f}B (draftline.demo.inflate: the {args.target_shape} shape, bf16)"
     enc = lambda f, n: [encode_prompt(tok, p, True) for p in read_prompts(ROOT / "assets" / "prompts" / f)[:n]]
     return (model, eos_token_ids(target_dir, tok), name,
-            enc("train_prompts.jsonl", args.train_prompts), enc("eval_prompts.jsonl", args.eval_prompts))
+            enc("train_prompts.jsonl", args.train_prompts),
+            [p for f in args.eval_prompts_files for p in enc(f, None)][:args.eval_prompts])
 
 
 def save_for_engines(model, drafter, out: Path, k: int, training: dict) -> dict:
@@ -515,7 +519,8 @@ def main(argv=None) -> dict:
         "target": target_name, "target_params": params, "dtype": "bfloat16" if gpu else "float32",
         "drafter_params": sum(p.numel() for p in drafter.parameters()), "batch_size": 1,
         "train_prompts": len(train_prompts), "trace_tokens": args.trace_tokens, "traces_seconds": traces_s,
-        "eval_prompts": len(eval_prompts), "eval_tokens": args.eval_tokens, "sync_every": args.sync_every,
+        "eval_prompts": len(eval_prompts), "eval_prompts_files": args.eval_prompts_files, "eval_tokens": args.eval_tokens,
+        "sync_every": args.sync_every,
         "training": training,
         "saved": saved, "runs": runs,
         "fraction_of_bound": min(r["fraction_of_bound"] for r in runs) if runs else None,

@@ -59,8 +59,7 @@ def build_data(work: Path, assets: Path, seed: int = 0) -> dict:
                "heldout_chat": stream(chats(held_fns))}
     for name, arr in streams.items():
         np.save(work / f"{name}.npy", arr)
-    train_p, eval_p = split_prompts(held_fns, N_EVAL_PROMPTS, N_TRAIN_PROMPTS)
-    counts = write_prompt_sets(assets / "prompts", train_p, eval_p)
+    counts = write_prompt_sets(assets / "prompts", *split_prompts(held_fns, N_EVAL_PROMPTS, N_TRAIN_PROMPTS))
     meta = {
         "python": corpus_mod.python_version(),
         "corpus_fingerprint": corpus_mod.corpus_fingerprint(modules),

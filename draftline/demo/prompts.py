@@ -38,16 +38,19 @@ def candidate_functions(held_out: list[ModuleSource]) -> list[DocumentedFunction
 
 
 def split_prompts(fns: list[DocumentedFunction], n_eval: int, n_train: int):
+    """(train, eval, spare): the first n_eval functions evaluate, the next n_train train, the rest are spare prompts
+    for benchmarks that need more unseen prompts than the eval set has."""
     if len(fns) < n_eval + 1:
         raise ValueError(f"only {len(fns)} held-out functions; lower the eval prompt count below {len(fns)}")
-    return fns[n_eval:n_eval + n_train], fns[:n_eval]
+    return fns[n_eval:n_eval + n_train], fns[:n_eval], fns[n_eval + n_train:]
 
 
-def write_prompt_sets(out_dir: Path, train: list[DocumentedFunction], evaluation: list[DocumentedFunction]) -> dict:
+def write_prompt_sets(out_dir: Path, train: list[DocumentedFunction], evaluation: list[DocumentedFunction],
+                      spare: list[DocumentedFunction]) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for split, fns in (("train", train), ("eval", evaluation)):
+    for split, fns in (("train", train), ("eval", evaluation), ("spare", spare)):
         chat = [{"id": prompt_id(f), "messages": [{"role": "user", "content": chat_user_text(f)}]} for f in fns]
         raw = [{"id": prompt_id(f), "prompt": raw_prompt_text(f)} for f in fns]
         for name, rows in ((f"{split}_prompts.jsonl", chat), (f"{split}_prompts_raw.jsonl", raw)):
