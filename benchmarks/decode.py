@@ -89,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=None, help="traces per training step (default 16 on a GPU, 8 on CPU)")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="share of the training traces held out for validation and the replayed estimate")
+    p.add_argument("--held-out", choices=("first", "last"), default="first",
+                   help="which of the training prompts' traces validation holds out (another sample of prompts)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--drafter", default=None,
                    help="--cpu only: use this trained drafter directory (SGLang/EAGLE format) instead of training one")
@@ -477,9 +479,9 @@ def main(argv=None) -> dict:
         aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
         rows = capture(model, traces, aux_ids, 32 if gpu else 16, device)
         n_val = max(1, round(len(rows) * args.val_fraction))
-        val_rows = rows[:n_val]
-        drafter, replay, training = train_drafter(model, rows[n_val:], val_rows, args, device)
-        training.update(lr=args.lr, batch=args.batch, val_fraction=args.val_fraction)
+        val_rows, train_rows = (rows[:n_val], rows[n_val:]) if args.held_out == "first" else (rows[-n_val:], rows[:-n_val])
+        drafter, replay, training = train_drafter(model, train_rows, val_rows, args, device)
+        training.update(lr=args.lr, batch=args.batch, val_fraction=args.val_fraction, held_out=args.held_out)
         del rows
     if "train_seconds" in training:
         print(f"drafter trained in {training['train_seconds']:.0f} s; validation accuracy per step "
