@@ -482,7 +482,7 @@ def main(argv=None) -> dict:
         val_rows, train_rows = (rows[:n_val], rows[n_val:]) if args.held_out == "first" else (rows[-n_val:], rows[:-n_val])
         drafter, replay, training = train_drafter(model, train_rows, val_rows, args, device)
         training.update(lr=args.lr, batch=args.batch, val_fraction=args.val_fraction, held_out=args.held_out)
-        del rows
+        del rows, train_rows
     if "train_seconds" in training:
         print(f"drafter trained in {training['train_seconds']:.0f} s; validation accuracy per step "
               f"{[round(a, 3) for a in training['val_accuracy']]}", flush=True)
