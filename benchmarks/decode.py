@@ -17,8 +17,10 @@ the latency case speculation is for) run on held-out prompts. Reported:
           traces with the training unroll (draftline.drafter.replay, drafting k tokens), and tau_over_offline =
           tau / offline_tau (goal >= 0.95); "offline_estimate" keeps the per-step formula 1 + sum prod acc;
           where they part: "offline_tau_eval_prompts" replays the same schedule on the eval prompts' own greedy
-          answers (the method without the prompt shift), and each ratio comes with its 5th-95th percentile when the
-          prompts of each side are drawn again with replacement (the spread from the sample of prompts alone);
+          answers (the method without the prompt shift), "offline_tau_eval_prompts_batched" on their answers
+          generated and captured in batches as the training traces are (the traces' path), and each ratio comes with
+          its 5th-95th percentile when the prompts of each side are drawn again with replacement (the spread from the
+          sample of prompts alone);
   c     = drafter forward time / plain target decode-step time, both measured in this run with the machinery the
           decoding used: on the fast path (draftline.decode_static; CUDA graphs on a GPU) the drafter's T=1 call and
           the target's T=1 call, each replayed many times at batch 1 between two syncs (the pure forwards: greedy
@@ -422,17 +424,26 @@ def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, t
     }
 
 
-def estimate_gap(model, replay, val_rows, eval_prompts, eval_answers, decoded, k, args, device) -> dict:
+def estimate_gap(model, replay, val_rows, eval_prompts, eval_answers, decoded, k, eos, args, device) -> dict:
     """Where tau and the replayed estimate part: the same replay on the eval prompts' own greedy answers (the answers
     the plain run decoded) separates the estimate's method from the prompts it was measured on, and resampling each
-    side's prompts says how far the ratios move with the sample alone."""
+    side's prompts says how far the ratios move with the sample alone. The eval prompts' answers generated and
+    captured in batches, as the training traces were, separate the traces' batched path from the prompts."""
     if k > replay.steps:
         return {}
-    own = capture(model, list(zip(eval_prompts, eval_answers)), list(replay.drafter.config.aux_layer_ids), 8, device)
+    aux_ids = list(replay.drafter.config.aux_layer_ids)
+    own = capture(model, list(zip(eval_prompts, eval_answers)), aux_ids, 8, device)
     on_eval = replay_rounds(replay, own, device, args.eval_tokens, k)
+    gpu = device.type == "cuda"
+    batched_traces = make_traces(model, eval_prompts, args.eval_tokens, eos, 64 if gpu else 16)
+    on_batched = replay_rounds(replay, capture(model, batched_traces, aux_ids, 32 if gpu else 16, device), device,
+                               args.eval_tokens, k)
     decoded = [(d["drafts"], d["accepted"]) for d in decoded]
     out = {"offline_tau_eval_prompts": tau_of(on_eval),
-           "tau_over_offline_eval_prompts": resampled_ratio(decoded, on_eval, paired=True)}
+           "tau_over_offline_eval_prompts": resampled_ratio(decoded, on_eval, paired=True),
+           "offline_tau_eval_prompts_batched": tau_of(on_batched),
+           "batched_over_batch1_replay": resampled_ratio(on_batched, on_eval, paired=True),
+           "batched_answers_equal_batch1": sum(t == a for (_, t), a in zip(batched_traces, eval_answers))}
     if val_rows:
         held_out = replay_rounds(replay, val_rows, device, args.eval_tokens, k)
         out["offline_tau_held_out"] = tau_of(held_out)  # training's replay, trace by trace
@@ -500,7 +511,7 @@ def main(argv=None) -> dict:
             r["offline_tau"] = by_k[k - 1] if k <= len(by_k) else None
             r["tau_over_offline"] = r["tau"] / r["offline_tau"] if r["offline_tau"] else None
             r.update(estimate_gap(model, replay, val_rows, eval_prompts, r.pop("plain_answers"), r["per_prompt"],
-                                  k, args, device))
+                                  k, eos, args, device))
             if args.eager_prompts and not any(m.endswith(":eager") for m in r["mode"]):
                 eager = measure(model, drafter, eval_prompts[:args.eager_prompts], k, args.eval_tokens, eos, device,
                                 fast=False)
@@ -544,7 +555,8 @@ def main(argv=None) -> dict:
         if "tau_over_offline_eval_prompts" in r:
             for label, key in (("tau / replay on the eval prompts' own answers", "tau_over_offline_eval_prompts"),
                                ("tau / replay on the held-out traces", "tau_over_offline_resampled"),
-                               ("replay, eval prompts / held-out traces", "eval_prompts_over_held_out_replay")):
+                               ("replay, eval prompts / held-out traces", "eval_prompts_over_held_out_replay"),
+                               ("replay, eval prompts' batched answers / batch-1 answers", "batched_over_batch1_replay")):
                 if key in r:
                     q = r[key]
                     print(f"   {label}: {q['ratio']:.3f} (prompts resampled: {q['p05']:.3f} to {q['p95']:.3f})")
