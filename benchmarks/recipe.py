@@ -21,6 +21,7 @@ import platform
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -32,27 +33,50 @@ from draftline import stages  # noqa: E402
 from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 
-# name: (what it changes, config overrides, whether its steps are re-counted to the baseline's training time)
-VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
-    "baseline": ("configs/demo.yaml as it is", {}, False),
-    "seed-1": ("the baseline with train.seed 1: the run-to-run spread", {"train": {"seed": 1}}, False),
-    "lr-x2": ("learning rate 0.004 (twice)", {"train": {"learning_rate": 0.004}}, False),
-    "lr-x0.5": ("learning rate 0.001 (half)", {"train": {"learning_rate": 0.001}}, False),
-    "lr-floor-0.1": ("the cosine ends at 0.1 of the peak learning rate", {"train": {"min_lr_ratio": 0.1}}, False),
-    "ttt-1": ("1 TTT step (no unrolling)", {"train": {"ttt_steps": 1}}, True),
-    "ttt-5": ("5 TTT steps", {"train": {"ttt_steps": 5}}, True),
-    "step-weight-1.0": ("every TTT step's loss weighted the same (step_weight_decay 1.0)",
-                        {"train": {"step_weight_decay": 1.0}}, False),
-    "step-weight-0.6": ("later TTT steps weighted less (step_weight_decay 0.6)", {"train": {"step_weight_decay": 0.6}},
-                        False),
-    "vocab-1024": ("draft vocabulary 1024 tokens", {"drafter": {"draft_vocab_size": 1024}}, True),
-    "vocab-4096": ("draft vocabulary 4096 tokens", {"drafter": {"draft_vocab_size": 4096}}, True),
+@dataclass(frozen=True)
+class Variant:
+    what: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    recount: bool = False  # its steps are re-counted to fill the baseline's training time
+    shards_share: float = 1.0  # the share of the demo's hidden shards it trains on, the first shards (traces) first
+    warm_from: str | None = None  # the variant whose trained drafter (SGLang export) it starts from
+
+
+VARIANTS: dict[str, Variant] = {
+    "baseline": Variant("configs/demo.yaml as it is"),
+    "seed-1": Variant("the baseline with train.seed 1: the run-to-run spread", {"train": {"seed": 1}}),
+    "lr-x2": Variant("learning rate 0.004 (twice)", {"train": {"learning_rate": 0.004}}),
+    "lr-x0.5": Variant("learning rate 0.001 (half)", {"train": {"learning_rate": 0.001}}),
+    "lr-floor-0.1": Variant("the cosine ends at 0.1 of the peak learning rate", {"train": {"min_lr_ratio": 0.1}}),
+    "ttt-1": Variant("1 TTT step (no unrolling)", {"train": {"ttt_steps": 1}}, recount=True),
+    "ttt-5": Variant("5 TTT steps", {"train": {"ttt_steps": 5}}, recount=True),
+    "step-weight-1.0": Variant("every TTT step's loss weighted the same (step_weight_decay 1.0)",
+                               {"train": {"step_weight_decay": 1.0}}),
+    "step-weight-0.6": Variant("later TTT steps weighted less (step_weight_decay 0.6)",
+                               {"train": {"step_weight_decay": 0.6}}),
+    "vocab-1024": Variant("draft vocabulary 1024 tokens", {"drafter": {"draft_vocab_size": 1024}}, recount=True),
+    "vocab-4096": Variant("draft vocabulary 4096 tokens", {"drafter": {"draft_vocab_size": 4096}}, recount=True),
     # A larger validation: whether the replayed estimate's distance to the reference decoder is the sample's size.
-    "val-0.2": ("validation holds out 20% of the tokens", {"train": {"val_fraction": 0.2}}, False),
+    "val-0.2": Variant("validation holds out 20% of the tokens", {"train": {"val_fraction": 0.2}}),
     # The demo's shards before 2026-12-03, when validation held out whole shards (then 1 of 2, not 1 of 8).
-    "shards-32k": ("shards of 32,768 tokens", {"extract": {"tokens_per_shard": 32768}}, False),
-    "shards-32k-seed-1": ("shards of 32,768 tokens with train.seed 1", {"extract": {"tokens_per_shard": 32768},
-                                                                        "train": {"seed": 1}}, False),
+    "shards-32k": Variant("shards of 32,768 tokens", {"extract": {"tokens_per_shard": 32768}}),
+    "shards-32k-seed-1": Variant("shards of 32,768 tokens with train.seed 1",
+                                 {"extract": {"tokens_per_shard": 32768}, "train": {"seed": 1}}),
+    # What a training minute buys: half and twice the baseline's steps (and time).
+    "steps-x0.5": Variant("half the steps (80), half the training time", {"train": {"max_steps": 80}}),
+    "steps-x2": Variant("twice the steps (320), twice the training time", {"train": {"max_steps": 320}}),
+    # More optimizer updates in the same time, each on fewer tokens.
+    "batch-2k": Variant("2,048 tokens a batch instead of 4,096, steps re-counted to the same time",
+                        {"train": {"tokens_per_batch": 2048}}, recount=True),
+    "batch-2k-seed-1": Variant("batch-2k with train.seed 1", {"train": {"tokens_per_batch": 2048, "seed": 1}},
+                               recount=True),
+    "batch-1k": Variant("1,024 tokens a batch, steps re-counted to the same time", {"train": {"tokens_per_batch": 1024}},
+                        recount=True),
+    # Data amount against epochs: half the traces, passed over twice as often in the same steps.
+    "data-half": Variant("the first half of the traces' shards, the same steps", shards_share=0.5),
+    # A warm start from a drafter of the same target trained on part of these traces (the nightly retraining case).
+    "warm-data-half-steps-x0.5": Variant("warm start from data-half's drafter, all the traces, half the steps (80)",
+                                         {"train": {"max_steps": 80}}, warm_from="data-half"),
 }
 CALIBRATION_STEPS = 20
 
@@ -70,9 +94,10 @@ def variant_config(base: PipelineConfig, name: str, overrides: dict, root: Path,
     return parse_config(raw, PipelineConfig, f"recipe variant {name}")
 
 
-def seeded_run(config: PipelineConfig, demo_runs: Path, demo: PipelineConfig) -> None:
-    """The variant's run folder with the demo's traces, and its shards unless the variant cuts its own; a run seeded
-    by an earlier, interrupted invocation is kept, so a rerun goes on where it stopped."""
+def seeded_run(config: PipelineConfig, demo_runs: Path, demo: PipelineConfig, shards_share: float = 1.0) -> None:
+    """The variant's run folder with the demo's traces, and its shards unless the variant cuts its own (the first
+    `shards_share` of them); a run seeded by an earlier, interrupted invocation is kept, so a rerun goes on where it
+    stopped."""
     run_dir = Path(config.store.root) / config.run
     if (run_dir / "traces").exists():
         return  # seeded before: the stages resume from what the run holds
@@ -82,8 +107,10 @@ def seeded_run(config: PipelineConfig, demo_runs: Path, demo: PipelineConfig) ->
         shutil.copytree(demo_runs / "demo" / "hidden", run_dir / "hidden")
     else:
         stages.extract(config, store)
-
-
+    if shards_share < 1.0:  # training lists the shard files it finds; the manifest's other entries go unread
+        shards = sorted((run_dir / "hidden").glob("shard-*.safetensors"))
+        for extra in shards[max(1, round(len(shards) * shards_share)):]:
+            extra.unlink()
 def timed_training(config: PipelineConfig) -> tuple[dict, float]:
     store = open_store(config.store.root)
     t = time.perf_counter()
@@ -91,14 +118,27 @@ def timed_training(config: PipelineConfig) -> tuple[dict, float]:
     return training, time.perf_counter() - t
 
 
+def train_tokens(training: dict) -> int | None:
+    """The tokens training read, from the held-out tokens and their share in the training record."""
+    held, share = training.get("val_tokens"), training.get("held_out_share")
+    return round(held / share - held) if held and share else None
+
+
 def run_variant(base: PipelineConfig, name: str, root: Path, demo_runs: Path, baseline_step_s: float | None) -> dict:
-    what, overrides, recount = VARIANTS[name]
-    steps = base.train.max_steps
+    variant = VARIANTS[name]
+    overrides = variant.overrides
+    if variant.warm_from:
+        donor = root / f"recipe-{variant.warm_from}" / "export" / "sglang"
+        if not (donor / "config.json").is_file():
+            sys.exit(f"variant {name} starts from {variant.warm_from}'s drafter, which {root} does not hold yet: run "
+                     f"--variants {variant.warm_from},{name}")
+        overrides = merge_overrides(overrides, {"train": {"warm_start": str(donor)}})
+    steps = overrides.get("train", {}).get("max_steps", base.train.max_steps)
     calibration = None
-    if recount:
+    if variant.recount:
         probe = variant_config(base, name, overrides, root, steps=CALIBRATION_STEPS)
         shutil.rmtree(root / probe.run, ignore_errors=True)  # a timing: never resumed
-        seeded_run(probe, demo_runs, base)
+        seeded_run(probe, demo_runs, base, variant.shards_share)
         _, seconds = timed_training(probe)
         step_s = seconds / CALIBRATION_STEPS
         steps = max(1, round(base.train.max_steps * baseline_step_s / step_s))
@@ -107,7 +147,7 @@ def run_variant(base: PipelineConfig, name: str, root: Path, demo_runs: Path, ba
     raw_overrides = merge_overrides(overrides, {"train": {"max_steps": steps, "val_every": max(1, steps // 2),
                                                           "checkpoint_every": max(1, steps // 2)}})
     config = variant_config(base, name, raw_overrides, root)
-    seeded_run(config, demo_runs, base)
+    seeded_run(config, demo_runs, base, variant.shards_share)
     training, train_s = timed_training(config)
     store = open_store(config.store.root)
     exports = stages.export(config, store)
@@ -115,8 +155,9 @@ def run_variant(base: PipelineConfig, name: str, root: Path, demo_runs: Path, ba
     reference = json.loads(store.get_bytes(stages.reference(config, exports, store)))
     final_val = training.get("final_val") or {}
     by_k = (final_val.get("replayed") or {}).get("acceptance_length_by_k") or []  # index k - 1
-    row = {"variant": name, "what": what, "overrides": overrides, "steps": training["steps"], "train_s": round(train_s, 1),
+    row = {"variant": name, "what": variant.what, "overrides": overrides, "shards_share": variant.shards_share, "steps": training["steps"], "train_s": round(train_s, 1),
            "calibration": calibration, "train_shards": len(training.get("train_shards") or []),
+           "train_tokens": train_tokens(training),
            "val_shards": len(training.get("val_shards") or []),
            "val_sequences": training.get("val_sequences"), "held_out_share": training.get("held_out_share"),
            "draft_vocab_coverage": (training.get("vocab") or {}).get("coverage"),
