@@ -40,6 +40,7 @@ class Variant:
     recount: bool = False  # its steps are re-counted to fill the baseline's training time
     shards_share: float = 1.0  # the share of the demo's hidden shards it trains on, the first shards (traces) first
     warm_from: str | None = None  # the variant whose trained drafter (SGLang export) it starts from
+    steps_factor: float = 1.0  # its steps as a multiple of the baseline's
 
 
 VARIANTS: dict[str, Variant] = {
@@ -63,20 +64,18 @@ VARIANTS: dict[str, Variant] = {
     "shards-32k-seed-1": Variant("shards of 32,768 tokens with train.seed 1",
                                  {"extract": {"tokens_per_shard": 32768}, "train": {"seed": 1}}),
     # What a training minute buys: half and twice the baseline's steps (and time).
-    "steps-x0.5": Variant("half the steps (80), half the training time", {"train": {"max_steps": 80}}),
-    "steps-x2": Variant("twice the steps (320), twice the training time", {"train": {"max_steps": 320}}),
-    # More optimizer updates in the same time, each on fewer tokens.
-    "batch-2k": Variant("2,048 tokens a batch instead of 4,096, steps re-counted to the same time",
-                        {"train": {"tokens_per_batch": 2048}}, recount=True),
-    "batch-2k-seed-1": Variant("batch-2k with train.seed 1", {"train": {"tokens_per_batch": 2048, "seed": 1}},
-                               recount=True),
+    "steps-x0.5": Variant("half the steps, half the training time", steps_factor=0.5),
+    "steps-x2": Variant("twice the steps, twice the training time", steps_factor=2.0),
+    # Optimizer updates against tokens per update, in the same time. The demo's batch was 4,096 tokens until 2026-12-05.
+    "batch-4k": Variant("4,096 tokens a batch, steps re-counted to the same time", {"train": {"tokens_per_batch": 4096}},
+                        recount=True),
     "batch-1k": Variant("1,024 tokens a batch, steps re-counted to the same time", {"train": {"tokens_per_batch": 1024}},
                         recount=True),
     # Data amount against epochs: half the traces, passed over twice as often in the same steps.
     "data-half": Variant("the first half of the traces' shards, the same steps", shards_share=0.5),
     # A warm start from a drafter of the same target trained on part of these traces (the nightly retraining case).
-    "warm-data-half-steps-x0.5": Variant("warm start from data-half's drafter, all the traces, half the steps (80)",
-                                         {"train": {"max_steps": 80}}, warm_from="data-half"),
+    "warm-data-half-steps-x0.5": Variant("warm start from data-half's drafter, all the traces, half the steps",
+                                         warm_from="data-half", steps_factor=0.5),
 }
 CALIBRATION_STEPS = 20
 
@@ -133,7 +132,7 @@ def run_variant(base: PipelineConfig, name: str, root: Path, demo_runs: Path, ba
             sys.exit(f"variant {name} starts from {variant.warm_from}'s drafter, which {root} does not hold yet: run "
                      f"--variants {variant.warm_from},{name}")
         overrides = merge_overrides(overrides, {"train": {"warm_start": str(donor)}})
-    steps = overrides.get("train", {}).get("max_steps", base.train.max_steps)
+    steps = max(1, round(base.train.max_steps * variant.steps_factor))
     calibration = None
     if variant.recount:
         probe = variant_config(base, name, overrides, root, steps=CALIBRATION_STEPS)
@@ -210,6 +209,7 @@ def main() -> None:
 
     result = {"hardware": f"{platform.machine()}, {os.cpu_count()}-core CPU", "torch_threads": torch.get_num_threads(),
               "date": date.today().isoformat(), "config": "configs/demo.yaml", "baseline_steps": base.train.max_steps,
+              "baseline_tokens_per_batch": base.train.tokens_per_batch,
               "baseline_seconds_per_step": baseline_step_s, "variants": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
