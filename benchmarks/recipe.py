@@ -4,8 +4,8 @@ same training wall time.
 Each variant changes one setting of configs/demo.yaml's training (or how its traces are cut into shards), trains on
 a copy of the demo's traces and shards, exports, and runs the reference decoder on the eval prompts (k = 3, no
 layer-shift or other-precision decodes). Variants whose steps cost more or less than the baseline's (TTT depth, the
-draft vocabulary) get the number of steps that fills the baseline's training time, from a timed short run of each
-against the baseline's. A second seed of the baseline gives the run-to-run spread the differences must exceed.
+draft vocabulary, the batch) get the number of steps that fills the baseline's training time, from a timed short run
+of each against the baseline's. A second seed of the baseline gives the run-to-run spread the differences must exceed.
 
 Run after `make demo` (it reads ./runs/demo/traces and ./runs/demo/hidden), on an otherwise idle machine (the step
 calibration is a timing):
@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from draftline import stages  # noqa: E402
 from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config  # noqa: E402
+from draftline.layout import export_prefix  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 
 @dataclass(frozen=True)
@@ -67,10 +68,10 @@ VARIANTS: dict[str, Variant] = {
     "steps-x0.5": Variant("half the steps, half the training time", steps_factor=0.5),
     "steps-x2": Variant("twice the steps, twice the training time", steps_factor=2.0),
     # Optimizer updates against tokens per update, in the same time. The demo's batch was 4,096 tokens until 2026-12-05.
-    "batch-4k": Variant("4,096 tokens a batch, steps re-counted to the same time", {"train": {"tokens_per_batch": 4096}},
-                        recount=True),
-    "batch-1k": Variant("1,024 tokens a batch, steps re-counted to the same time", {"train": {"tokens_per_batch": 1024}},
-                        recount=True),
+    "batch-4k": Variant("4,096 tokens a batch, steps re-counted to the same time",
+                        {"train": {"tokens_per_batch": 4096}}, recount=True),
+    "batch-1k": Variant("1,024 tokens a batch, steps re-counted to the same time",
+                        {"train": {"tokens_per_batch": 1024}}, recount=True),
     # Data amount against epochs: half the traces, passed over twice as often in the same steps.
     "data-half": Variant("the first half of the traces' shards, the same steps", shards_share=0.5),
     # A warm start from a drafter of the same target trained on part of these traces (the nightly retraining case).
@@ -80,10 +81,15 @@ VARIANTS: dict[str, Variant] = {
 CALIBRATION_STEPS = 20
 
 
+def variant_run(name: str) -> str:
+    """The store run a variant trains in."""
+    return f"recipe-{name}"
+
+
 def variant_config(base: PipelineConfig, name: str, overrides: dict, root: Path, steps: int | None = None
                    ) -> PipelineConfig:
     raw = merge_overrides(base.model_dump(mode="json"), overrides)
-    raw["run"] = f"recipe-{name}" if steps is None else f"recipe-calibrate-{name}"
+    raw["run"] = variant_run(name) if steps is None else f"recipe-calibrate-{name}"
     raw["store"]["root"] = str(root)
     raw["eval"]["engines"] = [e for e in raw["eval"]["engines"] if e["engine"] == "vllm"]
     raw["eval"]["reference"].update(aux_shifts=[], other_precision=False)
@@ -110,6 +116,8 @@ def seeded_run(config: PipelineConfig, demo_runs: Path, demo: PipelineConfig, sh
         shards = sorted((run_dir / "hidden").glob("shard-*.safetensors"))
         for extra in shards[max(1, round(len(shards) * shards_share)):]:
             extra.unlink()
+
+
 def timed_training(config: PipelineConfig) -> tuple[dict, float]:
     store = open_store(config.store.root)
     t = time.perf_counter()
@@ -123,15 +131,16 @@ def train_tokens(training: dict) -> int | None:
     return round(held / share - held) if held and share else None
 
 
+def donor_drafter(root: Path, donor: str) -> Path:
+    """The trained drafter (SGLang export) of variant `donor`, which a warm-start variant starts from."""
+    return root / export_prefix(variant_run(donor), "sglang")
+
+
 def run_variant(base: PipelineConfig, name: str, root: Path, demo_runs: Path, baseline_step_s: float | None) -> dict:
     variant = VARIANTS[name]
     overrides = variant.overrides
     if variant.warm_from:
-        donor = root / f"recipe-{variant.warm_from}" / "export" / "sglang"
-        if not (donor / "config.json").is_file():
-            sys.exit(f"variant {name} starts from {variant.warm_from}'s drafter, which {root} does not hold yet: run "
-                     f"--variants {variant.warm_from},{name}")
-        overrides = merge_overrides(overrides, {"train": {"warm_start": str(donor)}})
+        overrides = merge_overrides(overrides, {"train": {"warm_start": str(donor_drafter(root, variant.warm_from))}})
     steps = max(1, round(base.train.max_steps * variant.steps_factor))
     calibration = None
     if variant.recount:
@@ -154,7 +163,8 @@ def run_variant(base: PipelineConfig, name: str, root: Path, demo_runs: Path, ba
     reference = json.loads(store.get_bytes(stages.reference(config, exports, store)))
     final_val = training.get("final_val") or {}
     by_k = (final_val.get("replayed") or {}).get("acceptance_length_by_k") or []  # index k - 1
-    row = {"variant": name, "what": variant.what, "overrides": overrides, "shards_share": variant.shards_share, "steps": training["steps"], "train_s": round(train_s, 1),
+    row = {"variant": name, "what": variant.what, "overrides": overrides, "shards_share": variant.shards_share,
+           "steps": training["steps"], "train_s": round(train_s, 1),
            "calibration": calibration, "train_shards": len(training.get("train_shards") or []),
            "train_tokens": train_tokens(training),
            "val_shards": len(training.get("val_shards") or []),
@@ -183,12 +193,17 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         sys.exit(f"--variants: {unknown} are not variants; choose from {', '.join(VARIANTS)}")
+    root = Path(args.store).resolve()
+    for i, n in enumerate(names):  # before any training: a warm start needs its donor trained earlier or in this run
+        donor = VARIANTS[n].warm_from
+        if donor and donor not in names[:i] and not (donor_drafter(root, donor) / "config.json").is_file():
+            sys.exit(f"variant {n} starts from {donor}'s drafter, which {root} does not hold yet: run "
+                     f"--variants {donor},{n}")
     demo_runs = Path(args.demo_runs).resolve()
     if not (demo_runs / "demo" / "hidden" / "manifest.json").is_file():
         sys.exit(f"{demo_runs / 'demo'} has no hidden states: run `make demo` first")
     os.chdir(REPO)  # the demo config's paths are relative to the repository root
     base = load_config(REPO / "configs" / "demo.yaml")
-    root = Path(args.store).resolve()
     root.mkdir(parents=True, exist_ok=True)
     # The baseline's seconds per step, timed like every recount's probe (same short run, same machine).
     probe = variant_config(base, "baseline", {}, root, steps=CALIBRATION_STEPS)
