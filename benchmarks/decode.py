@@ -1,49 +1,15 @@
 """Speculative-decoding speedup of the reference decoder next to the analytic bound tau / (1 + k * c).
 
-    python benchmarks/decode.py            # GPU: demo-llama inflated to a 1.04B Llama shape, bf16
-    python benchmarks/decode.py --target-shape 8b   # GPU: the same inflated to a 6.88B Llama-3-8B-like shape
-    python benchmarks/decode.py --cpu      # the demo target assets/demo-llama on CPU, float32, demo sizes
+    python benchmarks/decode.py                      # GPU: demo-llama inflated to a 1.04B Llama shape, bf16
+    python benchmarks/decode.py --target-shape 8b    # GPU: the same inflated to a 6.88B Llama-3-8B-like shape
+    python benchmarks/decode.py --cpu                # the demo target assets/demo-llama on CPU, float32
 
-The GPU target is assets/demo-llama embedded in a Llama-3.2-1B-like shape (draftline.demo.inflate): it costs a
-1B model's compute per token and writes the demo's plausible Python, so acceptance means something (a random
-target of that size only repeats itself and its drafter learns nothing).
-
-One run does everything on one device: the target answers training prompts greedily (its own traces), the aux and
-final hidden states of those traces are captured with draftline.target's hooks, an EAGLE-3 drafter is trained on
-them with draftline's TTT graph (draftline.drafter.ttt), and then plain and speculative greedy decoding (batch 1,
-the latency case speculation is for) run on held-out prompts. Reported:
-  tau   = mean acceptance length (vLLM's definition, 1 + accepted / drafts) measured in the speculative run;
-  offline_tau = the offline estimate decoding should meet: the decoder's draft schedule replayed on the held-out
-          traces with the training unroll (draftline.drafter.replay, drafting k tokens), and tau_over_offline =
-          tau / offline_tau (goal >= 0.95); "offline_estimate" keeps the per-step formula 1 + sum prod acc;
-          where they part: "offline_tau_eval_prompts" replays the same schedule on the eval prompts' own greedy
-          answers (the method without the prompt shift), "offline_tau_eval_prompts_batched" on their answers
-          generated and captured in batches as the training traces are (the traces' path), and each ratio comes with
-          its 5th-95th percentile when the prompts of each side are drawn again with replacement (the spread from the
-          sample of prompts alone);
-  c     = drafter forward time / plain target decode-step time, both measured in this run with the machinery the
-          decoding used: on the fast path (draftline.decode_static; CUDA graphs on a GPU) the drafter's T=1 call and
-          the target's T=1 call, each replayed many times at batch 1 between two syncs (the pure forwards: greedy
-          decoding replays graphs that also hold the argmax and pointer updates, and advance state, so they cannot
-          be replayed in place for timing; the difference is a few small kernels); on the eager path the
-          synchronised timers of profiled speculative runs and the plain run's time per step;
-  bound = tau / (1 + k * c): the speedup if verifying k+1 tokens cost one plain step and nothing else cost time;
-  fraction_of_bound = measured speedup / bound (the issue's goal: >= 0.8).
-Greedy outputs of both runs are compared token for token (float noise in bf16 may rarely flip a near tie on GPU):
-each prompt records the answer token where they first part ("first_divergence", None where equal) and each run how
-many prompts parted ("greedy_diverged_prompts").
-Greedy decoding on the fast path runs --sync-every steps (plain) or iterations (speculative) back to back per host
-sync (default 8; 1 = a sync per step, the earlier behaviour), reported as "sync_every"; steps that ran after the
-output was complete are discarded and reported as "plain_discarded_forwards" / "spec_discarded_forwards" (their time
-is in the measured seconds; "plain_step_wall_ms" divides by the counted steps, those a per-step sync would run).
-The implementation that ran is reported as "mode" ("cuda-graphs", "static-eager" or "eager"; --fast picks, auto =
-the fast path on a GPU); a GPU run also reports the eager path's figures on a few prompts ("eager", secondary).
-
-With --save the target and drafter exports are written right after training, before any decoding measurement, and
-a failed measurement still writes the JSON (with "error"), so later benchmarks can use the saved files.
-
-Needs torch, transformers, safetensors and pydantic (draftline.config; on the H200 from the vLLM site), no Prefect or
-store. Writes benchmarks/results/decode-<hw>.json.
+One run on one device: the target's own greedy traces, their hidden states, an EAGLE-3 drafter trained on them, then
+plain and speculative greedy decoding (batch 1) of held-out prompts. Measured: tau (mean acceptance length), c (drafter
+call / plain target step), fraction_of_bound = speedup / (tau / (1 + k * c)), and tau_over_offline against the decode
+schedule replayed on held-out traces (definitions: benchmarks/RESULTS.md). --save writes the exports before decoding.
+Needs torch, transformers, safetensors and pydantic (draftline.config; the GPU machine's python gets it from a carried
+site on PYTHONPATH), no Prefect or store. Writes benchmarks/results/decode-<hw>.json.
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
-"""Where the gap between the training validation's offline acceptance estimate and the reference decoder's measured
-acceptance comes from, on the demo (issue 26, item 1).
+"""Where the training's offline acceptance estimate and the reference decoder's measured acceptance part, on the demo.
 
-The estimate (train/metrics.json final_val.acceptance_length = 1 + sum_j prod_{i<=j} acc_i) comes from per-TTT-step
-validation accuracies over the held-out sequences of the TRAINING traces' hidden-state shards; the reference decoder
-measures acceptance on the EVAL prompts. This script runs the reference decoder (draftline.stages.reference, the demo's
-trained drafter, aux_shifts [] and no other-precision decode) on:
-  val-64     32 training prompts whose traces training validated on, at the eval's max_new_tokens
-  val-96     the same 32 prompts at the traces' max_new_tokens (optional: --long)
-  eval-64    the eval prompts again, as the demo ran them (optional: --repeat): is the decoder deterministic?
-The 32 validation prompts are spread evenly over the validation traces (trace order, every n-th).
-It also reads the answer lengths of the validation traces (their loss_mask) and puts the validation per-step
-accuracies beside each run's per-position and conditional acceptance. With --offline it replays the trained
-drafter's TTT unroll over the validation traces (offline_validation: per-step, chain and walk figures, seconds on
-a CPU), which separates what the estimate's formula assumes from what the prompts and the decoder change.
+Runs the reference decoder with the demo's trained drafter on 32 prompts whose traces training validated on, at the
+eval's length (--long: also at the traces' length; --repeat: the eval prompts again, to check determinism), beside the
+validation's per-step accuracies; --offline replays the drafter's TTT unroll over the validation traces (per-step,
+chain and walk figures), which separates what the estimate's formula assumes from what the prompts change.
 
 Run after `make demo` (reads ./runs/demo, writes nothing there):
     .venv/bin/python benchmarks/estimate_gap.py --offline --long --repeat [--store runs/estimate-gap]
-Each run gets its own run folder in --store with a copy of the demo's trained drafter; a run whose result.json is
-already there is not decoded again. Prints a table and writes benchmarks/results/estimate-gap-cpu.json.
+A run whose result.json is already in --store is not decoded again. Prints a table and writes
+benchmarks/results/estimate-gap-cpu.json.
 """
 from __future__ import annotations
 

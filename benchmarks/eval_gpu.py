@@ -1,16 +1,13 @@
-"""vLLM (or SGLang, --engine sglang) on a GPU: baseline and EAGLE-3 at several concurrencies through draftline's engine evaluation, with parity
-against the reference decoder and the speedup next to the bound tau / (1 + k * c), all in one run.
+"""vLLM or SGLang on a GPU: baseline and EAGLE-3 at several concurrencies through draftline's engine evaluation.
 
     python benchmarks/decode.py --save /tmp/bench        # trains the drafter on the 1.04B inflated demo target
     (add --target-shape 8b to decode.py for the 6.88B shape; the target's size is read from its config)
-    python benchmarks/eval_gpu.py /tmp/bench --out benchmarks/results/eval-h200.json
+    python benchmarks/eval_gpu.py /tmp/bench [--engine sglang] --out benchmarks/results/eval-h200.json
 
-tau is vLLM's mean acceptance length at concurrency 1 (from /metrics); c = one drafter forward / one plain target
-decode step, both timed here on the same GPU with draftline's reference decoder (transformers; its fast path, static
-caches replayed as CUDA graphs, batch 1).
-The reference decoder's acceptance on the same prompts gives parity = vLLM tau / reference tau.
-Needs vllm (GPU build) and draftline's dependencies, no Prefect.
-On a machine without a package index: `--reference-only` first, then benchmarks/eval_offline.sh per engine.
+Measured in one run: each concurrency's speedup over the engine's own baseline, parity = the engine's tau / the
+reference decoder's tau on the same prompts, and the speedup against the bound tau / (1 + k * c), with c timed here
+by the reference decoder's fast path on the same GPU. Needs the engine (GPU build) and draftline's dependencies, no
+Prefect. On a machine without a package index: `--reference-only` first, then benchmarks/eval_offline.sh per engine.
 """
 from __future__ import annotations
 

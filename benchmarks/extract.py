@@ -1,28 +1,14 @@
-"""Hidden-state extraction speed: matmul peak, hooked forward (MFU), disk bandwidth, full extraction per shard
-storage layout (bf16 and fp8-e4m3 side by side), the naive way.
+"""Hidden-state extraction speed per shard storage layout, next to the hooked forward alone, the disk and the naive way.
 
-GPU (H200):  python benchmarks/extract.py --compile --writer-threads 6 --writer-sweep 3,8  (torch + transformers only)
+GPU (H200):  python benchmarks/extract.py --compile --writer-threads 6 --writer-sweep 3,8
 CPU smoke:   python benchmarks/extract.py --cpu      (the same measurements on a tiny random Llama, seconds)
 vLLM:        python benchmarks/extract.py --backend vllm [--target-shape 8b | --cpu]  (benchmarks/extract_vllm.py)
 
---layouts (default bf16,fp8-e4m3) are the extract.storage values measured: the full extraction runs once per layout,
-first, right after the disk probes, each with --writer-threads shard writers, paced (at most
-HiddenStateExtractor.max_queued_batches batches queued on the device), and again without writes. The last layout
-listed is the primary one: the unpaced run, the timeline, the writer sweep and the top-level figures are its own.
-The disk is probed before the full runs, after them and at the end; the shard writers are then measured alone at
-each count of --writer-threads and --writer-sweep.
-
-Prints a table and writes benchmarks/results/extract-compact-<hw>.json (extract-<hw>.json for --layouts bf16). Every
-figure comes from ONE run:
-  forward_mfu                   = 2 x decoder-layer params x tokens/s / measured bf16 matmul peak
-  fraction_of_forward           = full-extraction tokens/s / hooked-forward-alone tokens/s (per layout; goal >= 0.8)
-  fraction_of_binding_ceiling   = full-extraction tokens/s / min(forward tokens/s, fsync'd disk B/s / bytes per token)
-where the disk's B/s is the best it wrote in the run: the single-file probes or the shard writers alone (several
-files at once, fsync'd, into a fresh folder), whichever was faster, so the ceiling is never understated. The
-forward alone captures bf16 and writes nothing, whatever the layout: quantizing is part of the extraction's cost.
-bf16 stores 3 aux states + the last state as 4 x H x 2 B = 8 x H bytes per token; fp8-e4m3 4 x H bytes plus four
-float32 scales (16 B); both plus 9 bytes of input_ids (int64) and loss_mask (uint8). `shard_bytes_per_token` is
-measured on the shards the run wrote (headers included).
+Measured in one run, per --layouts value (bf16, fp8-e4m3): the full extraction, paced, with --writer-threads shard
+writers, and again without writes; the bf16 matmul peak, the hooked forward (forward_mfu), the fsync'd disk and the
+shard writers alone; fraction_of_forward and fraction_of_binding_ceiling (definitions: benchmarks/RESULTS.md).
+Needs torch, transformers and draftline's dependencies, pydantic among them (the GPU machine's python gets it from a
+carried site on PYTHONPATH). Writes benchmarks/results/extract-compact-<hw>.json (extract-<hw>.json for bf16 alone).
 """
 from __future__ import annotations
 

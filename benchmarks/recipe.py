@@ -1,14 +1,11 @@
-"""Drafter recipe choices on the demo, one at a time: acceptance in the reference decoder for the same traces and the
-same training wall time.
+"""Drafter recipe choices on the demo, one at a time: acceptance in the reference decoder, same traces, same time.
 
 Each variant changes one setting of configs/demo.yaml's training (or how its traces are cut into shards), trains on
-a copy of the demo's traces and shards, exports, and runs the reference decoder on the eval prompts (k = 3, no
-layer-shift or other-precision decodes). Variants whose steps cost more or less than the baseline's (TTT depth, the
-draft vocabulary, the batch) get the number of steps that fills the baseline's training time, from a timed short run
-of each against the baseline's. A second seed of the baseline gives the run-to-run spread the differences must exceed.
+a copy of the demo's traces and shards, and runs the reference decoder on the eval prompts (k = 3). Variants whose
+steps cost more or less than the baseline's get the steps that fill the baseline's training time (from a timed short
+run of each); a second seed of the baseline gives the run-to-run spread the differences must exceed.
 
-Run after `make demo` (it reads ./runs/demo/traces and ./runs/demo/hidden), on an otherwise idle machine (the step
-calibration is a timing):
+Run after `make demo` (reads ./runs/demo/traces and ./runs/demo/hidden), on an otherwise idle machine:
     .venv/bin/python benchmarks/recipe.py [--variants baseline,seed-1,...] [--demo-runs ./runs]
 Writes benchmarks/results/recipe-cpu.json (variants run before and not again stay in it) and prints a table.
 """

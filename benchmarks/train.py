@@ -1,21 +1,14 @@
-"""EAGLE-3 training step: draftline's TTT step vs a straightforward one, side by side in one run (tokens/s, MFU, peak memory).
+"""EAGLE-3 training step: draftline's TTT step vs a straightforward one, side by side in one run (tokens/s, MFU, memory).
 
     python benchmarks/train.py            # H200 sizes: hidden 4096, target vocab 128256, draft vocab 32000, seq 2048, k=7
     python benchmarks/train.py --cpu      # demo sizes on CPU (hidden 256, vocab 4096, draft 2048, seq 512, k=3)
     python benchmarks/train.py --cpu --tiny   # seconds: a smoke run of both implementations (hidden 64, seq 128)
 
-Needs only torch and draftline/drafter (no transformers, no Prefect). Each implementation runs in its own spawned
-process so peak memory is its own. Writes benchmarks/results/train-<hw>.json.
-
-"draftline" = draftline.drafter.ttt: exact causal-plus-diagonal TTT attention (compiled flex attention on GPU), the
-target distribution from the last hidden state in bf16 chunks, chunked soft cross-entropy whose fp32 logits never
-exist for all rows at once. "straightforward" = what a first implementation does: fp32 target logits over the whole
-vocabulary for every token, masked softmax, plain causal SDPA per unrolled step, full draft logits + log_softmax,
-and the draft layer written plainly (plain_qkv / plain_finish below: autograd keeps what it keeps), so the baseline
-stays what it was when draftline's layer gets leaner. On a GPU, where draftline keeps every step's keys and values
-in one buffer per unroll (TTTModel's key slots), two variants of it run too: each TTT step over its own key length
-("draftline-per-step-keys"), and the keys and values of all steps so far concatenated at each step
-("draftline-cat-keys", TTTModel(key_slots=False), the default before 4219cc8).
+"draftline" = draftline.drafter.ttt (exact TTT attention; chunked losses whose fp32 logits never exist for all rows at
+once); "straightforward" = fp32 target logits over the whole vocabulary, masked softmax, plain causal SDPA per unrolled
+step and the draft layer written plainly; on a GPU also the key-layout variants "draftline-per-step-keys" and
+"draftline-cat-keys". Each runs in its own spawned process, so peak memory is its own. Needs only torch and
+draftline/drafter (no transformers, no Prefect). Writes benchmarks/results/train-<hw>.json.
 """
 from __future__ import annotations
 
