@@ -130,7 +130,7 @@ def test_missing_required_section_is_named():
     ("s3://Bad_Bucket/x", "no valid bucket name"),
     ("gs://bucket/x", "unsupported scheme"),
     ("", "empty"),
-    # One slash or none would be a local folder literally named "s3:" (issue seen by a new user).
+    # One slash or none would be a local folder literally named "s3:" (a slip new users make).
     ("s3:/bucket/x", "not a well-formed S3 location; write s3://BUCKET"),
     ("s3:bucket", "not a well-formed S3 location"),
     ("S3://bucket/x", "lowercase scheme"),

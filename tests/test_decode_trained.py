@@ -61,7 +61,7 @@ def test_a_trained_drafter_is_accepted_and_the_output_stays_the_targets(trained)
     # The decode-schedule replay over the validation traces (draftline.drafter.replay) is recorded beside it: one
     # round per draft the decoder would make, each accepting at most k tokens, a drafted position at a time. On this
     # random tiny target neither estimate predicts the decoder (its loops accept more than its traces show); on the
-    # demo target the replay came within 1.4% of the decoder (benchmarks/log/2026-12-02-estimate-gap.md).
+    # demo target the replay came within 1.4% of the decoder (the estimate-gap runs, benchmarks/log/).
     replayed = summary["final_val"]["replayed"]
     print(f"replayed as decoding drafts: {replayed['acceptance_length']:.3f} over {replayed['rounds']} rounds "
           f"(per position {[round(x, 3) for x in replayed['per_position']]})")

@@ -93,7 +93,7 @@ def test_a_port_cap_below_the_kernels_ephemeral_range_is_still_served():
 
 
 def test_captured_from_sglang_0_5_14_no_sglang_runs_here_log_shows_eagle3_prefills_without_cuda_graphs():
-    """Excerpts of the two servers' logs from the 6.88B H200 run (2026-12-01): the baseline's prefills ran as
+    """Excerpts of the two servers' logs from an H200 run with the 6.88B target: the baseline's prefills ran as
     piecewise CUDA graphs, EAGLE-3's eagerly, and SGLang said why when it started."""
     adapter = SglangAdapter()
     base = adapter.log_facts((CAPTURED / "server-log-baseline.txt").read_text())

@@ -1,6 +1,6 @@
 """SGLang adapter against SGLang's response shapes. No SGLang ran for any test in this file: SGLang cannot run on
 these CPU machines, so every shape below is written from the field names in sglang 0.5.14's source (its wheel,
-read 2026-11-30): meta_info in srt/managers/tokenizer_manager.py (_handle_batch_output, and
+as read for this file): meta_info in srt/managers/tokenizer_manager.py (_handle_batch_output, and
 _calculate_spec_decoding_metrics for the spec_* fields, set only once a request has finished), /server_info in
 srt/entrypoints/http_server.py (/get_server_info is its deprecated alias), avg_spec_accept_length in
 srt/managers/scheduler.py (get_internal_state). Older SGLang lacked spec_num_correct_drafts and the histogram."""

@@ -295,7 +295,7 @@ def test_an_engine_missing_here_gives_a_plain_skipped_result_and_the_evaluation_
 
 
 def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
-    """On the 2026-11-30 H200 run (benchmarks/results/eval-h200-report-2026-11-30-d), SGLang accepted what the reference
+    """In a saved H200 run (benchmarks/results/eval-h200-report-2026-11-30-d), SGLang accepted what the reference
     accepts and was still slower at every concurrency; vLLM was faster everywhere. The report must point at the
     engine, not the drafter."""
     from draftline.report import slowdown_findings
@@ -317,8 +317,8 @@ def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
     burst_findings = slowdown_findings(sglang.model_copy(update={"points": [bursty] + sglang.points[1:]}))
     assert "baseline steps" not in burst_findings[1]
     assert "the baseline server sent most of each response at once" in burst_findings[1]
-    # That run used SGLang's default overlap scheduler, which slowed EAGLE-3 with a 1B target (2026-12-01-a) and sped
-    # it with a 6.88B one (2026-12-01-e): the report names the setting the run did not try, for the EAGLE-3 server only.
+    # That run used SGLang's default overlap scheduler, which slows EAGLE-3 with a 1B target and speeds it with a 6.88B
+    # one (infra/offline/SGLANG.md): the report names the setting the run did not try, for the EAGLE-3 server only.
     assert len(findings) == 5 and "its default" in findings[4]
     assert "measure EAGLE-3 with --disable-overlap-schedule too" in findings[4]
     both = sglang.model_copy(update={"server_args": ["--disable-overlap-schedule"]})
@@ -354,7 +354,7 @@ def test_captured_sglang_0_5_14_logs_no_sglang_runs_here_report_names_eager_eagl
     [finding] = engine_log_findings(eager)
     assert "0 of the EAGLE-3 server's 8 prefill batches" in finding and "8 of the baseline's 8" in finding
     assert "Disable prefill CUDA graph for EAGLE target" in finding and "--cuda-graph-backend-prefill breakable" in finding
-    # With this run's own figures (the saved 2026-11-30-d run: 23.1 -> 24.3 ms at concurrency 1).
+    # With this run's own figures (the saved run's: 23.1 -> 24.3 ms at concurrency 1).
     assert "concurrency 1 in this run: 23.1 ms for the baseline, 24.3 ms with EAGLE-3" in finding
     assert "every EAGLE-3 prefill then ran as a graph" in finding
     # An MLA target gets no advice SGLang 0.5.14 cannot follow: its breakable backend does not serve MLA.

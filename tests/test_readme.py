@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 TEST_REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
-# The faults issue 25 asks the table to cover, each as the start of a row's first cell.
+# The faults the README's table must cover, each as the start of a row's first cell.
 FAULTS = ("engine dies in load", "engine hangs silently in load", "worker killed", "training killed",
           "S3 server restarted mid-upload", "corrupt shard", "wrong S3 credentials", "bad config")
 

@@ -4,9 +4,9 @@ held-out traces with the training unroll.
 Validation's per-step accuracies count a draft at every answer position and multiply the steps as if their hits were
 independent. Decoding drafts only where the previous round ended (after its accepted tokens and the target's own) and
 accepts a draft's leading hits. On the CPU demo the first reads 2.094, the reference decoder 1.983 and this replay
-1.955 (benchmarks/log/2026-12-02-estimate-gap.md: the independence assumption and the draft positions move the
-estimate by x1.10 and x0.85). The traces are the target's greedy answers, so replaying them teacher-forced is the
-decode the reference decoder runs, without the target in the loop.
+1.955 (benchmarks/RESULTS.md, "Where the offline estimate and decoding part": the independence assumption and the
+draft positions move the estimate by x1.10 and x0.85). The traces are the target's greedy answers, so replaying them
+teacher-forced is the decode the reference decoder runs, without the target in the loop.
 """
 from __future__ import annotations
 

@@ -336,8 +336,8 @@ class TTTModel(nn.Module):
         # False: each step's keys only (k key lengths, k compiled flex kernels); benchmarks/train.py compares both.
         self.one_key_shape = one_key_shape
         # True: all steps' keys and values in one buffer each (StepSlots) instead of a cat per step. None: on the flex
-        # path only, where benchmarks/train.py measured it faster and leaner on an H200 (2026-12-01: MFU 0.649 against
-        # 0.645, 16.0 against 16.7 GB); the eager path keeps the cat.
+        # path only, where benchmarks/train.py measures it as fast and leaner on an H200 (MFU 0.650 against 0.649, 16.0
+        # against 16.7 GB: benchmarks/RESULTS.md); the eager path keeps the cat.
         if key_slots is None:
             key_slots = attention == "flex"
         self.key_slots = key_slots and one_key_shape

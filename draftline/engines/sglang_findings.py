@@ -64,8 +64,8 @@ def sglang_prefill_graph_remedy(r: EvalResult) -> str:
 
 
 SGLANG_NO_OVERLAP = "--disable-overlap-schedule"
-# What H200 runs measured (2026-12-01, benchmarks/log/2026-12-01-h200-engine-eval.md): the baseline is always faster
-# under SGLang's overlap scheduler, while which setting speeds EAGLE-3 turns with the target's size.
+# What H200 runs measured (infra/offline/SGLANG.md, "The overlap scheduler and EAGLE-3"): the baseline is always
+# faster under SGLang's overlap scheduler, while which setting speeds EAGLE-3 turns with the target's size.
 SGLANG_OVERLAP_SEEN = ("On an H200 (time per output token), SGLang's baseline ran faster under its overlap scheduler "
                        "with both targets measured (1.7x with a 1.04B target, 1.4x with a 6.88B one), while EAGLE-3 "
                        "ran 1.15x faster without it with the 1.04B target and 1.44x faster with it with the 6.88B one "

@@ -22,8 +22,8 @@ from draftline.store.keys import (
 # holds a whole shard until the final fsync, and the disk idles while the writer hashes and copies.
 EARLY_WRITEBACK_BYTES = 64 * 1024 * 1024
 # Large local writes hash on a second thread while the first copies the same bytes into the file, instead of
-# taking turns (on the H200 machine, 8 shard writers: 145k against 140k tokens/s,
-# benchmarks/log/2026-12-01-h200-extraction.md). False hashes then writes on one thread; kept so that
+# taking turns (on an H200 machine with 8 shard writers: 145k against 140k tokens/s, benchmarks/extract.py). False
+# hashes then writes on one thread; kept so that
 # tests/test_store.py and benchmarks/extract.py can compare the two.
 HASH_ON_THE_SIDE = True
 # What get_dir downloaded into a folder (ETag, size, sha256), so a second call fetches only what changed.

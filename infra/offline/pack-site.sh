@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # pack-site.sh LIST OUTDIR [PART_BYTES] [EXCLUDE ...]
-# Builds an engine's Python packages for a GPU machine that reaches no package index (an air-gapped cluster,
-# the lent H200s): downloads every pinned wheel in LIST (`name==version` a line, '#' comments) for CPython 3.12
-# on manylinux x86_64, installs them without dependencies into a staging folder (`pip --target`, so the
+# Builds an engine's Python packages for a GPU machine that reaches no package index (an air-gapped cluster, a cloud
+# GPU machine without internet): downloads every pinned wheel in LIST (`name==version` a line, '#' comments) for
+# CPython 3.12 on manylinux x86_64, installs them without dependencies into a staging folder (`pip --target`, so the
 # machine's own torch and CUDA stay in charge), drops the paths named in EXCLUDE (relative to the site, e.g.
-# vllm/vllm-rs), packs the folder as site.tar.xz (CUDA fatbins compress far better with xz than in wheels'
-# zip) and splits it into OUTDIR/partNN of PART_BYTES (default 62000000) with a SHA256SUMS file.
+# vllm/vllm-rs), packs the folder as site.tar.xz (CUDA fatbins compress far better with xz than in wheels' zip) and
+# splits it into OUTDIR/partNN of PART_BYTES (default 62000000) with a SHA256SUMS file.
 # On the GPU machine: infra/offline/unpack-site.sh OUTDIR /opt/engine-site && export PYTHONPATH=/opt/engine-site
 set -euo pipefail
 list=$1 out=$2 part_bytes=${3:-62000000}
