@@ -85,7 +85,7 @@ class ServerSettings(Strict):
                                           "bytes) of weights the server loads (target and drafter).")
     no_progress_timeout_s: float = Field(300.0, gt=0, description="Seconds a loading server may print nothing to its "
                                          "log before it is killed as hung.")
-    first_request_timeout_s: float = Field(120.0, gt=0, description="Seconds the first request (a short completion) "
+    first_request_timeout_s: float = Field(120.0, gt=0, description="Seconds the first request (a two-token answer) "
                                            "may take once the server is ready; longer: the server is stuck.")
     retries: int = Field(2, ge=0, description="Further starts after a failed load; a load the engine refused as bad "
                          "input, or that failed the same way twice, is not retried.")
@@ -132,7 +132,7 @@ class TracesConfig(Strict):
     min_response_tokens: int = Field(1, ge=0, description="Traces whose answer has fewer tokens than this are "
                                      "dropped.")
     max_total_tokens: int = Field(4096, ge=8, description="Longest trace in tokens, prompt and answer (at most the "
-                                  "target's max_position_embeddings); a prompt this long is dropped.")
+                                  "target's max_position_embeddings); a prompt as long or longer is dropped.")
     drop_duplicates: bool = Field(True, description="Drop prompts whose text repeats an earlier one, and traces whose "
                                   "tokens repeat an earlier one of the same shard.")
     traces_per_shard: int = Field(256, ge=1, description="Prompts per trace shard, the unit a rerun skips once "
