@@ -36,7 +36,8 @@ def _prefect_file(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(prefect_server, tmp_path_factory):
-    """The deployments created as the README says (on this module's pools), and a worker on the pipeline's pool."""
+    """The deployments created as docs/prefect.md says (on this module's pools), and a worker on the pipeline's
+    pool."""
     tmp = tmp_path_factory.mktemp("deployed-runs")
     for pool in ("cpu", "gpu-vllm", "gpu-sglang", "gpu-train"):
         prefect_server.cli("work-pool", "create", PREFIX + pool, "--type", "process", "--overwrite")

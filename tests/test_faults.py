@@ -1,5 +1,6 @@
-"""Faults of the README's reliability table that no other module injects: the S3 server restarted in the middle of an
-upload, and a stored trace shard damaged after its stage published it, each met by the real store or the real CLI."""
+"""Faults of the reliability table (docs/reliability.md) that no other module injects: the S3 server restarted in the
+middle of an upload, and a stored trace shard damaged after its stage published it, each met by the real store or the
+real CLI."""
 from __future__ import annotations
 
 import hashlib
