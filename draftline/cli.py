@@ -25,11 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftline",
         description="Train EAGLE-3 drafters and check that they speed up the target in vLLM and SGLang.",
+        epilog="Exit status: 0 on success; 1 when a stage failed (one sentence on stderr says why); 2 for bad input, "
+               "found before anything ran; 3 for a bug in draftline (its traceback is printed).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in _STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("config", help="pipeline config (YAML), e.g. configs/demo.yaml")
+        p.add_argument("config", metavar="CONFIG", help="pipeline config (YAML), e.g. configs/demo.yaml")
         p.add_argument("--store", help="override store.root: a local folder or s3://bucket/prefix")
         p.add_argument("--run", help="override the run name (artifacts go to <store>/<run>/<stage>/)")
         _add_set(p)
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = cfg_sub.add_parser("validate", help="validate a pipeline config and print it with defaults filled in",
                            description="validate a pipeline config, check the inputs it names (target, prompts, "
                                        "warm start, store) and print it with defaults filled in")
-    v.add_argument("config", help="pipeline config (YAML)")
+    v.add_argument("config", metavar="CONFIG", help="pipeline config (YAML), e.g. configs/demo.yaml")
     v.add_argument("--quiet", action="store_true", help="print nothing on success")
     v.add_argument("--elsewhere", action="store_true",
                    help="the stages run on other machines: paths missing here are reported as unchecked, not as problems")
