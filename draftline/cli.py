@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -89,11 +88,11 @@ def apply_settings(data: Any, settings: list[str]) -> Any:
     is checked as a whole, like the file."""
     for text in settings:
         keys, value = parse_setting(text)
-        data = _set_at(data, keys, value, text, [])
+        data = _set_at(data, keys, value, f"--set {text}", [])
     return data
 
 
-def _set_at(node: Any, keys: list[str], value: Any, text: str, seen: list[str]) -> Any:
+def _set_at(node: Any, keys: list[str], value: Any, given: str, seen: list[str]) -> Any:
     # Copies on the way down: YAML anchors share one mapping between sections (traces.vllm and extract.vllm in the
     # examples), and a setting changes only the place it names.
     key, rest = keys[0], keys[1:]
@@ -106,20 +105,21 @@ def _set_at(node: Any, keys: list[str], value: Any, text: str, seen: list[str]) 
         child = node.get(key)
         if child is None:
             if rest[0].isdigit():
-                raise ConfigError(f"--set {text}: the file has no {here} list to index; set the whole list, "
+                raise ConfigError(f"{given}: the file has no {here} list to index; set the whole list, "
                                   f"e.g. --set '{here}=[...]'")
             child = {}
-        node[key] = _set_at(child, rest, value, text, seen + [key])
+        node[key] = _set_at(child, rest, value, given, seen + [key])
         return node
     parent = ".".join(seen)
     if isinstance(node, list):
         if not key.isdigit() or int(key) >= len(node):
-            raise ConfigError(f"--set {text}: {parent} is a list of {len(node)} entries, so {key!r} names none of "
-                              f"them; index it from 0 to {len(node) - 1}, or set the whole list")
+            indices = f"index it from 0 to {len(node) - 1}, or" if node else "it is empty:"
+            raise ConfigError(f"{given}: {parent} is a list of {len(node)} entries, so {key!r} names none of "
+                              f"them; {indices} set the whole list")
         node = list(node)
-        node[int(key)] = value if not rest else _set_at(node[int(key)], rest, value, text, seen + [key])
+        node[int(key)] = value if not rest else _set_at(node[int(key)], rest, value, given, seen + [key])
         return node
-    raise ConfigError(f"--set {text}: {parent} is a value ({node!r}), not a section; set {parent} itself")
+    raise ConfigError(f"{given}: {parent} is a value ({node!r}), not a section; set {parent} itself")
 
 
 def load_with_overrides(path: str, store: str | None = None, run: str | None = None, settings: list[str] = ()):
@@ -128,11 +128,13 @@ def load_with_overrides(path: str, store: str | None = None, run: str | None = N
     from draftline.config import PipelineConfig, parse_config, read_config_file
 
     data = read_config_file(path)
-    overrides = ([f"store.root={json.dumps(store)}"] if store is not None else []) \
-        + ([f"run={json.dumps(run)}"] if run is not None else []) + list(settings)
-    if not overrides or not isinstance(data, dict):
+    if (store is None and run is None and not settings) or not isinstance(data, dict):
         return parse_config(data, PipelineConfig, str(path))
-    return parse_config(apply_settings(data, overrides), PipelineConfig, f"{path} with overrides")
+    if store is not None:
+        data = _set_at(data, ["store", "root"], store, f"--store {store}", [])
+    if run is not None:
+        data = _set_at(data, ["run"], run, f"--run {run}", [])
+    return parse_config(apply_settings(data, list(settings)), PipelineConfig, f"{path} with overrides")
 
 
 def _validate(args) -> int:

@@ -161,6 +161,9 @@ def test_set_overrides_any_field_with_yaml_values(tmp_path):
     assert cfg.extract.aux_layer_ids == [2, 3, 5] and cfg.eval.max_prompts is None
     assert cfg.regression.parity_floor == "auto"
     assert cfg.train.tokens_per_batch == load_config(DEMO).train.tokens_per_batch  # the rest stays the file's
+    # --store and --run first, then each --set in order.
+    cfg = load_with_overrides(str(DEMO), store=str(tmp_path), run="first", settings=["run=second"])
+    assert cfg.store.root == str(tmp_path) and cfg.run == "second"
 
 
 def test_set_changes_only_the_place_it_names_where_yaml_anchors_share_a_section():
