@@ -1,15 +1,10 @@
-"""The command-line reference page (docs/reference/cli.md), rendered from the `draftline` argparse parser itself.
-
-`python -m draftline.cli_reference` rewrites the page; `--check` fails when the page differs from the parser.
-"""
+"""The command-line reference page (docs/reference/cli.md), rendered from the `draftline` argparse parser itself;
+draftline.docs_reference writes it with the other generated pages."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "cli.md"
-_REGENERATE = "python -m draftline.cli_reference"
+_REGENERATE = "python -m draftline.docs_reference"
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
@@ -134,34 +129,3 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
     for name, _, sub in _subcommands(parser):
         _section(f"{prog} {name}", sub, out)
     return "\n".join(out).rstrip("\n") + "\n"
-
-
-def check(page: Path = PAGE) -> str | None:
-    """None when the page is what the parser renders, else one sentence naming the fix."""
-    if not page.is_file():
-        return f"{page} does not exist; generate it with `{_REGENERATE}`"
-    if page.read_text() != render():
-        return f"{page} is not what the parser renders; regenerate it with `{_REGENERATE}`"
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=_REGENERATE, description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail (exit 1) when the page is stale; write nothing")
-    parser.add_argument("--out", type=Path, default=PAGE, help="the page to write or check (default: %(default)s)")
-    args = parser.parse_args(argv)
-    if args.check:
-        stale = check(args.out)
-        if stale:
-            print(f"draftline: {stale}", file=sys.stderr)
-            return 1
-        print(f"{args.out}: up to date")
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render())
-    print(f"{args.out}: written")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

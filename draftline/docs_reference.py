@@ -14,12 +14,14 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from draftline import cli_reference
 from draftline import config as config_module
 from draftline.config import PipelineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = "python -m draftline.docs_reference"
 CONFIG_PAGE = "docs/reference/config.md"
+CLI_PAGE = "docs/reference/cli.md"
 
 
 # ---------------------------------------------------------------------------------------------- the config page
@@ -171,11 +173,10 @@ def _markdown(text: str, in_table: bool = False) -> str:
 
 # ---------------------------------------------------------------------------------------------- every page
 
-# Each generated page (its path under the repository root) and the function that renders it. The CLI reference
-# (docs/reference/cli.md, from draftline.cli's argparse parser) joins here with its own render function and
-# write_cli_reference, next to the config page's.
+# Each generated page (its path under the repository root) and the function that renders it.
 PAGES: dict[str, Callable[[], str]] = {
     CONFIG_PAGE: config_reference,
+    CLI_PAGE: cli_reference.render,
 }
 
 

@@ -1,10 +1,10 @@
 """docs/reference/cli.md is rendered from the `draftline` parser: it names every command and argument with its help,
-and a page that no longer matches the parser fails here and in `python -m draftline.cli_reference --check`."""
+and a page that no longer matches the parser fails here and in `python -m draftline.docs_reference --check`."""
 from __future__ import annotations
 
 import argparse
 
-from draftline import cli_reference
+from draftline import cli_reference, docs_reference
 from draftline.cli import build_parser
 
 
@@ -16,7 +16,8 @@ def _commands(parser: argparse.ArgumentParser, prog: str = "draftline"):
 
 
 def test_the_committed_page_is_what_the_parser_renders():
-    assert cli_reference.check() is None, "run `python -m draftline.cli_reference` and commit docs/reference/cli.md"
+    assert docs_reference.CLI_PAGE not in docs_reference.stale_pages(), \
+        "run `python -m draftline.docs_reference` and commit docs/reference/cli.md"
 
 
 def test_the_page_names_every_command_and_argument_with_its_help():
@@ -41,14 +42,11 @@ def test_the_page_does_not_depend_on_the_terminal_width(monkeypatch):
 
 
 def test_check_fails_on_a_stale_page_and_passes_once_it_is_rewritten(tmp_path, capsys):
-    page = tmp_path / "cli.md"
-    assert cli_reference.main(["--check", "--out", str(page)]) == 1
-    assert capsys.readouterr().err.strip().endswith("cli.md does not exist; generate it with "
-                                                    "`python -m draftline.cli_reference`")
-    assert cli_reference.main(["--out", str(page)]) == 0 and page.read_text() == cli_reference.render()
-    assert cli_reference.main(["--check", "--out", str(page)]) == 0
+    page = tmp_path / docs_reference.CLI_PAGE
+    assert docs_reference.main(["--root", str(tmp_path)]) == 0 and page.read_text() == cli_reference.render()
+    assert docs_reference.main(["--check", "--root", str(tmp_path)]) == 0
     page.write_text(page.read_text().replace("override one field of the config", "override a field"))
-    assert cli_reference.main(["--check", "--out", str(page)]) == 1
+    assert docs_reference.main(["--check", "--root", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert err.strip() == (f"draftline: {page} is not what the parser renders; regenerate it with "
-                           "`python -m draftline.cli_reference`")
+    assert err.strip() == (f"{docs_reference.CLI_PAGE} is stale: it differs from what the code generates; "
+                           "regenerate it with: python -m draftline.docs_reference")
