@@ -254,7 +254,7 @@ def _reference_figures(reference: Any) -> tuple[float, list[float] | None]:
         reference = reference.summary()
     if not isinstance(reference, dict) or reference.get("mean_acceptance_length") is None:
         raise ConfigError("the reference acceptance must be a mapping with mean_acceptance_length (and optionally "
-                          "per_position_acceptance); pass draftline.decode's summary()")
+                          "per_position_acceptance); pass draftline.reference's summary()")
     per_pos = reference.get("per_position_acceptance", reference.get("per_position"))
     return float(reference["mean_acceptance_length"]), (list(per_pos) if per_pos is not None else None)
 
@@ -577,7 +577,7 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency; result JSON in the store.
 
     An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
-    gives a "failed" result in the store and raises EngineError. With `reference` (draftline.decode's
+    gives a "failed" result in the store and raises EngineError. With `reference` (draftline.reference's
     acceptance summary on the same prompts and k), parity is filled in; compute the reference on the trained
     checkpoint itself, not on this engine's export, or an export bug (wrong aux-layer ids) hides in both.
     `trained_aux_layer_ids` (vLLM convention, from the training record) is what the export and the engine's log are

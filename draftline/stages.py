@@ -258,7 +258,7 @@ def engine_result_key(config: PipelineConfig, engine: EngineConfig) -> str:
 
 def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> str:
     """The reference decoder's acceptance on the same eval prompts and k; returns the store key of its JSON."""
-    from draftline import decode
+    from draftline.reference import reference_acceptance
 
     # The trained checkpoint, not an export: an export bug must show as a parity gap, not cancel out in both.
     trained = trained_drafter_prefix(config.run)
@@ -266,7 +266,7 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
         drafter_dir = store.get_dir(trained)
     else:
         drafter_dir = _drafter_dir(store, exports, "sglang" if "sglang" in exports else next(iter(exports)))
-    summary = decode.reference_acceptance(
+    summary = reference_acceptance(
         config.target.path, drafter_dir, config.eval.prompts, k=config.eval.reference_k,
         max_new_tokens=config.eval.max_new_tokens, max_prompts=config.eval.reference.max_prompts or config.eval.max_prompts,
         use_chat_template=config.eval.use_chat_template, device=config.eval.reference.device,

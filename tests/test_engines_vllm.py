@@ -267,7 +267,7 @@ def reference(trained_demo):
     """The reference decoder on the trained checkpoint itself (not an export), so export bugs stay visible."""
     import torch
 
-    from draftline.decode import reference_acceptance
+    from draftline.reference import reference_acceptance
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a spinning second thread costs more than it gives on a shared 2-core machine
@@ -278,7 +278,7 @@ def reference(trained_demo):
 
 
 def _reference(trained_demo):
-    from draftline.decode import reference_acceptance
+    from draftline.reference import reference_acceptance
 
     return reference_acceptance(trained_demo.target_dir, trained_demo.drafter_trained,
                                 trained_demo.eval_prompts, k=K, max_new_tokens=MAX_NEW_TOKENS, device="cpu",

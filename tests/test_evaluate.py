@@ -144,7 +144,7 @@ def test_parity_is_not_claimed_when_the_reference_drafter_accepts_almost_nothing
 
 
 def test_parity_accepts_the_reference_decoders_own_stats_object():
-    from draftline.decode import AcceptanceStats
+    from draftline.acceptance import AcceptanceStats
 
     stats = AcceptanceStats(k=3)
     for accepted in (3, 1, 0, 2):
