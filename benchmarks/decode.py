@@ -27,7 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftline.decode import SpeculativeDecoder, expected_acceptance, plain_decode  # noqa: E402
+from draftline.acceptance import expected_acceptance  # noqa: E402
+from draftline.speculative import SpeculativeDecoder, plain_decode  # noqa: E402
 from draftline.drafter.data import Sequence as TraceStates  # noqa: E402
 from draftline.drafter.model import Eagle3Drafter  # noqa: E402
 from draftline.drafter.replay import (replayed_acceptance, resampled_acceptance_lengths,  # noqa: E402
@@ -110,7 +111,7 @@ def sync(device):
 
 def demo_target_and_prompts(args, device):
     """demo-llama (CPU, float32) or its inflation to --target-shape (GPU, bf16), with the demo's chat prompts encoded."""
-    from draftline.decode import eos_token_ids
+    from draftline.reference import eos_token_ids
     from draftline.target import load_target
     from draftline.traces import encode_prompt, read_prompts
 
@@ -318,7 +319,7 @@ def first_divergence(plain: list[int], spec: list[int]) -> int | None:
 def measure(model, drafter, prompts, k, new_tokens, eos, device, *, fast=None, time_repeats=200, sync_every=None):
     """Plain and speculative greedy decoding at batch 1 on `prompts`, c, tau and the bound; fast and sync_every as
     in SpeculativeDecoder."""
-    from draftline.decode import resolve_sync_every
+    from draftline.speculative import resolve_sync_every
     from draftline.decode_static import time_call
 
     sync_every = resolve_sync_every(sync_every, device)
@@ -440,7 +441,7 @@ def main(argv=None) -> dict:
     if args.drafter:
         if gpu:
             sys.exit("--drafter is for --cpu runs; on a GPU the benchmark trains its drafter for its own target")
-        from draftline.decode import load_drafter
+        from draftline.reference import load_drafter
 
         drafter = load_drafter(args.drafter, model, torch.float32, "cpu")
         metrics = json.loads(Path(args.metrics).read_text()) if args.metrics else {}

@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from decode import measure  # noqa: E402  (benchmarks/decode.py)
-from draftline import decode  # noqa: E402
 from draftline.config import EngineConfig, EvalConfig, ReferenceConfig  # noqa: E402
 from draftline.evaluate import evaluate_engine  # noqa: E402
+from draftline.reference import eos_token_ids, load_drafter, reference_acceptance  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 from draftline.target import load_target  # noqa: E402
 from draftline.traces import encode_prompt, read_prompts  # noqa: E402
@@ -69,9 +69,9 @@ def step_ratio(target, target_dir: Path, drafter_dir: Path, prompts_path: str, k
                n_prompts: int = 4) -> dict:
     """c and the reference decoder's own batch-1 speedup, timed on this GPU (benchmarks/decode.py's measure)."""
     model, tok = target
-    drafter = decode.load_drafter(drafter_dir, model, torch.bfloat16, device)
+    drafter = load_drafter(drafter_dir, model, torch.bfloat16, device)
     prompts = [encode_prompt(tok, p, True) for p in read_prompts(prompts_path)[:n_prompts]]
-    out = measure(model, drafter, prompts, k, 128, decode.eos_token_ids(target_dir, tok), torch.device(device))
+    out = measure(model, drafter, prompts, k, 128, eos_token_ids(target_dir, tok), torch.device(device))
     del drafter
     return out
 
@@ -95,7 +95,7 @@ def reference_and_timing(args, saved: Path) -> tuple[dict, dict]:
     t0 = time.perf_counter()
     # From the trained checkpoint (SGLang layout), not from an engine's export: an export bug must not hide in both.
     target = load_target(target_dir, "bfloat16", args.device)  # loaded once for the reference and for c
-    reference = decode.reference_acceptance(target_dir, sglang_dir, args.prompts, k=args.k,
+    reference = reference_acceptance(target_dir, sglang_dir, args.prompts, k=args.k,
                                             max_new_tokens=args.max_new_tokens, device=args.device, dtype="bfloat16",
                                             max_prompts=args.max_prompts, batch_size=16, target=target)
     print(f"reference: tau {reference['mean_acceptance_length']:.3f} in {time.perf_counter() - t0:.0f} s", flush=True)

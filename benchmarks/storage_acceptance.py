@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from draftline import stages  # noqa: E402
 from draftline.config import load_config  # noqa: E402
 from draftline.drafter.data import hidden_shard_keys, read_shard_tensors  # noqa: E402
-from draftline.evaluate import EvalResult  # noqa: E402
+from draftline.eval_result import EvalResult  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """The fast path of the reference decoder: preallocated KV caches, fixed-shape forwards, CUDA graphs on CUDA.
 
-draftline.decode's eager path grows transformers' DynamicCache by concatenation, crops it after rejections, builds
+draftline.speculative's eager path grows transformers' DynamicCache by concatenation, crops it after rejections, builds
 masks of a new size every step and syncs the host several times per step; on a GPU that host work, not the
 arithmetic, sets the step time. Here every forward the decoding loop repeats has a fixed shape, so it can be
 captured once as a CUDA graph and replayed:
@@ -20,7 +20,7 @@ verify already can relative to a 1-token step. Acceptance is counted exactly as 
 Modes (Generation.mode): "cuda-graphs" (CUDA, every captured forward replays), "static-eager" (the same
 fixed-shape code run eagerly: on CPU, or on CUDA after a failed capture, whose error is kept in
 StaticTarget.capture_error / StaticDrafter.capture_error), "cuda-graphs-partial" (one of the two captured, the other
-failed), and "eager" (draftline.decode's reference path). Capture fails on models whose forward syncs the host or
+failed), and "eager" (draftline.speculative's reference path). Capture fails on models whose forward syncs the host or
 has data-dependent shapes (transformers' DeepSeek-V3 MoE routing, for one); decoding then stays right, only slower.
 
 Greedy decoding (temperature 0) also moves the bookkeeping between the forwards into the calls (GreedyPlainStep,
@@ -29,7 +29,7 @@ verify with greedy acceptance, the drafter's read with the pointer advance), so 
 reads one small report. Sampling (temperature > 0, either draft_sampling) keeps the eager bookkeeping around the
 pure forwards, since its draws come from a torch.Generator that a graph would have to replay in lockstep.
 
-Host syncs: one per `sync_every` greedy speculative iterations or plain steps (draftline.decode runs that many back
+Host syncs: one per `sync_every` greedy speculative iterations or plain steps (draftline.speculative runs that many back
 to back, each call's report copied into a device ring buffer, then reads the ring once for EOS and max_new_tokens,
 so the GPU never idles waiting for the host between steps); one per iteration or step when sampling. Prefill runs
 eagerly (its length varies). Capture and buffer allocation happen at the first call for a
@@ -57,7 +57,7 @@ def slots_needed(prompt_slots: int, max_new_tokens: int, k: int, batch: int, syn
     several rows it advances by the longest accepted run of any row (finished rows included), at most k+1 per
     iteration, for at most max_new_tokens - 1 iterations.
     sync_every > 1: up to sync_every - 1 iterations may run past a finished row before the host looks (their output
-    is discarded); each writes at most k+1 slots more. draftline.decode also clamps every window to the capacity
+    is discarded); each writes at most k+1 slots more. draftline.speculative also clamps every window to the capacity
     left, so a write past the buffers (fatal to a CUDA context) cannot happen even if this bound were short.
     """
     past_the_end = (sync_every - 1) * (k + 1)
@@ -130,7 +130,7 @@ def slot_bias(key_valid: torch.Tensor, query_slots: torch.Tensor, slot_ids: torc
               dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [B, 1, T, S] over physical slots: causal, invalid slots masked, each query sees its own slot.
 
-    Same rule as draftline.decode._attention_bias, with the query slots given instead of implied by the length.
+    Same rule as draftline.ragged_batch.attention_bias, with the query slots given instead of implied by the length.
     """
     causal = slot_ids[None, :] <= query_slots[:, None]  # [T, S]
     own = slot_ids[None, :] == query_slots[:, None]
@@ -264,7 +264,7 @@ class StaticTarget:
 
 
 class StaticDrafter:
-    """The EAGLE-3 head over preallocated key/value buffers; same computation as draftline.decode._Drafter."""
+    """The EAGLE-3 head over preallocated key/value buffers; computes what ragged_batch.RaggedDrafter computes."""
 
     def __init__(self, net, batch: int, num_slots: int, verify_len: int, use_graphs: bool):
         from draftline.drafter.model import repeat_kv
@@ -363,7 +363,7 @@ def time_call(call: StaticCall, repeats: int = 200, warmup: int = 10) -> float:
 # At temperature 0 every choice is an argmax, so whole decoding steps (forwards plus the bookkeeping between them)
 # are deterministic device work with fixed shapes: they are captured as graphs that read and advance device state
 # in place, and the host only replays them and reads one small report per step. Sampling stays in
-# draftline.decode's eager loop over the pure forwards above: a graph replays a generator's draws only through
+# draftline.speculative's eager loop over the pure forwards above: a graph replays a generator's draws only through
 # the graph-safe generator registration (register_generator_state), whose offsets the eager reference would have
 # to follow exactly; not worth it for a path that is not timed against the bound.
 #
@@ -421,7 +421,7 @@ class GreedyPlainStep:
 
 
 class GreedySpecIteration:
-    """One greedy speculative iteration as three calls over device state, in draftline.decode's eager order:
+    """One greedy speculative iteration as three calls over device state, in draftline.speculative's eager order:
 
       chain:  k greedy drafts (argmax over the draft vocabulary, mapped to target ids) with the k-1 drafter T=1
               steps between them, written into the verify input [pending, d_1..d_k];

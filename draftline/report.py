@@ -7,8 +7,9 @@ from pathlib import Path
 
 from draftline.engines.sglang_findings import sglang_overlap_finding, sglang_prefill_graph_finding
 from draftline.errors import ConfigError
-from draftline.evaluate import EvalResult, _now, logged_aux_layers
+from draftline.eval_result import EvalResult, timestamp
 from draftline.layout import report_prefix, training_record_key
+from draftline.parity import logged_aux_layers
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -105,7 +106,7 @@ def report_markdown(results: list[EvalResult], training: dict | None = None, run
     run = run or next((r.run for r in results), None)
     lines = ["# Drafter evaluation", ""]
     when = max((r.finished_at or "" for r in results), default="")
-    lines += [f"Generated {when or _now()} by draftline. Every row names the engine, engine version, hardware, "
+    lines += [f"Generated {when or timestamp()} by draftline. Every row names the engine, engine version, hardware, "
               "target, drafter and prompt set its numbers belong to.", ""]
     for r in results:  # a fault the engine's log or preflight proves comes before any figure
         if r.parity and r.parity.integration_fault:

@@ -14,7 +14,7 @@ from draftline.layout import (eval_result_key, export_prefix, hidden_manifest_ke
 from draftline.store import Store, open_store
 
 if TYPE_CHECKING:  # the regression package imports the evaluation's engines: only when a nightly needs it
-    from draftline.evaluate import EvalResult
+    from draftline.eval_result import EvalResult
     from draftline.regression import ProductionDrafter, Verdict
 
 
@@ -258,7 +258,7 @@ def engine_result_key(config: PipelineConfig, engine: EngineConfig) -> str:
 
 def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> str:
     """The reference decoder's acceptance on the same eval prompts and k; returns the store key of its JSON."""
-    from draftline import decode
+    from draftline.reference import reference_acceptance
 
     # The trained checkpoint, not an export: an export bug must show as a parity gap, not cancel out in both.
     trained = trained_drafter_prefix(config.run)
@@ -266,7 +266,7 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
         drafter_dir = store.get_dir(trained)
     else:
         drafter_dir = _drafter_dir(store, exports, "sglang" if "sglang" in exports else next(iter(exports)))
-    summary = decode.reference_acceptance(
+    summary = reference_acceptance(
         config.target.path, drafter_dir, config.eval.prompts, k=config.eval.reference_k,
         max_new_tokens=config.eval.max_new_tokens, max_prompts=config.eval.reference.max_prompts or config.eval.max_prompts,
         use_chat_template=config.eval.use_chat_template, device=config.eval.reference.device,
@@ -286,8 +286,9 @@ def reference_key(config: PipelineConfig) -> str:
 def report(config: PipelineConfig, store: Store, result_keys: list[str], reference_key: str | None
            ) -> dict[str, Any]:
     """Fill in parity for every engine result, rewrite them, and render the report; returns rows for a table."""
-    from draftline import evaluate as eval_lib
     from draftline import report as report_lib
+    from draftline.eval_result import EvalResult
+    from draftline.parity import with_parity
 
     # None when every engine was refused before serving: nothing was left for the reference decoder to compare.
     reference_summary = json.loads(store.get_bytes(reference_key)) if reference_key else None
@@ -296,10 +297,10 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
     for key in result_keys:
         if not store.exists(key):  # an evaluation that failed before it could write its row
             continue
-        result = eval_lib.EvalResult.model_validate_json(store.get_bytes(key))
+        result = EvalResult.model_validate_json(store.get_bytes(key))
         if result.status == "ok" and result.acceptance is not None and reference_summary is not None:
-            result = eval_lib.with_parity(result, reference_summary, config.eval.parity_threshold,
-                                          engines.get(result.engine))
+            result = with_parity(result, reference_summary, config.eval.parity_threshold,
+                                 engines.get(result.engine))
             store.put_bytes(key, (result.model_dump_json(indent=2) + "\n").encode())
         results.append(result)
     keys = report_lib.write_report(results, store, config.run)

@@ -7,15 +7,10 @@ import math
 import pytest
 import torch
 
-from draftline.decode import (
-    AcceptanceStats,
-    SpeculativeDecoder,
-    _Drafter,
-    expected_acceptance,
-    plain_decode,
-    reference_acceptance,
-    run_reference,
-)
+from draftline.acceptance import AcceptanceStats, expected_acceptance
+from draftline.ragged_batch import RaggedDrafter
+from draftline.reference import reference_acceptance, run_reference
+from draftline.speculative import SpeculativeDecoder, plain_decode
 from draftline.drafter.model import DrafterCache, Eagle3Drafter
 from draftline.errors import ConfigError
 from draftline.target import load_target
@@ -142,7 +137,7 @@ def test_masked_drafter_step_computes_what_the_drafter_forward_computes():
     pos = torch.arange(7)[None]
     ref_logits, ref_hidden, cache = drafter(ids[:, :5], hidden[:, :5], pos[:, :5], DrafterCache())
     ref_logits2, ref_hidden2, _ = drafter(ids[:, 5:], hidden[:, 5:], pos[:, 5:], cache)
-    mine = _Drafter(drafter)
+    mine = RaggedDrafter(drafter)
     logits, hid = mine.forward(ids[:, :5], hidden[:, :5], pos[:, :5], torch.ones(1, 5, dtype=torch.bool))
     logits2, hid2 = mine.forward(ids[:, 5:], hidden[:, 5:], pos[:, 5:], torch.ones(1, 2, dtype=torch.bool))
     torch.testing.assert_close(logits, ref_logits.float(), rtol=1e-5, atol=1e-5)
@@ -277,18 +272,18 @@ def test_sampling_acceptance_rate_of_the_first_draft_is_the_overlap_of_p_and_q()
     decoder = SpeculativeDecoder(model, drafter, k=1, temperature=temp, seed=23, draft_sampling="probabilistic")
     gen = decoder.generate([prompt] * n, 2)  # the first step decides draft 1 after the sampled first token
     # Exact overlap, averaged over the first token: run the prefill pieces for each possible first token.
-    from draftline.decode import _Target
+    from draftline.ragged_batch import RaggedTarget
 
     overlaps = []
     with torch.no_grad():
         p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temp, -1)
         for t1 in range(vocab):
-            tgt = _Target(model, drafter.config.aux_layer_ids)
+            tgt = RaggedTarget(model, drafter.config.aux_layer_ids)
             ids = torch.tensor([prompt + [t1]])
             logits, aux = tgt.forward(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool))
             p = torch.softmax(logits[0, -1] / temp, -1)
             nxt = torch.tensor([prompt[1:] + [t1]])
-            d_logits, _ = _Drafter(drafter).forward(nxt, drafter.fc(aux[:, :-1]), torch.arange(len(prompt))[None],
+            d_logits, _ = RaggedDrafter(drafter).forward(nxt, drafter.fc(aux[:, :-1]), torch.arange(len(prompt))[None],
                                                     torch.ones_like(nxt, dtype=torch.bool))
             q = torch.zeros(vocab).index_copy_(0, drafter.draft_token_ids, torch.softmax(d_logits[0, -1] / temp, -1))
             overlaps.append(torch.minimum(p, q).sum())

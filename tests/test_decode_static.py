@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from draftline.decode import SpeculativeDecoder, plain_decode, run_reference
+from draftline.reference import run_reference
+from draftline.speculative import SpeculativeDecoder, plain_decode
 from draftline.decode_static import StaticDrafter, StaticTarget, slots_needed, time_call
 from draftline.target import load_target
 from tests.test_decode import _exact_joint, one_thread, random_drafter, random_prompts, tiny_target  # noqa: F401
@@ -263,10 +264,11 @@ def test_sync_windows_discard_steps_after_eos_and_max_new_tokens(k):
 def test_a_sync_window_never_runs_past_the_caches():
     """Windows are cut to the steps the slowest active row can still need and to the slots left; no room is an
     error before any write (an out-of-range write would kill a CUDA context)."""
-    from draftline.decode import _Rows, _window, resolve_sync_every
+    from draftline.ragged_batch import RowOutputs
+    from draftline.speculative import _window, resolve_sync_every
     from draftline.errors import ConfigError
 
-    rows = _Rows(2, max_new_tokens=10, eos_ids=[])
+    rows = RowOutputs(2, max_new_tokens=10, eos_ids=[])
     rows.emit(0, [1] * 7)
     rows.emit(1, [1] * 4)
     assert _window(rows, 8, free_slots=100, slots_per_step=4) == 6  # row 1 needs at most 6 more steps

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftline.decode import SpeculativeDecoder, expected_acceptance, load_drafter, plain_decode
+from draftline.acceptance import expected_acceptance
+from draftline.reference import load_drafter
+from draftline.speculative import SpeculativeDecoder, plain_decode
 
 pytestmark = pytest.mark.slow
 

@@ -253,7 +253,8 @@ def test_a_load_vllm_refuses_every_time_is_started_once_and_its_root_cause_reach
     result row's reason, the row is written before the error is raised, and the report shows it."""
     from draftline.config import EngineConfig, EvalConfig
     from draftline.errors import EngineError
-    from draftline.evaluate import EvalResult, evaluate_engine
+    from draftline.eval_result import EvalResult
+    from draftline.evaluate import evaluate_engine
     from draftline.report import write_report
     from draftline.store import open_store
 

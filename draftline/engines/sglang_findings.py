@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: draftline.evaluate never imports this module
-    from draftline.evaluate import EvalResult
+if TYPE_CHECKING:  # annotations only: draftline.eval_result never imports this module
+    from draftline.eval_result import EvalResult
 
 
 def sglang_prefill_graph_finding(r: EvalResult) -> list[str]:

@@ -11,7 +11,7 @@ The cause is told apart with the reference decoder, which does not depend on any
 from __future__ import annotations
 
 # EvalResult too, because tasks/regression.py reads it as regression.EvalResult.
-from draftline.evaluate import EvalResult
+from draftline.eval_result import EvalResult
 from draftline.regression.history import (
     History, HistoryRecord, figures_of, lineage_name, offline_acceptance_length, offline_estimate,
 )

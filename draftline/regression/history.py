@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from draftline.config import validated_at
 from draftline.errors import ConfigError
-from draftline.evaluate import EvalResult
+from draftline.eval_result import EvalResult
 
 SCHEMA = "draftline-regression/1"
 CauseKind = Literal["aux-layer-ids", "integration", "drafter-or-target", "engine-performance", "engine-failure", "unexplained",

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from draftline.errors import ConfigError
-from draftline.evaluate import EvalResult
+from draftline.eval_result import EvalResult
 from draftline.layout import eval_result_key, export_prefix, report_results_key
 
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from draftline.config import RegressionConfig
 from draftline.errors import ConfigError, DraftlineError
-from draftline.evaluate import EvalResult
+from draftline.eval_result import EvalResult
 from draftline.regression.history import (
     CAUSE_TITLES, SCHEMA, Cause, Figures, Finding, History, HistoryRecord, Status, _fmt, figures_of,
 )
