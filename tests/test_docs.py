@@ -96,7 +96,7 @@ def test_the_site_builds_without_a_warning(tmp_path):
 
 def _finished_demo_run(store: Path) -> Path:
     """What a demo run leaves where the script reads: the report's results and plots, the reference's result."""
-    from draftline.evaluate import EvalResult
+    from draftline.eval_result import EvalResult
 
     run = store / "demo"
     report = run / "eval" / "report"
