@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from draftline.aux_ids import AuxLayerIds
 from draftline.errors import ConfigError
 from draftline.store import check_store_uri
+from draftline.store.keys import STORE_URI_PATTERN
 
 _SECRET_KEY = re.compile(r"(secret|password|passwd|token_value|access_key|api_key|credentials?)$", re.I)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -32,13 +33,17 @@ class Strict(BaseModel):
 class StoreConfig(Strict):
     """Where artifacts live: a local folder (default) or s3://bucket/prefix (credentials from the AWS environment)."""
 
-    root: str = Field("./runs", description="A local folder or s3://bucket/prefix; every artifact of a run goes under "
-                      "<root>/<run>/. S3 credentials come from the worker's AWS environment, never from the config.")
+    # The root's pattern needs look-ahead, which pydantic's default regex engine lacks.
+    model_config = ConfigDict(Strict.model_config, regex_engine="python-re")
+    root: str = Field("./runs", pattern=STORE_URI_PATTERN, description="A local folder or s3://bucket/prefix; every "
+                      "artifact of a run goes under <root>/<run>/. S3 credentials come from the worker's AWS "
+                      "environment, never from the config.")
 
-    @field_validator("root")
+    # Before the pattern, so that a malformed location gets check_store_uri's sentence rather than the pattern.
+    @field_validator("root", mode="before")
     @classmethod
     def _valid_uri(cls, v):
-        return check_store_uri(v)
+        return check_store_uri(v) if isinstance(v, str) else v
 
 
 class TargetConfig(Strict):

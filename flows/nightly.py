@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import sys
 from datetime import datetime, timezone
-from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
 
 from draftline.config import PipelineConfig
 from draftline.errors import report_failure
+from draftline.overrides import PipelineOverrides
 from draftline.regression import RegressionDetected
 from flows import deployed
 from flows.deployed import StageRuns
@@ -53,13 +53,21 @@ def regression_check(config: PipelineConfig, drafter: dict, history_prefix: str 
 def nightly_regression(config: PipelineConfig | None = None, drafter: str = "./runs/demo/export",
                        history_prefix: str = "history", accept_new_baseline: bool = False,
                        engine_runs: EngineRuns = "in-process", stage_runs: StageRuns = "in-process",
-                       config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict:
-    """The production drafter (store URI of its exports folder) on the pinned eval prompts on every configured
-    engine, compared with the last good night and the rolling median; fails and emits an event on a regression.
+                       config_file: str | None = None, overrides: PipelineOverrides | None = None) -> dict:
+    """The production drafter on the pinned eval prompts on every configured engine, compared with the last good
+    night and the rolling median; fails and emits an event on a regression.
 
-    The config: `config`, or else the YAML file `config_file` with `overrides` merged in, as the pipeline reads it.
-    `accept_new_baseline` records tonight as good whatever the verdict (after an intended change). `stage_runs`
-    "deployments" runs the reference decoder on its own (GPU) pool.
+    Args:
+        config: A whole pipeline config; when given, config_file is not read.
+        drafter: The drafter in production: the exports folder (with vllm/ and sglang/ inside), a local path or a
+            store URI such as s3://bucket/runs/my-run/export.
+        history_prefix: Where the nightly history lives in the store, relative to its root.
+        accept_new_baseline: Record tonight as good whatever the verdict (after an intended change).
+        engine_runs: "deployments": each engine's evaluation runs on its engine's pool; "in-process": in this run.
+        stage_runs: "deployments": the reference decoder runs on its own (GPU) pool.
+        config_file: The YAML config on the worker's checkout, relative to it, read as the pipeline reads it.
+        overrides: Keys laid over config_file section by section; an unknown key, a wrong type or a malformed store
+            URI is refused when the run is submitted.
     """
     config = resolve_config(config, config_file, overrides)
     needed = deployed.deployments_needed(config, engine_runs, stage_runs,

@@ -11,6 +11,7 @@ from prefect import flow
 
 from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config
 from draftline.errors import ConfigError, report_failure
+from draftline.overrides import PipelineOverrides, overrides_dict
 from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
@@ -21,15 +22,18 @@ from tasks.inputs import check_inputs
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in-process",
              stage_runs: StageRuns = "in-process", config_file: str | None = None,
-             overrides: dict[str, Any] | None = None) -> dict:
+             overrides: PipelineOverrides | None = None) -> dict:
     """Run every stage; each is resumable, so a rerun after a failure redoes only what is missing.
 
-    The config: `config` (a whole config), or else the YAML file `config_file` (relative to the worker's checkout;
-    the deployment gives configs/demo.yaml); `overrides` (e.g. {"train": {"max_steps": 20}}) is merged into it
-    section by section, and every bad field is named. engine_runs "deployments": each engine's evaluation runs on
-    its engine's pool. stage_runs "deployments": the stages that need a GPU (traces, extraction, training with
-    export, the reference decoder) run as flow runs of their own deployments, on the pools deployments/prefect.yaml
-    gives them, with the GPUs the config asks for; every pool they need must have a live worker before any starts.
+    Args:
+        config: A whole pipeline config; when given, config_file is not read.
+        engine_runs: "deployments": each engine's evaluation runs on its engine's pool; "in-process": in this run.
+        stage_runs: "deployments": the GPU stages (traces, extraction, training with export, the reference decoder)
+            run as flow runs of their own deployments on their pools, each of which needs a live worker first.
+        config_file: The YAML config on the worker's checkout, relative to it (the deployment gives
+            configs/demo.yaml).
+        overrides: Keys laid over config_file section by section, e.g. {"train": {"max_steps": 20}}; an unknown
+            key, a wrong type or a malformed store URI is refused when the run is submitted.
     """
     config = resolve_config(config, config_file, overrides)
     # Every input in seconds, before any stage; where stages run on other workers, what is missing here is theirs to
@@ -52,8 +56,9 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
 
 
 def resolve_config(config: PipelineConfig | None, config_file: str | None,
-                   overrides: dict[str, Any] | None) -> PipelineConfig:
+                   overrides: PipelineOverrides | dict[str, Any] | None) -> PipelineConfig:
     """The run's config: `config` or the file, with the overrides merged in and validated as a whole."""
+    overrides = overrides_dict(overrides)
     if config is None and not config_file:
         raise ConfigError("the pipeline needs a config: pass config_file (e.g. configs/demo.yaml, relative to the "
                           "worker's checkout) or a whole config")

@@ -18,6 +18,10 @@ _CHUNK = 8 * 1024 * 1024
 _TMP_MARK = ".draftline-tmp-"
 
 
+# The same rule as check_store_uri, as a JSON-schema pattern: Prefect checks it when a run is submitted.
+STORE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?|(?![sS]3:)(?!.*://).+)$"
+
+
 def check_store_uri(value: str) -> str:
     """`value` as a store location (a local path, or s3://bucket/prefix without a trailing '/'); ValueError if malformed."""
     if value.startswith("s3://"):
