@@ -1,5 +1,6 @@
 """Config loading: the demo config is valid, and each kind of bad input gets one sentence naming field and fix."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,8 @@ def test_the_llama_example_runs_every_stage_on_one_gpu(tmp_path):
         "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}))
     for i in range(1, 5):
         (model / f"model-0000{i}-of-00004.safetensors").touch()
-    (model / "tokenizer.json").write_text("{}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer that loads: validate renders the template
+        shutil.copy(ROOT / "assets" / "demo-llama" / name, model / name)
     data = yaml.safe_load(path.read_text())
     data["target"]["path"] = str(model)
     data["traces"]["prompts"] = str(ROOT / "assets" / "prompts" / "train_prompts.jsonl")
@@ -249,7 +251,8 @@ def test_the_pipeline_refuses_missing_inputs_before_any_stage_starts(tmp_path):
     assert res.stderr.splitlines() == [
         f"draftline: target {tmp_path / 'no-model'}: no such directory; point target.path at a transformers "
         "checkpoint directory",
-        f"draftline: {tmp_path / 'no-prompts.jsonl'}: no such prompts file; set eval.prompts to a .jsonl file of prompts",
+        f"draftline: {tmp_path / 'no-prompts.jsonl'}: no such file or folder; set eval.prompts to a .jsonl, .json or "
+        ".parquet file, or a folder a dataset was saved to with datasets' save_to_disk",
     ], res.stderr
     assert not (tmp_path / "runs").exists()  # nothing was started, nothing written
 
@@ -311,7 +314,7 @@ def test_each_stage_checks_only_the_inputs_it_reads_and_names_every_wrong_one():
         require_inputs(config, "the traces stage", needs=STAGE_INPUTS["traces"])
     lines = str(info.value).splitlines()
     assert lines[0] == "the traces stage cannot start, its inputs are wrong:"
-    assert len(lines) == 2 and "set traces.prompts to a .jsonl file" in lines[1], lines
+    assert len(lines) == 2 and "set traces.prompts to a .jsonl, .json or .parquet file" in lines[1], lines
     with pytest.raises(ConfigError) as info:
         require_inputs(config, "run demo")
     assert "traces.prompts" in str(info.value) and "eval.prompts" in str(info.value)
