@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from draftline.aux_ids import VLLM, AuxLayerIds
+from draftline.chat_template import ChatTemplate
 from draftline.config import EngineConfig, PipelineConfig
 from draftline.errors import ConfigError
 from draftline.layout import (eval_result_key, export_prefix, hidden_manifest_key, reference_result_key,
@@ -171,7 +172,8 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
     eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
-                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports))
+                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports),
+                             template=ChatTemplate.of(config.traces))
     return engine_result_key(config, engine)
 
 
@@ -272,6 +274,7 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
         use_chat_template=config.eval.use_chat_template, device=config.eval.reference.device,
         temperature=config.eval.temperature, batch_size=config.eval.reference.batch_size,
         aux_shifts=config.eval.reference.aux_shifts, other_precision=config.eval.reference.other_precision,
+        template=ChatTemplate.of(config.traces),
     )
     key = reference_key(config)
     store.put_bytes(key, (json.dumps(summary, indent=2) + "\n").encode())
