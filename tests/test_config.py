@@ -332,3 +332,30 @@ def test_training_and_extraction_need_no_tokenizer_but_the_stages_that_tokenize_
     for stage in ("traces", "reference", "evaluation"):
         with pytest.raises(ConfigError, match="has no tokenizer files; copy the model's tokenizer there"):
             require_inputs(config, f"the {stage} stage", needs=STAGE_INPUTS[stage])
+
+
+def test_validate_reads_the_first_records_naming_the_first_bad_one_and_checks_the_chat_template(tmp_path):
+    """The traces stage's own check (what `config validate` prints): the first bad record by file, line and field;
+    with on_bad_record: skip, how many would be skipped; a template that opens no answer, by its file."""
+    from draftline.inputs import STAGE_INPUTS, check_inputs
+
+    chats = tmp_path / "chats.jsonl"
+    turn = {"from": "human", "value": "def f():"}
+    chats.write_text("\n".join(json.dumps({"conversations": c}) for c in (
+        [turn, {"from": "gpt", "value": "    pass"}], [turn, {"from": "bot", "value": "?"}], [turn])) + "\n")
+    traces = {"prompts": str(chats), "turns": "all"}
+    config = load_config(DEMO, PipelineConfig, {"traces": traces})
+    assert check_inputs(config, needs=STAGE_INPUTS["traces"]).problems == [
+        f"{chats}, line 2, conversations[1].from: 'bot' is not a ShareGPT role; use human, gpt or system"]
+    skipping = load_config(DEMO, PipelineConfig, {"traces": {**traces, "on_bad_record": "skip"}})
+    report = check_inputs(skipping, needs=STAGE_INPUTS["traces"])
+    assert not report.problems and f"ok: traces.prompts {chats}: 2 records, 1 bad ones to skip (the first: {chats}, " \
+        "line 2, conversations[1].from" in "\n".join(report.lines())
+    template = tmp_path / "no-answer.jinja"
+    template.write_text("{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}")
+    dropping = load_config(DEMO, PipelineConfig, {"traces": {**traces, "on_bad_record": "skip",
+                                                             "chat_template": str(template)}})
+    assert check_inputs(dropping, needs=STAGE_INPUTS["traces"]).problems == [
+        f"traces.chat_template {template} drops the generation prompt (add_generation_prompt adds nothing), so the "
+        "target would continue the user's turn instead of answering it; use a template that opens the assistant's "
+        "turn there"]
