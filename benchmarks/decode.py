@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 from draftline.decode import SpeculativeDecoder, expected_acceptance, plain_decode  # noqa: E402
 from draftline.drafter.data import Sequence as TraceStates  # noqa: E402
 from draftline.drafter.model import Eagle3Drafter  # noqa: E402
+from draftline.drafter.target_sizing import drafter_for_target  # noqa: E402
 from draftline.drafter.replay import (replayed_acceptance, resampled_acceptance_lengths,  # noqa: E402
                                       sequence_rounds)
 from draftline.drafter.ttt import TTTModel  # noqa: E402
@@ -241,7 +242,7 @@ def train_drafter(model, rows, val_rows, args, device):
     cfg = model.config
     aux_ids = default_aux_layer_ids(cfg.num_hidden_layers)
     torch.manual_seed(args.seed)
-    drafter = Eagle3Drafter.from_target_config(cfg, SimpleNamespace(draft_vocab_size=args.draft_vocab), aux_ids)
+    drafter = drafter_for_target(cfg, SimpleNamespace(draft_vocab_size=args.draft_vocab), aux_ids)
     drafter.load_target_weights(model.get_input_embeddings().weight.detach().float().cpu())
     counts = sum(count_tokens(r["input_ids"].cpu(), r["loss_mask"].cpu(), cfg.vocab_size) for r in rows)
     d2t, t2d, report = build_vocab(counts, drafter.config.draft_vocab_size)

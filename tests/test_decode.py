@@ -17,6 +17,7 @@ from draftline.decode import (
     run_reference,
 )
 from draftline.drafter.model import DrafterCache, Eagle3Drafter
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.errors import ConfigError
 from draftline.target import load_target
 
@@ -58,7 +59,7 @@ def random_drafter(model, aux_ids=None, seed: int = 1, draft_vocab: int | None =
     cfg = model.config
     n = cfg.num_hidden_layers
     sizes = DrafterConfig(draft_vocab_size=draft_vocab or cfg.vocab_size, attention=attention)
-    drafter = Eagle3Drafter.from_target_config(cfg, sizes, aux_ids or [2, n // 2, n - 3])
+    drafter = drafter_for_target(cfg, sizes, aux_ids or [2, n // 2, n - 3])
     drafter.reset_parameters(std=std)
     if draft_vocab is not None:  # a draft vocabulary of every other token
         used = torch.arange(0, 2 * draft_vocab, 2)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from draftline.config import DrafterConfig
 from draftline.drafter.export import export_drafter
 from draftline.drafter.model import Eagle3Drafter
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.train import load_target_head
 from draftline.drafter.vocab import build_vocab
 from draftline.errors import ConfigError
@@ -39,7 +40,7 @@ def source_drafter(tmp_path, draft_vocab=1024, aux_layer_ids=None, target=DEMO_L
     """An (untrained) drafter for a demo target in the training stage's layout: SGLang format plus draftline.json."""
     cfg, embed, _ = load_target_head(target)
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(cfg, DrafterConfig(draft_vocab_size=draft_vocab), aux_layer_ids)
+    model = drafter_for_target(cfg, DrafterConfig(draft_vocab_size=draft_vocab), aux_layer_ids)
     model.load_target_weights(embed)
     counts = torch.arange(cfg["vocab_size"]).flip(0) % 97  # any deterministic frequencies
     d2t, t2d, _ = build_vocab(counts, draft_vocab)

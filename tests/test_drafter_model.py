@@ -8,6 +8,7 @@ from safetensors import safe_open
 
 from draftline.config import DrafterConfig
 from draftline.drafter.model import Eagle3Drafter
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.errors import ConfigError
 
 TARGET = {
@@ -19,7 +20,7 @@ TARGET = {
 
 def make_drafter(draft_vocab=100, seed=0):
     torch.manual_seed(seed)
-    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=draft_vocab))
+    model = drafter_for_target(TARGET, DrafterConfig(draft_vocab_size=draft_vocab))
     if draft_vocab < TARGET["vocab_size"]:
         used = torch.arange(draft_vocab) * 3  # every third target id
         t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
@@ -113,7 +114,7 @@ def test_reduced_vocabulary_without_d2t_is_refused(tmp_path):
 
 def test_aux_ids_beyond_the_target_layers_are_refused():
     with pytest.raises(ConfigError, match="contradict a target with 8 layers"):
-        Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=100), aux_layer_ids=[2, 4, 8])
+        drafter_for_target(TARGET, DrafterConfig(draft_vocab_size=100), aux_layer_ids=[2, 4, 8])
 
 
 def test_a_weight_used_at_every_step_gets_the_sum_of_its_gradients_through_its_cast():
@@ -151,7 +152,7 @@ def test_mla_head_takes_the_targets_latent_sizes_and_round_trips_in_the_engines_
     """drafter.attention: mla gives DeepSeek's attention with the target's sizes, saved under the class and keys vLLM's
     and SGLang's MLA EAGLE-3 heads load (Eagle3DeepseekV2ForCausalLM; q_a/q_b, kv_a_proj_with_mqa, kv_b)."""
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(MLA_TARGET, DrafterConfig(draft_vocab_size=300, attention="mla")).eval()
+    model = drafter_for_target(MLA_TARGET, DrafterConfig(draft_vocab_size=300, attention="mla")).eval()
     cfg = model.config
     assert (cfg.head_dim, cfg.rope_dim, cfg.value_dim, cfg.kv_lora_rank) == (24, 16, 12, 32)
     att = model.midlayer.self_attn
@@ -195,7 +196,7 @@ def test_an_mla_head_needs_an_mla_target_and_the_speculators_format_is_refused_f
     from draftline.config import PipelineConfig
 
     with pytest.raises(ConfigError, match="the target config has no q_lora_rank, kv_lora_rank"):
-        Eagle3Drafter.from_target_config(TARGET, DrafterConfig(attention="mla"))
+        drafter_for_target(TARGET, DrafterConfig(attention="mla"))
     base = {"target": {"path": "t"}, "traces": {"prompts": "p"}, "eval": {"prompts": "p"}, "drafter": {"attention": "mla"}}
     with pytest.raises(ValidationError, match="speculators, whose format describes Llama-layer heads only"):
         PipelineConfig.model_validate(base)

@@ -9,6 +9,7 @@ import torch
 
 from draftline.config import DrafterConfig, EngineConfig
 from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics, load_prompts, requests_for, summarize, RequestResult
 from draftline.errors import ConfigError
@@ -25,7 +26,7 @@ TARGET_CFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "interm
 
 def _drafter(tmp_path: Path, convention: str, draft_vocab: int = 300, drop_d2t: bool = False) -> Path:
     d = tmp_path / f"drafter-{convention}-{draft_vocab}"
-    model = Eagle3Drafter.from_target_config(TARGET_CFG, DrafterConfig(draft_vocab_size=draft_vocab))
+    model = drafter_for_target(TARGET_CFG, DrafterConfig(draft_vocab_size=draft_vocab))
     if draft_vocab < 300:
         used = torch.linspace(0, 299, draft_vocab).long()  # distinct, ascending target ids
         t2d = torch.zeros(300, dtype=torch.bool)

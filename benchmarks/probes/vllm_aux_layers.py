@@ -23,13 +23,13 @@ def export(out: Path) -> None:
 
     from draftline.config import DrafterConfig
     from draftline.drafter.export import export_drafter
-    from draftline.drafter.model import Eagle3Drafter
+    from draftline.drafter.target_sizing import drafter_for_target
     from draftline.drafter.train import load_target_head
 
     demo = ROOT / "assets" / "demo-llama"
     cfg, embed, _ = load_target_head(demo)
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(cfg, DrafterConfig(), aux_layer_ids=AUX_IDS)
+    model = drafter_for_target(cfg, DrafterConfig(), aux_layer_ids=AUX_IDS)
     model.load_target_weights(embed)
     with tempfile.TemporaryDirectory() as tmp:
         source = model.save_pretrained(Path(tmp) / "trained")

@@ -28,6 +28,7 @@ from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_summa
                                     split_validation)
 from draftline.drafter.replay import replayed_acceptance, replayed_summary
 from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.drafter.warm_start import warm_start, warm_start_config
@@ -175,7 +176,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     target_cfg, embed, head = load_target_head(target_dir)
     torch.manual_seed(cfg.seed)
     model = (Eagle3Drafter(warm_start_config(cfg.warm_start, target_cfg, drafter_cfg, aux_ids)) if cfg.warm_start
-             else Eagle3Drafter.from_target_config(target_cfg, drafter_cfg, aux_ids))
+             else drafter_for_target(target_cfg, drafter_cfg, aux_ids))
     model.load_target_weights(embed)
     d2t, t2d, vocab_report = prepare_vocab(store, prefix, train_parts, model.config.vocab_size,
                                            model.config.draft_vocab_size, d, entries)

@@ -8,8 +8,8 @@ import torch
 
 from draftline.aux_ids import config_aux_layer_ids, same_layers, sglang_convention
 from draftline.config import DrafterConfig
-from draftline.drafter.model import (MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_for_target,
-                                     target_rope_theta)
+from draftline.drafter.model import MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter
+from draftline.drafter.target_sizing import config_for_target, target_rope_theta
 from draftline.errors import ConfigError
 
 
