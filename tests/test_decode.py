@@ -16,6 +16,7 @@ from draftline.decode import (
     reference_acceptance,
     run_reference,
 )
+from draftline.drafter.eagle_format import save_eagle_dir
 from draftline.drafter.model import DrafterCache, Eagle3Drafter
 from draftline.drafter.target_sizing import drafter_for_target
 from draftline.errors import ConfigError
@@ -305,7 +306,7 @@ def test_sampling_acceptance_rate_of_the_first_draft_is_the_overlap_of_p_and_q()
 def untrained_drafter_dir(target_dirs, tmp_path_factory):
     model, _ = load_target(target_dirs["llama"], "float32", "cpu")
     out = tmp_path_factory.mktemp("drafter") / "sglang"
-    random_drafter(model).save_pretrained(out, convention="sglang", include_embeddings=False)
+    save_eagle_dir(random_drafter(model), out, convention="sglang", include_embeddings=False)
     return out
 
 
@@ -371,7 +372,7 @@ def test_reference_rejects_a_drafter_for_another_target(target_dirs, tmp_path):
 
     other = tiny_target("llama", vocab=16)
     d = tmp_path / "wrong"
-    random_drafter(other).save_pretrained(d, convention="sglang")
+    save_eagle_dir(random_drafter(other), d, convention="sglang")
     with pytest.raises(ConfigError, match="vocab_size"):
         run_reference(target_dirs["llama"], d, ASSETS / "prompts" / "eval_prompts.jsonl", max_prompts=1,
                       max_new_tokens=2, device="cpu")

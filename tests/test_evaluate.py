@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftline.config import DrafterConfig, EngineConfig
-from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.eagle_format import LINEAGE_FILE, save_eagle_dir
 from draftline.drafter.target_sizing import drafter_for_target
 from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics, load_prompts, requests_for, summarize, RequestResult
@@ -32,7 +32,7 @@ def _drafter(tmp_path: Path, convention: str, draft_vocab: int = 300, drop_d2t: 
         t2d = torch.zeros(300, dtype=torch.bool)
         t2d[used] = True
         model.set_vocab(used - torch.arange(draft_vocab), t2d)
-    model.save_pretrained(d, convention=convention)
+    save_eagle_dir(model, d, convention=convention)
     if drop_d2t:
         from safetensors.torch import load_file, save_file
 

@@ -27,7 +27,8 @@ from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_summa
                                     hidden_shard_keys, pack_rows, part_sequences, rank_rows, read_shard_metadata,
                                     split_validation)
 from draftline.drafter.replay import replayed_acceptance, replayed_summary
-from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.eagle_format import LINEAGE_FILE, save_eagle_dir
+from draftline.drafter.model import Eagle3Drafter
 from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
@@ -375,7 +376,7 @@ def publish_drafter(store, prefix: str, model: Eagle3Drafter, summary: dict, tar
 
     with tempfile.TemporaryDirectory(prefix="draftline-drafter-") as tmp:
         convention = sglang_convention(read_target_config(target_dir))
-        model.save_pretrained(tmp, convention=convention)
+        save_eagle_dir(model, tmp, convention=convention)
         lineage = {"convention": convention, "format": "sglang", "target": str(target_dir),
                    "target_fingerprint": target_fingerprint(target_dir), "run": run,
                    "training": {k: summary[k] for k in ("steps", "fingerprint", "world_size", "warm_start")},
