@@ -63,10 +63,9 @@ sys.path.insert(0, str(ROOT))
 
 from draftline.decode import SpeculativeDecoder, expected_acceptance, plain_decode  # noqa: E402
 from draftline.drafter.data import Sequence as TraceStates  # noqa: E402
-from draftline.drafter.model import Eagle3Drafter  # noqa: E402
-from draftline.drafter.target_sizing import drafter_for_target  # noqa: E402
 from draftline.drafter.replay import (replayed_acceptance, resampled_acceptance_lengths,  # noqa: E402
                                       sequence_rounds)
+from draftline.drafter.target_sizing import drafter_for_target  # noqa: E402
 from draftline.drafter.ttt import TTTModel  # noqa: E402
 from draftline.drafter.vocab import build_vocab, count_tokens  # noqa: E402
 from draftline.aux_ids import default_aux_layer_ids  # noqa: E402

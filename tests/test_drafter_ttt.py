@@ -6,7 +6,7 @@ import torch
 
 from draftline.config import DrafterConfig
 from draftline.drafter import speed
-from draftline.drafter.model import DrafterCache, Eagle3Drafter
+from draftline.drafter.model import DrafterCache
 from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.ttt import (SoftCrossEntropy, TTTModel, acceptance_length, target_distribution,
                                      ttt_attention_eager, ttt_attention_flex)

@@ -26,9 +26,9 @@ from draftline.drafter.checkpoint import (load_latest_checkpoint, rng_state, run
 from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_summary, hidden_shard_entries,
                                     hidden_shard_keys, pack_rows, part_sequences, rank_rows, read_shard_metadata,
                                     split_validation)
-from draftline.drafter.replay import replayed_acceptance, replayed_summary
 from draftline.drafter.eagle_format import LINEAGE_FILE, save_eagle_dir
 from draftline.drafter.model import Eagle3Drafter
+from draftline.drafter.replay import replayed_acceptance, replayed_summary
 from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
