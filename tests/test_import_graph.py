@@ -1,5 +1,5 @@
 """The import graph of draftline/ and benchmarks/, read from the source with ast: it has no cycle, and the library
-never imports Prefect.
+imports neither Prefect nor anything that stands above it (tasks, flows, infra, benchmarks, tests).
 
 Every import statement counts, wherever it stands (module level, inside a function, under `if TYPE_CHECKING:`):
 a cycle through an import inside a function still breaks when that function first runs on a half-imported module.
@@ -177,3 +177,14 @@ def test_the_library_never_imports_prefect():
         for name in imported if name.split(".")[0] == "prefect" or name.startswith("prefect_")
     )
     assert not offenders, "draftline/ is the library below Prefect's tasks and flows:\n" + "\n".join(offenders)
+
+
+def test_the_library_imports_nothing_above_it():
+    _, names = import_graph()
+    above = {"tasks", "flows", "infra", "benchmarks", "tests"}
+    offenders = sorted(
+        f"{module} imports {name}" for module, imported in names.items() if module.split(".")[0] == "draftline"
+        for name in imported if name.split(".")[0] in above
+    )
+    assert not offenders, ("imports go one way, flows -> tasks -> draftline (infra and benchmarks may import "
+                           "draftline, never the reverse):\n" + "\n".join(offenders))
