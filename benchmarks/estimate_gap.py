@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from draftline import stages  # noqa: E402
-from draftline.config import load_config  # noqa: E402
+from draftline.config_loading import load_config  # noqa: E402
 from draftline.drafter.data import hidden_shard_entries, hidden_shard_keys, split_validation  # noqa: E402
 from draftline.drafter.ttt import acceptance_length  # noqa: E402
 from draftline.store import open_store  # noqa: E402

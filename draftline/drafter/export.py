@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m draftline.drafter.export CONFIG.yaml`: export the run's trained drafter in every configured format."""
     import argparse
 
-    from draftline.config import load_config
+    from draftline.config_loading import load_config
     from draftline.store import open_store
 
     parser = argparse.ArgumentParser(description=main.__doc__)

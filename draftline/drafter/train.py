@@ -403,7 +403,7 @@ def code_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftline.drafter.train CONFIG.yaml` (or under torchrun) trains the drafter of a pipeline config."""
-    from draftline.config import load_config
+    from draftline.config_loading import load_config
     from draftline.store import open_store
 
     parser = argparse.ArgumentParser(description=main.__doc__)
