@@ -125,7 +125,8 @@ def _set_at(node: Any, keys: list[str], value: Any, given: str, seen: list[str])
 def load_with_overrides(path: str, store: str | None = None, run: str | None = None, settings: list[str] = ()):
     """Load a pipeline config with the command-line overrides applied (--store, --run, then each --set in order),
     validated as a whole like the file, with the same one-sentence errors."""
-    from draftline.config import PipelineConfig, parse_config, read_config_file
+    from draftline.config import PipelineConfig
+    from draftline.config_loading import parse_config, read_config_file
 
     data = read_config_file(path)
     if (store is None and run is None and not settings) or not isinstance(data, dict):

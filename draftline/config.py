@@ -1,17 +1,13 @@
-"""Pydantic models for every pipeline stage and the whole pipeline, loaded from YAML with one-sentence errors."""
+"""Pydantic models for every pipeline stage and the whole pipeline (draftline.config_loading reads them from YAML)."""
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from draftline.aux_ids import AuxLayerIds
-from draftline.config_errors import describe_error
-from draftline.errors import ConfigError
 from draftline.store import check_store_uri
 from draftline.store.keys import STORE_URI_PATTERN
 
@@ -520,69 +516,3 @@ class PipelineConfig(Strict):
             raise ValueError("export.formats lists speculators, whose format describes Llama-layer heads only, but "
                              "drafter.attention is mla; remove speculators from export.formats or use attention: llama")
         return self
-
-
-def parse_config(data: Any, model: type[BaseModel] = PipelineConfig, source: str = "config") -> BaseModel:
-    """Validate a mapping; raise ConfigError with one sentence per problem, naming field, value and fix."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
-    _reject_secrets(data, source)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        lines = [describe_error(e, model, source) for e in exc.errors()]
-        raise ConfigError("\n".join(lines)) from None
-
-
-def _reject_secrets(data: Any, source: str, path: str = "") -> None:
-    if isinstance(data, dict):
-        for key, value in data.items():
-            where = f"{path}.{key}" if path else str(key)
-            if isinstance(key, str) and _SECRET_KEY.search(key) and not isinstance(value, dict):
-                raise ConfigError(
-                    f"{source}: {where} looks like a secret; secrets never go in config files, "
-                    "set them in the environment (e.g. AWS_SECRET_ACCESS_KEY) instead"
-                )
-            _reject_secrets(value, source, where)
-    elif isinstance(data, list):
-        for i, item in enumerate(data):
-            _reject_secrets(item, source, f"{path}[{i}]")
-
-
-def merge_overrides(base: dict, overrides: dict) -> dict:
-    """`overrides` laid over `base`, section by section: a mapping merges into the mapping it replaces, key by key;
-    anything else (a value, a list such as eval.engines, null) replaces what was there."""
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_overrides(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def load_config(path: str | os.PathLike, model: type[BaseModel] = PipelineConfig,
-                overrides: dict | None = None) -> BaseModel:
-    """Read a YAML file and validate it, with `overrides` merged into it first (merge_overrides); relative paths
-    inside stay relative to the current directory. Every problem is named, one sentence each."""
-    data = read_config_file(path)
-    if not overrides or not isinstance(data, dict):
-        return parse_config(data, model, str(path))
-    if not isinstance(overrides, dict):
-        raise ConfigError(f"the overrides for {path} must be a mapping of sections, such as "
-                          f'{{"train": {{"max_steps": 20}}}}, got {type(overrides).__name__}')
-    return parse_config(merge_overrides(data, overrides), model, f"{path} with overrides")
-
-
-def read_config_file(path: str | os.PathLike) -> Any:
-    """The YAML of a config file, parsed but not validated."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such config file; pass the path of a YAML file such as configs/demo.yaml")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}; fix the syntax there") from None
-    return data

@@ -150,9 +150,9 @@ def eos_token_ids(target_dir: str | Path, tokenizer) -> list[int]:
 
 def load_drafter(drafter_dir: str | Path, target_model, dtype: torch.dtype, device: str):
     """An Eagle3Drafter from a drafter directory, checked against the target, on device in dtype."""
-    from draftline.drafter.model import Eagle3Drafter
+    from draftline.drafter.eagle_format import load_eagle_dir
 
-    drafter = Eagle3Drafter.from_pretrained(
+    drafter = load_eagle_dir(
         drafter_dir, embed_tokens=target_model.get_input_embeddings().weight.detach().float().cpu(),
         target_num_layers=len(decoder_layers(target_model)))
     return drafter.to(device=device, dtype=dtype).eval()

@@ -69,9 +69,9 @@ def extraction_in_one_server(config: PipelineConfig) -> bool:
 
 
 def hidden_shard_count(config: PipelineConfig, store: Store) -> int:
-    from draftline import extract as extract_lib
+    from draftline import hidden_shards
 
-    return extract_lib.num_hidden_shards(config.extract, store, config.run)
+    return hidden_shards.num_hidden_shards(config.extract, store, config.run)
 
 
 def extract_shard(config: PipelineConfig, store: Store, shard_index: int) -> dict:
@@ -84,9 +84,9 @@ def extract_shard(config: PipelineConfig, store: Store, shard_index: int) -> dic
 
 def finish_extraction(config: PipelineConfig, store: Store, num_shards: int) -> str:
     """The stage manifest once every hidden-state shard exists; returns its URI."""
-    from draftline import extract as extract_lib
+    from draftline import hidden_shards
 
-    extract_lib.finalize_hidden_states(store, config.run, num_shards)
+    hidden_shards.finalize_hidden_states(store, config.run, num_shards)
     return hidden_manifest_uri(config, store)
 
 

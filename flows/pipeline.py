@@ -9,7 +9,8 @@ from typing import Any
 
 from prefect import flow
 
-from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config
+from draftline.config import PipelineConfig
+from draftline.config_loading import load_config, merge_overrides, parse_config
 from draftline.errors import ConfigError, report_failure
 from draftline.overrides import PipelineOverrides, overrides_dict
 from flows import deployed, stages

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftline.config import EvalConfig, PipelineConfig, load_config, parse_config
+from draftline.config import EvalConfig, PipelineConfig
+from draftline.config_loading import load_config, parse_config
 from draftline.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

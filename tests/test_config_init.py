@@ -11,7 +11,8 @@ import yaml
 
 from draftline.aux_ids import default_aux_layer_ids
 from draftline.cli import apply_settings, load_with_overrides, main
-from draftline.config import PipelineConfig, load_config, parse_config
+from draftline.config import PipelineConfig
+from draftline.config_loading import load_config, parse_config
 from draftline.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ import pytest
 from prefect import flow
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from draftline.config import PipelineConfig, parse_config
+from draftline.config import PipelineConfig
+from draftline.config_loading import parse_config
 from draftline.errors import ConfigError, TrainingError
 from draftline.store import copy_tree, open_store
 from tasks.drafter import train_drafter

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draftline.config import DrafterConfig, EngineConfig
-from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.eagle_format import LINEAGE_FILE, save_eagle_dir
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics, load_prompts, requests_for, summarize, RequestResult
 from draftline.errors import ConfigError
@@ -25,13 +26,13 @@ TARGET_CFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "interm
 
 def _drafter(tmp_path: Path, convention: str, draft_vocab: int = 300, drop_d2t: bool = False) -> Path:
     d = tmp_path / f"drafter-{convention}-{draft_vocab}"
-    model = Eagle3Drafter.from_target_config(TARGET_CFG, DrafterConfig(draft_vocab_size=draft_vocab))
+    model = drafter_for_target(TARGET_CFG, DrafterConfig(draft_vocab_size=draft_vocab))
     if draft_vocab < 300:
         used = torch.linspace(0, 299, draft_vocab).long()  # distinct, ascending target ids
         t2d = torch.zeros(300, dtype=torch.bool)
         t2d[used] = True
         model.set_vocab(used - torch.arange(draft_vocab), t2d)
-    model.save_pretrained(d, convention=convention)
+    save_eagle_dir(model, d, convention=convention)
     if drop_d2t:
         from safetensors.torch import load_file, save_file
 

@@ -84,7 +84,7 @@ def test_the_flows_shard_by_shard_path_writes_what_the_stage_writes_and_reads_tr
     """The Prefect flows answer the prompts a shard at a time through draftline.stages, as the CLI's whole stage does
     through it: the same shards, and the same traces.device."""
     from draftline import stages
-    from draftline.config import load_config
+    from draftline.config_loading import load_config
 
     traces = {"prompts": str(tiny_prompts), "backend": "transformers", "traces_per_shard": 4, "max_new_tokens": 8}
     overrides = {"store": {"root": str(tmp_path)}, "target": {"path": str(target_dirs["llama"])}, "traces": traces}
