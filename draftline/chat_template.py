@@ -3,6 +3,7 @@ kwargs, rendered alike for trace generation and the reference decoder, and hande
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,11 +87,12 @@ class ChatTemplate:
                               "the target would continue the user's turn instead of answering it; use a template "
                               "that opens the assistant's turn there")
 
-    def describe(self, tokenizer=None) -> dict:
-        """Which template and kwargs rendered the prompts, for stats and reports."""
+    def describe(self, tokenizer=None, target_dir: str | Path | None = None) -> dict:
+        """Which template and kwargs rendered the prompts, for stats and reports; the template's sha256 where its
+        text can be read (a file, the tokenizer, or the tokenizer files in `target_dir`)."""
         said: dict = {"template": self.path or "the target tokenizer's own", "kwargs": dict(self.kwargs)}
         try:
-            text = self.text(tokenizer) if self.path or tokenizer is not None else None
+            text = self.text(tokenizer) if self.path or tokenizer is not None else _saved_template(target_dir)
         except ConfigError:
             text = None
         if text:
@@ -104,6 +106,21 @@ class ChatTemplate:
     def server_args(self) -> list[str]:
         """The engine server's flags for this template (both vLLM and SGLang take --chat-template FILE)."""
         return ["--chat-template", str(Path(self.path).resolve())] if self.path else []
+
+
+def _saved_template(target_dir: str | Path | None) -> str | None:
+    """The chat template a tokenizer folder holds (chat_template.jinja, or tokenizer_config.json's chat_template),
+    read without loading the tokenizer."""
+    if target_dir is None:
+        return None
+    root = Path(target_dir)
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text(encoding="utf-8")
+    try:
+        template = json.loads((root / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    return template if isinstance(template, str) else None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -109,7 +109,8 @@ def _chat_template(config: PipelineConfig) -> str:
         prompts = read_prompt_set(path, field_name, limit=VALIDATE_RECORDS, **reading)
         for record in prompts:
             try:
-                d = turn_lib.plan(record, prompts.origin(record["id"]), reading["turns"], reading["responses"], True)
+                slots = turn_lib.answer_slots(record, reading["turns"], reading["responses"])
+                d = turn_lib.Dialogue(record, prompts.origin(record["id"]), slots)  # the engines take images too
                 if d.slots:
                     turn_lib.turn_prompt(d, 0, tok, template, True)
             except BadRecord as bad:

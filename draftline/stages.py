@@ -60,7 +60,8 @@ def finish_traces(config: PipelineConfig, store: Store) -> dict:
     """Stats and the stage manifest once every trace shard is published; returns the stats."""
     from draftline import traces as trace_lib
 
-    return trace_lib.finalize_traces(config.traces, trace_lib.load_prompts(config.traces), store, config.run)
+    return trace_lib.finalize_traces(config.traces, trace_lib.load_prompts(config.traces), store, config.run,
+                                     config.target.path)
 
 
 def extraction_in_one_server(config: PipelineConfig) -> bool:

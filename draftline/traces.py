@@ -354,8 +354,10 @@ def _bin(length: int) -> int:
     return len(LENGTH_BINS) - 2
 
 
-def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str) -> dict:
-    """After every shard: write `<run>/traces/stats.json` and the stage manifest; returns the stats."""
+def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str, target_dir: str | Path | None = None
+                    ) -> dict:
+    """After every shard: write `<run>/traces/stats.json` and the stage manifest; returns the stats. target_dir:
+    where the target's tokenizer files are, for the sha256 of its chat template."""
     n = num_trace_shards(cfg, prompts)
     records = shard_records(store, run, STAGE, n)
     ms = [r.metadata for r in records]
@@ -372,7 +374,7 @@ def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str) -> 
                              "counts": [sum(c) for c in zip(*(m["length_histogram"] for m in ms))]},
         "backend": cfg.backend, "temperature": cfg.temperature, "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed, "turns": cfg.turns, "responses": cfg.responses,
-        "chat_template": ChatTemplate.of(cfg).describe() if cfg.use_chat_template else None,
+        "chat_template": ChatTemplate.of(cfg).describe(target_dir=target_dir) if cfg.use_chat_template else None,
     }
     stats_key = trace_stats_key(run)
     stats_bytes = json.dumps(stats, indent=2).encode()
@@ -434,7 +436,7 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
             with _Answerer(cfg, target_dir, dtype, device) as answerer:
                 answered = _answer(cfg, target_dir, prompts, mine, answerer)
             _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, answered, began)
-    stats = finalize_traces(cfg, prompts, store, run)
+    stats = finalize_traces(cfg, prompts, store, run, target_dir)
     return {**stats, "computed_shards": [i for i, _, _ in pending]}
 
 

@@ -73,8 +73,9 @@ def plan(record: dict, origin: Origin, turns: str, responses: str, use_chat_temp
         found = non_text_part(messages)
         if found is not None:
             i, j, kind = found
-            raise BadRecord(origin.where, f"{origin.field(i)}.content[{j}]", f"a {kind} part, but traces are made "
-                            "from text alone (the target's answers are asked for by token ids); keep text parts only")
+            raise BadRecord(origin.where, f"{origin.field(i)}.content[{j}]", f"a {kind} part, but trace generation "
+                            "and the reference decoder read text alone (they give the target token ids); keep text "
+                            "parts only")
     return Dialogue(record, origin, answer_slots(record, turns if use_chat_template else "last", responses))
 
 

@@ -529,6 +529,7 @@ def test_the_chat_template_and_kwargs_reach_every_engine_and_the_report_names_th
     import asyncio
 
     import httpx
+    from transformers import AutoTokenizer
 
     from draftline.chat_template import ChatTemplate
     from draftline.engines.client import Prompt
@@ -568,7 +569,8 @@ def test_the_chat_template_and_kwargs_reach_every_engine_and_the_report_names_th
     assert bodies[0]["chat_template_kwargs"] == {"brief": True} and "chat_template_kwargs" not in bodies[1]
     assert bodies[2]["text"] == "<|bos|><|system|>Brief.<|end|><|user|>Hi<|end|>\n<|assistant|>"
     rendered = {"vllm": VllmAdapter().rendering(template), "sglang": SglangAdapter().rendering(template)}
-    results = [_result(Path("d"), engine).model_copy(update={"chat_template": rendered[engine]})
+    results = [_result(Path("d"), engine).model_copy(update={"chat_template": {"rendered_by": rendered[engine],
+                                                                               **template.describe()}})
                for engine in ("vllm", "sglang")]
     traces = {"chat_template": template.describe()}
     md = report_markdown(results, traces=traces)
@@ -577,6 +579,9 @@ def test_the_chat_template_and_kwargs_reach_every_engine_and_the_report_names_th
     assert (f"| vllm 0.32.0 | vLLM's chat endpoint, the template given as --chat-template, the kwargs in each "
             f"request's chat_template_kwargs | {path} | {digest} | {{\"brief\": true}} |") in md
     assert f"| sglang 0.32.0 | draftline, for SGLang's /generate | {path} | {digest} |" in md
+    own = ChatTemplate().describe(target_dir=target_dirs["llama"])  # the tokenizer's own, read from its files
+    assert own["template"] == "the target tokenizer's own" and own["sha256"] == ChatTemplate().describe(
+        AutoTokenizer.from_pretrained(target_dirs["llama"]))["sha256"]
 
 
 # ---------------------------------------------------------------------------------------------- the report as a benchmark

@@ -52,8 +52,8 @@ class EngineAdapter(ABC):
         """The coroutine that streams one prompt and returns its RequestResult."""
 
     @abstractmethod
-    def rendering(self, template: ChatTemplate) -> dict[str, Any]:
-        """Who renders the chat prompts, with which template and kwargs: for the report."""
+    def rendering(self, template: ChatTemplate) -> str:
+        """Who renders the chat prompts with the template and kwargs, and how they get there: for the report."""
 
     def acceptance_before(self, base_url: str) -> Any:
         """A snapshot taken before a load run (counters), or None when acceptance comes per request."""

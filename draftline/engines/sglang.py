@@ -195,9 +195,9 @@ class SglangAdapter(EngineAdapter):
         return GenerateRequester(max_new_tokens, temperature, AutoTokenizer.from_pretrained(str(target_dir)),
                                  template)
 
-    def rendering(self, template: ChatTemplate) -> dict[str, Any]:
+    def rendering(self, template: ChatTemplate) -> str:
         # /generate takes text: draftline renders the chat prompts, as SGLang's chat endpoint would.
-        return {"rendered_by": "draftline, for SGLang's /generate", **template.describe()}
+        return "draftline, for SGLang's /generate"
 
     def acceptance_after(self, base_url: str, before: Any, results: list[RequestResult], k: int
                          ) -> Acceptance | None:

@@ -186,11 +186,10 @@ class VllmAdapter(EngineAdapter):
         return OpenAIRequester(model=served_name, max_tokens=max_new_tokens, temperature=temperature,
                                chat_body=template.request_fields() if template else {})
 
-    def rendering(self, template: ChatTemplate) -> dict[str, Any]:
+    def rendering(self, template: ChatTemplate) -> str:
         how = ("vLLM's chat endpoint, the template given as --chat-template" if template.path else
                "vLLM's chat endpoint, with the target tokenizer's template")
-        return {"rendered_by": how + (", the kwargs in each request's chat_template_kwargs" if template.kwargs else ""),
-                **template.describe()}
+        return how + (", the kwargs in each request's chat_template_kwargs" if template.kwargs else "")
 
     def acceptance_before(self, base_url: str) -> dict[str, Any]:
         return read_counters(base_url)
