@@ -508,7 +508,8 @@ def render(plan: dict) -> str:
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     for r in [head] + rows:
         lines.append("  ".join(str(c).ljust(wd) for c, wd in zip(r, widths)).rstrip())
-    lines.append(f"total: {_hours(plan['total_wall_s'])}, {plan['total_gpu_hours']:,.2f} GPU-hours")
+    lines.append(f"traces, extraction and training: {_hours(plan['total_wall_s'])}, {plan['total_gpu_hours']:,.2f} "
+                 "GPU-hours (evaluation not planned)")
     ex = next(s for s in plan["stages"] if s["stage"] == "extraction")
     d = plan["disk"]
     lines += ["", f"extraction: {ex['tokens_per_s']:,.0f} tokens/s, bound by the {ex['bound_by']}; hidden states "
@@ -523,7 +524,7 @@ def render(plan: dict) -> str:
         if s.get("note"):
             lines.append(f"{s['stage']}: {s['note']}")
     for a in plan["assumptions"]:
-        lines.append(f"assumed: {a}")
+        lines.append(f"note: {a}")
     return "\n".join(lines)
 
 

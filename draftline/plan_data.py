@@ -24,14 +24,14 @@ class Hardware:
 
 
 HARDWARE = {
-    "h200": Hardware("h200", "NVIDIA H200", 139.8, 4.8, "h200", "measured here"),
+    "h200": Hardware("h200", "NVIDIA H200", 139.8, 4.8, "h200", "rates measured on it"),
     # Same tensor cores and clocks as the H200; less and slower memory. Compute-bound rates (extraction, training)
     # carry over unchanged; the bandwidth term of decoding scales with the memory bandwidth.
     "h100": Hardware("h100", "NVIDIA H100 SXM", 79.6, 3.35, "h200",
                      "the H200's measured rates: compute-bound stages unchanged (same tensor cores), decoding's "
                      "bandwidth term x 3.35/4.8 (the vendors' memory bandwidths)"),
     "cpu": Hardware("cpu", "2-core x86_64 CPU (the CI machine kind)", 24.0, None, "cpu",
-                    "measured here; the same machine kind ran the same demo from 0.6x to 1.7x of the median "
+                    "rates measured on it; the same machine kind ran the same demo from 0.6x to 1.7x of the median "
                     "speed (CPU model and what shares its cores)"),
 }
 
