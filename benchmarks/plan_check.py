@@ -73,7 +73,8 @@ def h200_rows(rows: list) -> list:
          {"traces": 193.3, "extraction": 91.1, "training": 126.1}, ("traces", "training"),
          "pipeline-h200-engines-2026-12-03/pipeline-run1.log"),
         ("pipeline-h200-sglang-2026-12-02/summary-run2.json", 256, 18287, 26192,
-         {"extraction": 8.0, "training": 123.7}, ("extraction",), "pipeline-h200-sglang-2026-12-02/pipeline-run1-killed.log"),
+         {"extraction": 8.0, "training": 123.7}, ("extraction",),
+         "pipeline-h200-sglang-2026-12-02/pipeline-run1-killed.log"),
     ]
     for summary, n, prompt, answer, measured, calibrated, log in runs:
         cfg = _pipeline_config(summary)
@@ -97,7 +98,7 @@ def h200_rows(rows: list) -> list:
                                                                  {"bf16": "bf16", "fp8-e4m3": "fp8-e4m3"})):
         d = _json(path)
         for layout, key in layouts.items():
-            measured = d["full_extraction_tokens_per_s"] if key is None else d["layouts"][key]["full_extraction_tokens_per_s"]
+            measured = (d if key is None else d["layouts"][key])["full_extraction_tokens_per_s"]
             predicted = min(m.transformers_flops_per_s / llama.prefill_flops(2048),
                             m.disk_bytes_per_s / (bytes_per_token(2048, layout) + 9))
             tokens = 1e6
@@ -176,7 +177,8 @@ def cpu_rows(rows: list) -> list:
     src = "benchmarks/results/backend-acceptance-cpu.json"
     vllm_cfg = _demo_config(max_steps=160, tokens_per_batch=4096, val_every=80).model_copy(deep=True)
     vllm_plan = build_plan(PipelineConfig.model_validate(
-        {**vllm_cfg.model_dump(mode="json"), "extract": {**vllm_cfg.extract.model_dump(mode="json"), "backend": "vllm"}}),
+        {**vllm_cfg.model_dump(mode="json"),
+         "extract": {**vllm_cfg.extract.model_dump(mode="json"), "backend": "vllm"}}),
         traces=w["traces"], prompt_tokens=w["prompt_tokens"], answer_tokens=w["answer_tokens"], hardware="cpu",
         target=demo)
     _row(rows, "backend-acceptance-cpu bf16", "extraction", _stage(old, "extraction")["wall_s"],
@@ -268,7 +270,8 @@ def story() -> dict:
     out["plan"] = {"hidden_state_bytes_bf16": ex["bytes_bf16"], "extraction_tokens_per_s": round(ex["tokens_per_s"]),
                    "extraction_bound_by": ex["bound_by"], "extraction_capture_s": round(ex["work_s"]),
                    "training_h": round(tr["wall_s"] / 3600, 2), "training_tokens_per_s": round(tr["tokens_per_s"]),
-                   "engine_start_min": round(ex["engine_start_s"] / 60, 1), "traces_h": round(traces["wall_s"] / 3600, 2)}
+                   "engine_start_min": round(ex["engine_start_s"] / 60, 1),
+                   "traces_h": round(traces["wall_s"] / 3600, 2)}
     out["reported_extraction_capture_s"] = round(10000 * tokens_per_trace / 3165)
     out["reported_shard_write_mb_per_s"] = round(3165 * (bytes_per_token(h, "bf16") + 9) / 1e6, 1)
     out["reported_training_tokens_per_s"] = round(cfg.train.max_steps * cfg.train.tokens_per_batch / (2.6 * 3600))

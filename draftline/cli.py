@@ -94,7 +94,8 @@ def _plan(args) -> int:
         try:
             rates[name.strip()] = float(value)
         except ValueError:
-            raise ConfigError(f"--rate {text!r} is not NAME=NUMBER; write e.g. --rate prefill_flops_per_s=2e14") from None
+            raise ConfigError(f"--rate {text!r} is not NAME=NUMBER; write e.g. "
+                              "--rate prefill_flops_per_s=2e14") from None
     for flag, value in (("--traces", args.traces), ("--gpus", args.gpus), ("--prompt-tokens", args.prompt_tokens),
                         ("--answer-tokens", args.answer_tokens)):
         if value is not None and value < (0 if flag == "--prompt-tokens" else 1):

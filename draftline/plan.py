@@ -309,8 +309,8 @@ def _engine_memory(shape: TargetShape, hw: Hardware, settings: ServerSettings, s
     if weights > budget:
         what = f"{hw.memory_gb:g} GB x {_utilization(settings):g}" if hw.hbm_tb_per_s else f"{hw.memory_gb:g} GB"
         raise ConfigError(f"{field_name}: {shape.name}'s {shape.weight_bytes / GB:,.0f} GB of weights need "
-                          f"{weights / GB:,.1f} GB on each of {split} devices but each {hw.name} gives {budget / GB:,.1f} "
-                          f"GB ({what}); spread the server over more devices or use devices with more memory")
+                          f"{weights / GB:,.1f} GB on each of {split} devices but each {hw.name} gives "
+                          f"{budget / GB:,.1f} GB ({what}); spread the server over more devices or use devices with more memory")
     kv = shape.kv_bytes_per_token() if shape.mla_kv_width else shape.kv_bytes_per_token() / max(1, split)
     per_token = kv + capture_bytes_per_token
     room = budget - weights
@@ -354,7 +354,8 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
         g = max(1, t_dev)
         step = model.decode_step_s(shape, conc, g, _eager(t_cfg.vllm), ctx)
         generation = work.traces * work.answer_tokens / conc * step
-        prefill = work.traces * work.prompt_tokens * shape.prefill_flops(work.prompt_tokens) / (g * model.prefill_flops_per_s)
+        prefill_flops = work.traces * work.prompt_tokens * shape.prefill_flops(work.prompt_tokens)
+        prefill = prefill_flops / (g * model.prefill_flops_per_s)
         start = _start(model, shape)
         trace_stage.update(engine_start_s=start, work_s=generation + prefill, wall_s=start + generation + prefill,
                            concurrency=conc, step_ms=step * 1e3)
@@ -515,7 +516,8 @@ def render(plan: dict) -> str:
     lines += ["", f"extraction: {ex['tokens_per_s']:,.0f} tokens/s, bound by the {ex['bound_by']}; hidden states "
               f"{_size(ex['bytes_bf16'])} in bf16, {_size(ex['bytes_fp8'])} in fp8-e4m3",
               f"disk: offline (every state stored) {_size(d['offline'])}; online (states streamed to training) "
-              f"{_size(d['online'])} (spool {_size(d['spool'])}); the target's checkpoint {_size(d['target_checkpoint'])}"]
+              f"{_size(d['online'])} (spool {_size(d['spool'])}); the target's checkpoint "
+              f"{_size(d['target_checkpoint'])}"]
     for s in plan["stages"]:
         mem = s.get("memory_per_device") or {}
         if "kv_room_gb" in mem:

@@ -156,7 +156,8 @@ def hidden_state_bytes(tokens: float, sequences: float, hidden: int, storage: st
     return tokens * (bytes_per_token(hidden, storage) + SHARD_TOKEN_EXTRA) + sequences * SHARD_SEQUENCE_EXTRA
 
 
-def trace_bytes(tokens: float, answer_tokens: float, sequences: float, vocab: int, text_bytes_per_token: float) -> float:
+def trace_bytes(tokens: float, answer_tokens: float, sequences: float, vocab: int,
+                text_bytes_per_token: float) -> float:
     """Bytes of the JSON-lines traces: per token its id in decimal (ids spread evenly over the vocabulary) and ", ",
     its loss-mask digit and ", "; per answer token its decoded text; per trace the keys and ids (about 120 bytes)."""
     digits = _mean_digits(vocab)
