@@ -31,8 +31,8 @@ HARDWARE = {
                      "the H200's measured rates: compute-bound stages unchanged (same tensor cores), decoding's "
                      "bandwidth term x 3.35/4.8 (the vendors' memory bandwidths)"),
     "cpu": Hardware("cpu", "2-core x86_64 CPU (the CI machine kind)", 24.0, None, "cpu",
-                    "rates measured on it; the same machine kind ran the same demo from 0.6x to 1.7x of the median "
-                    "speed (CPU model and what shares its cores)"),
+                    "rates measured on it; machines of this kind ran the same demo stages up to 1.6x apart, and 3x "
+                    "slower when loaded (benchmarks/results/plan-check.json)"),
 }
 
 
