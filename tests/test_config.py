@@ -260,7 +260,7 @@ def test_the_pipeline_refuses_missing_inputs_before_any_stage_starts(tmp_path):
 
 def test_cli_help_lists_the_planned_stages():
     res = subprocess.run([sys.executable, "-m", "draftline.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
-    for stage in ("run", "traces", "extract", "train", "export", "eval", "report", "config"):
+    for stage in ("run", "traces", "extract", "train", "export", "eval", "report", "plan", "config"):
         assert stage in res.stdout
 
 
