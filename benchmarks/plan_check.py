@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftline.config import PipelineConfig, load_config  # noqa: E402
+from draftline.config import PipelineConfig  # noqa: E402
+from draftline.config_loading import load_config  # noqa: E402
 from draftline.plan import build_plan, model_for  # noqa: E402
 from draftline.plan_data import DEMO, DEMO_1B, DEMO_8B, LLAMA_1B, PUBLISHED_SHAPES, rate  # noqa: E402
 from draftline.plan_shape import hidden_state_bytes, target_shape, trace_bytes  # noqa: E402

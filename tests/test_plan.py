@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from draftline.cli import main
-from draftline.config import load_config
+from draftline.config_loading import load_config
 from draftline.errors import ConfigError
 from draftline.plan import build_plan, model_for, render
 from draftline.plan_data import DEMO, DEMO_1B, DEMO_8B, PUBLISHED_SHAPES, RATES
