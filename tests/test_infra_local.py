@@ -64,7 +64,7 @@ class Stack:
         # No gpu-sglang worker: that pool is the Kubernetes one of test_apply_pools, and the pipeline here runs vLLM.
         self.env = {**os.environ, "DRAFTLINE_INFRA_DIR": str(self.dir), "DRAFTLINE_BUCKET": "draftline-test",
                     "DRAFTLINE_POOLS": "cpu gpu-vllm gpu-train", **{k: str(v) for k, v in self.ports.items()}}
-        for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_PROFILE", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
             self.env.pop(name, None)
 
     def script(self, path: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -98,9 +98,11 @@ def stack():
 
 
 def _client_settings(stack: Stack):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    return temporary_settings(updates={PREFECT_API_URL: stack.user_env["PREFECT_API_URL"]})
+    env = stack.user_env
+    return temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"],
+                                       PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]})
 
 
 def _s3(stack: Stack, secret: str | None = None):
