@@ -113,7 +113,8 @@ def test_deployment_job_variables_render_into_a_gpu_job(name, k8s_config_cls):
     # Credentials come from a Kubernetes Secret, never from the template or the deployment; evaluations get the
     # evaluation identity's, which writes only <run>/eval/ and <run>/regression/.
     secret = "draftline-s3-eval" if name in EVALUATIONS else "draftline-s3"
-    assert container["envFrom"] == [{"secretRef": {"name": secret, "optional": False}}]
+    assert container["envFrom"] == [{"secretRef": {"name": secret, "optional": False}},
+                                    {"secretRef": {"name": "draftline-prefect-auth", "optional": False}}]
     assert not any("SECRET" in name or "PASSWORD" in name for name in env)
     # Engine and torch images are tens of GB: the worker must wait for the pod longer than Prefect's default 60 s.
     assert config.pod_watch_timeout_seconds >= 900
