@@ -11,7 +11,8 @@ from draftline.aux_ids import AuxLayerIds
 from draftline.store import check_store_uri
 from draftline.store.keys import STORE_URI_PATTERN
 
-_SECRET_KEY = re.compile(r"(secret|password|passwd|token_value|access_key|api_key|credentials?)$", re.I)
+_SECRET_KEY = re.compile(r"(secret|password|passwd|token_value|access_key|api_key|credentials?|auth_string|"
+                         r"session_token)$", re.I)
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # k, the draft tokens per step, by default; MAX_K bounds k and train.ttt_steps alike, so a training can unroll as deep

@@ -12,6 +12,14 @@ TRAINING_RECORD = "metrics.json"
 TRAINED_DRAFTER = "drafter"
 
 
+RUN_LEASE = "lease.json"
+
+
+def run_lease_key(run: str) -> str:
+    """`<run>/lease.json`: which live run owns the run name (draftline.run_lock), present while it runs."""
+    return f"{run}/{RUN_LEASE}"
+
+
 def stage_prefix(run: str, stage: str) -> str:
     """`<run>/<stage>`: the folder of one stage's artifacts (its shards, completion records and manifest)."""
     return f"{run}/{stage}"

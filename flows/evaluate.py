@@ -12,6 +12,7 @@ from draftline.errors import EngineError
 from flows import deployed
 from flows.deployed import StageRuns
 from tasks import evaluate as eval_tasks
+from tasks.common import store_at, store_run_id
 from tasks.inputs import check_inputs
 
 EngineRuns = Literal["in-process", "deployments"]
@@ -55,6 +56,9 @@ def evaluate(config: PipelineConfig, exports: dict[str, str], engine_runs: Engin
     # Every pool this evaluation starts runs on must have a live worker, or nothing starts.
     deployed.require_live_workers(deployed.deployments_needed(config, engine_runs, stage_runs,
                                                               deployed.STAGE_DEPLOYMENTS[-1:]))
+    # The run's identity, part of every cached task's key, is made here if it is not yet: the evaluation workers'
+    # credentials write only evaluations (infra/s3_policy.py), and a nightly's run is new.
+    store_run_id(store_at(config.store.root), config.run)
     # An export an engine would misread fails that engine before anything is spent; when no engine is left to
     # serve, the reference decoder (minutes to hours on a real target) does not run either.
     refused = eval_tasks.misread_exports(config, exports)

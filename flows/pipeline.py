@@ -1,22 +1,26 @@
 """The whole job as one flow: traces → extraction → training → export → evaluation; `python -m flows.pipeline CONFIG`."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
-from typing import Any
+import uuid
+from typing import Any, Iterator
 
 from prefect import flow
+from prefect.runtime import flow_run
 
 from draftline.config import PipelineConfig
 from draftline.config_loading import load_config, merge_overrides, parse_config
 from draftline.errors import ConfigError, report_failure
 from draftline.overrides import PipelineOverrides, overrides_dict
+from draftline.run_lock import RunLease, RunNameTaken
 from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
-from tasks.common import timed_stage
+from tasks.common import store_at, timed_stage
 from tasks.inputs import check_inputs
 
 
@@ -45,15 +49,35 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
     # The same three stages, as subflows of this run or as flow runs of their deployments: same inputs, same outputs.
     stage_flows = deployed if stage_runs == "deployments" else stages
     times: list[dict] = []
-    with timed_stage("traces", times):
-        traces = stage_flows.generate_traces(config)
-    with timed_stage("extraction", times):
-        hidden_manifest = stage_flows.extract_hidden_states(config)
-    with timed_stage("training and export", times):
-        drafter = stage_flows.train_drafter(config, hidden_manifest)
-    with timed_stage("evaluation", times):
-        report = evaluate(config, drafter["exports"], engine_runs, stage_runs)
+    # One live run per run name: a second run of this name is refused here, before it writes anything.
+    with owning_the_run_name(config) as lease:
+        with timed_stage("traces", times):
+            traces = stage_flows.generate_traces(config)
+        lease.check()
+        with timed_stage("extraction", times):
+            hidden_manifest = stage_flows.extract_hidden_states(config)
+        lease.check()
+        with timed_stage("training and export", times):
+            drafter = stage_flows.train_drafter(config, hidden_manifest)
+        lease.check()
+        with timed_stage("evaluation", times):
+            report = evaluate(config, drafter["exports"], engine_runs, stage_runs)
     return {"traces": traces, "hidden": hidden_manifest, "drafter": drafter, "report": report, "stage_times": times}
+
+
+@contextlib.contextmanager
+def owning_the_run_name(config: PipelineConfig) -> Iterator[RunLease]:
+    """Hold the run name's lease (draftline.run_lock) for this flow run while the block runs. A retry of this flow run
+    (`prefect flow-run retry`) is the same owner and takes the lease back at once, as a resume should."""
+    run_id = str(flow_run.get_id() or uuid.uuid4())
+    lease = RunLease(store_at(config.store.root), config.run, owner=run_id, label=f"flow run {run_id}",
+                     stop_hint=f"prefect flow-run cancel {run_id}")
+    with lease.held():
+        if lease.took_over is not None:
+            print(f"took over the lease on run {config.run} from {lease.took_over.get('label', 'a run')}, last renewed "
+                  f"{lease.took_over.get('renewed_at', 'at an unknown time')}")
+        print(f"flow run {run_id} holds the run name {config.run} ({lease.store.uri(lease.key)})")
+        yield lease
 
 
 def resolve_config(config: PipelineConfig | None, config_file: str | None,
@@ -111,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = pipeline(config)
     except Exception as exc:  # noqa: BLE001 - every failure becomes its sentence and exit code
-        code = report_failure(exc)
+        # A run name another live run holds is refused before any stage, like bad input.
+        code = report_failure(exc, bad_input=isinstance(exc, RunNameTaken))
         # Only an engine's failure comes after the report is rewritten with its row; other stages leave it as it was.
         report = report_location(config) if isinstance(exc, (EngineError, AuxLayerIdsError)) else None
         if report:

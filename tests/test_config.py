@@ -150,6 +150,11 @@ def test_secrets_are_refused_in_config_files():
     data["eval"]["engines"][0]["env"]["AWS_SECRET_ACCESS_KEY"] = "abc"
     msg = error_for(data)
     assert "AWS_SECRET_ACCESS_KEY" in msg and "environment" in msg
+    # The Prefect API's auth string and an AWS session token are secrets too.
+    for name in ("PREFECT_API_AUTH_STRING", "AWS_SESSION_TOKEN"):
+        data = demo_data()
+        data["eval"]["engines"][0]["env"][name] = "abc"
+        assert name in error_for(data)
 
 
 def test_reference_and_engines_must_draft_the_same_number_of_tokens():

@@ -221,3 +221,32 @@ def test_a_stage_run_that_has_not_ended_is_waited_for_not_started_twice(server):
     children = _read(server, lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))))
     assert [c.id for c in children] == [left.id], children  # no second traces run was started
     assert children[0].state.name in ("Cancelling", "Cancelled"), children[0].state
+
+
+def test_a_run_name_another_live_run_holds_is_refused_before_any_stage_naming_that_run(server):
+    """Two pipeline runs given one run name: the second is refused at once, with the holder's flow run id, and
+    nothing of the holder's is touched. The holder here is a lease as a live run keeps it (renewed just now)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from draftline.layout import run_lease_key, training_record_key
+    from draftline.run_lock import RunLease
+    from draftline.store import open_store
+
+    _wait_for_worker(server, PREFIX + "cpu")
+    root = server.tmp / "taken-store"
+    store = open_store(str(root))
+    holder = "0b5c1d2e-0000-4000-8000-00000000abcd"
+    RunLease(store, "t32-taken", holder, label=f"flow run {holder}",
+             stop_hint=f"prefect flow-run cancel {holder}").acquire()
+    store.put_bytes(training_record_key("t32-taken"), b'{"steps": 7}')
+    lease = store.get_bytes(run_lease_key("t32-taken"))
+
+    overrides = {"run": "t32-taken", "store": {"root": str(root)}}
+    run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"', 'stage_runs="in-process"')
+    message = run.state.message
+    assert (f"the run name 't32-taken' is taken: flow run {holder}" in message
+            and f"`prefect flow-run cancel {holder}`" in message), message
+    tasks = _read(server, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
+    assert [t.name.rsplit("-", 1)[0] for t in tasks] == ["check-inputs"], [t.name for t in tasks]
+    assert store.get_bytes(run_lease_key("t32-taken")) == lease
+    assert store.list("t32-taken") == sorted([run_lease_key("t32-taken"), training_record_key("t32-taken")])

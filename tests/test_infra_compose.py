@@ -3,6 +3,7 @@ tests read the compose file and Dockerfiles and check what a GPU host relies on 
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -15,6 +16,9 @@ INFRA = REPO / "infra"
 WORKERS = {"worker-cpu": "cpu", "worker-vllm": "gpu-vllm", "worker-sglang": "gpu-sglang", "worker-train": "gpu-train"}
 GPU_WORKERS = ("worker-vllm", "worker-sglang", "worker-train")
 _VAR = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+# What infra/.env must give: every secret compose refuses to start without.
+SECRETS = {"POSTGRES_PASSWORD": "pw", "PREFECT_API_AUTH_STRING": "draftline:auth", "S3_ACCESS_KEY": "ak",
+           "S3_SECRET_KEY": "sk", "S3_EVAL_ACCESS_KEY": "eak", "S3_EVAL_SECRET_KEY": "esk"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,8 @@ def test_topology_has_postgres_prefect_server_s3_and_one_worker_per_deployment_p
     pools_served = set()
     for service, pool in WORKERS.items():
         command = services[service]["command"]
-        assert command[:3] == ["prefect", "worker", "start"]
+        # Through the auth check, which then becomes `prefect worker start` with the same options.
+        assert command[1:2] == ["infra/prefect_worker.py"] and command[0] in ("python", "python3")
         assert command[command.index("--pool") + 1] == pool
         pools_served.add(pool)
     assert pools_in_deployments <= pools_served, "a deployment's pool has no worker in compose.yaml"
@@ -63,7 +68,7 @@ def test_topology_has_postgres_prefect_server_s3_and_one_worker_per_deployment_p
 
 def test_prefect_server_runs_on_postgres_and_workers_point_at_it_and_at_s3(compose):
     services = compose["services"]
-    env = {"POSTGRES_PASSWORD": "pw", "S3_ACCESS_KEY": "ak", "S3_SECRET_KEY": "sk"}
+    env = SECRETS
     server = _interpolate(services["prefect-server"], env)
     url = server["environment"]["PREFECT_SERVER_DATABASE_CONNECTION_URL"]
     assert url == "postgresql+asyncpg://prefect:pw@postgres:5432/prefect"
@@ -77,7 +82,9 @@ def test_prefect_server_runs_on_postgres_and_workers_point_at_it_and_at_s3(compo
         wenv = worker["environment"]
         assert wenv["PREFECT_API_URL"] == "http://prefect-server:4200/api"
         assert wenv["AWS_ENDPOINT_URL"] == "http://seaweedfs:8333"
-        assert (wenv["AWS_ACCESS_KEY_ID"], wenv["AWS_SECRET_ACCESS_KEY"]) == ("ak", "sk")
+        # The pool that runs only evaluations holds the evaluation identity; the others the pipeline's.
+        expected = ("eak", "esk") if service == "worker-sglang" else ("ak", "sk")
+        assert (wenv["AWS_ACCESS_KEY_ID"], wenv["AWS_SECRET_ACCESS_KEY"]) == expected, service
         # A child flow run's result is read by its parent on another worker: one shared results volume.
         results = wenv["PREFECT_LOCAL_STORAGE_PATH"]
         assert f"prefect-results:{results}" in worker["volumes"]
@@ -85,18 +92,58 @@ def test_prefect_server_runs_on_postgres_and_workers_point_at_it_and_at_s3(compo
 
 
 def test_s3_enforces_credentials_from_the_environment(compose):
-    seaweed = _interpolate(compose["services"]["seaweedfs"], {"S3_ACCESS_KEY": "ak", "S3_SECRET_KEY": "sk"})
+    seaweed = _interpolate(compose["services"]["seaweedfs"], SECRETS)
     script = " ".join(seaweed["command"])
     assert "-s3.config=/tmp/s3-identities.json" in script and "> /tmp/s3-identities.json" in script
     # $$ is compose's escape: the shell inside the container expands the variables, compose does not.
-    assert '"$S3_ACCESS_KEY" "$S3_SECRET_KEY"' in script
-    assert seaweed["environment"] == {"S3_ACCESS_KEY": "ak", "S3_SECRET_KEY": "sk"}
+    assert '"$S3_ACCESS_KEY" "$S3_SECRET_KEY" "$S3_EVAL_ACCESS_KEY" "$S3_EVAL_SECRET_KEY"' in script
+    assert seaweed["environment"] == {"S3_ACCESS_KEY": "ak", "S3_SECRET_KEY": "sk", "S3_EVAL_ACCESS_KEY": "eak",
+                                      "S3_EVAL_SECRET_KEY": "esk", "DRAFTLINE_BUCKET": "draftline"}
+
+
+def test_the_evaluation_identity_in_compose_has_the_rules_of_the_s3_policy(compose):
+    """The identities file compose's shell writes, filled in as the container's printf would, gives the evaluation
+    identity exactly what infra/s3_policy.py gives it (tests/test_s3_policy.py shows SeaweedFS enforcing those)."""
+    from infra.s3_policy import seaweedfs_identity
+
+    script = " ".join(compose["services"]["seaweedfs"]["command"])
+    fmt = re.search(r"printf '([^']*)'", script).group(1)
+    env = {"S3_ACCESS_KEY": "ak", "S3_SECRET_KEY": "sk", "S3_EVAL_ACCESS_KEY": "eak", "S3_EVAL_SECRET_KEY": "esk",
+           "DRAFTLINE_BUCKET": "runs"}
+    args = [env[name] for name in re.findall(r'"\$\$(\w+)"', script)]
+    identities = json.loads(fmt % tuple(args))["identities"]
+    assert identities[0]["actions"] == ["Admin", "Read", "List", "Tagging", "Write"]
+    evaluation = identities[1]
+    assert evaluation == seaweedfs_identity("eak", "esk", "runs", name=evaluation["name"])
+
+
+def test_the_prefect_api_requires_an_auth_string_that_every_worker_sends(compose):
+    services = compose["services"]
+    server = _interpolate(services["prefect-server"], SECRETS)
+    assert server["environment"]["PREFECT_SERVER_API_AUTH_STRING"] == "draftline:auth"
+    for service in WORKERS:
+        assert _interpolate(services[service], SECRETS)["environment"]["PREFECT_API_AUTH_STRING"] == "draftline:auth"
+    # No default: without it compose refuses to start, in one sentence naming the variable.
+    missing = {k: v for k, v in SECRETS.items() if k != "PREFECT_API_AUTH_STRING"}
+    for service in ("prefect-server", *WORKERS):
+        with pytest.raises(KeyError, match="PREFECT_API_AUTH_STRING: set PREFECT_API_AUTH_STRING in infra/.env"):
+            _interpolate(services[service], missing)
+
+
+def test_published_ports_listen_on_localhost_unless_the_operator_names_an_address(compose):
+    published = {name: s["ports"] for name, s in compose["services"].items() if s.get("ports")}
+    assert set(published) == {"prefect-server", "seaweedfs"}, "only the server and S3 publish ports"
+    for name, ports in published.items():
+        for port in _interpolate(ports, SECRETS):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    server = _interpolate(published["prefect-server"], {"PREFECT_BIND": "10.0.0.5", "PREFECT_PORT": "4300"})
+    assert server == ["10.0.0.5:4300:4200"]
 
 
 def test_gpu_workers_request_separate_nvidia_gpus_and_a_large_shm(compose):
     devices = {}
     for service in GPU_WORKERS:
-        worker = _interpolate(compose["services"][service], {"S3_ACCESS_KEY": "a", "S3_SECRET_KEY": "b"})
+        worker = _interpolate(compose["services"][service], SECRETS)
         (request,) = worker["deploy"]["resources"]["reservations"]["devices"]
         assert request["driver"] == "nvidia" and request["capabilities"] == ["gpu"]
         devices[service] = set(request["device_ids"])
@@ -109,13 +156,13 @@ def test_gpu_workers_request_separate_nvidia_gpus_and_a_large_shm(compose):
 def test_no_secret_is_committed_and_missing_ones_stop_compose_with_a_clear_message(compose):
     text = (INFRA / "compose.yaml").read_text()
     for name, op, message in _VAR.findall(text):
-        if re.search(r"PASSWORD|SECRET|ACCESS_KEY", name):
+        if re.search(r"PASSWORD|SECRET|ACCESS_KEY|AUTH_STRING", name):
             assert op == ":?" and "infra/.env" in message, f"${{{name}}} must be required (:?) with a hint"
     with pytest.raises(KeyError, match="S3_SECRET_KEY: set S3_SECRET_KEY in infra/.env"):
-        _interpolate(compose["services"]["worker-vllm"], {"POSTGRES_PASSWORD": "x", "S3_ACCESS_KEY": "y"})
+        _interpolate(compose["services"]["worker-vllm"], {k: v for k, v in SECRETS.items() if k != "S3_SECRET_KEY"})
 
     example = _env_example()
-    assert {"POSTGRES_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY"} <= set(example)
+    assert set(SECRETS) <= set(example)
     assert all(value == "" for value in example.values()), ".env.example must not carry real values"
     tracked = subprocess.run(["git", "ls-files", "infra"], cwd=REPO, capture_output=True, text=True).stdout.split()
     assert "infra/.env" not in tracked
@@ -140,3 +187,4 @@ def test_worker_images_install_draftline_and_prefect_for_their_engine(compose, s
         assert (REPO / copied).exists(), f"{dockerfile.name} copies {copied}, which is not in the repository"
     cmd = re.search(r"^CMD (\[.*\])$", text, re.M).group(1)
     assert f'"--pool", "{WORKERS[service]}"' in cmd
+    assert '"infra/prefect_worker.py"' in cmd and "COPY infra/prefect_worker.py infra/prefect_worker.py" in text

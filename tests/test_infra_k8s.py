@@ -28,6 +28,8 @@ POOLS = ["gpu-vllm", "gpu-sglang", "gpu-train"]
 # environment, training and the reference decoder beside them in torch's, each engine in its own.
 GPU_DEPLOYMENTS = {"generate-traces": "gpu-vllm", "extract-hidden-states": "gpu-vllm", "evaluate-vllm": "gpu-vllm",
                    "evaluate-sglang": "gpu-sglang", "train-drafter": "gpu-train", "reference-acceptance": "gpu-train"}
+# The deployments that only evaluate: their pods get the evaluation identity's S3 Secret.
+EVALUATIONS = {"evaluate-vllm", "evaluate-sglang", "reference-acceptance"}
 
 
 def _deployments() -> list[dict]:
@@ -108,8 +110,11 @@ def test_deployment_job_variables_render_into_a_gpu_job(name, k8s_config_cls):
     assert shm["medium"] == "Memory" and shm["sizeLimit"].endswith("Gi") and int(shm["sizeLimit"][:-2]) >= 16
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
-    # Credentials come from a Kubernetes Secret, never from the template or the deployment.
-    assert container["envFrom"] == [{"secretRef": {"name": "draftline-s3", "optional": False}}]
+    # Credentials come from a Kubernetes Secret, never from the template or the deployment; evaluations get the
+    # evaluation identity's, which writes only <run>/eval/ and <run>/regression/.
+    secret = "draftline-s3-eval" if name in EVALUATIONS else "draftline-s3"
+    assert container["envFrom"] == [{"secretRef": {"name": secret, "optional": False}},
+                                    {"secretRef": {"name": "draftline-prefect-auth", "optional": False}}]
     assert not any("SECRET" in name or "PASSWORD" in name for name in env)
     # Engine and torch images are tens of GB: the worker must wait for the pod longer than Prefect's default 60 s.
     assert config.pod_watch_timeout_seconds >= 900
@@ -246,3 +251,67 @@ def test_in_cluster_workers_serve_each_gpu_pool_and_may_create_jobs_where_the_te
     for pool in POOLS:
         job_namespace = _template(pool)["variables"]["properties"]["namespace"]["default"]
         assert served[pool] == job_namespace == role["metadata"]["namespace"]
+
+
+def _worker_deployments() -> list[dict]:
+    return [d for d in yaml.safe_load_all((REPO / "infra/k8s/workers.yaml").read_text())
+            if d and d["kind"] == "Deployment"]
+
+
+def test_in_cluster_workers_take_the_auth_string_from_a_secret_and_start_through_the_auth_check(monkeypatch):
+    from prefect_kubernetes.settings import KubernetesSettings
+
+    for deployment in _worker_deployments():
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["PREFECT_API_AUTH_STRING"]["valueFrom"] == {
+            "secretKeyRef": {"name": "draftline-prefect-auth", "key": "PREFECT_API_AUTH_STRING"}}
+        assert "value" not in env["PREFECT_API_AUTH_STRING"]
+        # The worker hands the Jobs it creates the same Secret, as a reference (prefect-kubernetes' settings).
+        for name in ("PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_NAME",
+                     "PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_KEY"):
+            monkeypatch.setenv(name, env[name]["value"])
+        settings = KubernetesSettings().worker
+        assert (settings.api_auth_string_secret_name, settings.api_auth_string_secret_key) == (
+            "draftline-prefect-auth", "PREFECT_API_AUTH_STRING")
+        # It starts through infra/prefect_worker.py, mounted from a ConfigMap made of that file.
+        args = container["args"]
+        mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["worker-start"]
+        assert args[:2] == ["python", f"{mount}/prefect_worker.py"]
+        assert {v["name"]: v for v in pod["volumes"]}["worker-start"]["configMap"]["name"] == "draftline-worker-start"
+    header = (REPO / "infra/k8s/workers.yaml").read_text()
+    assert "create configmap draftline-worker-start --from-file=infra/prefect_worker.py" in header
+    assert "create secret generic draftline-prefect-auth" in header
+
+
+def test_a_jobs_auth_string_is_a_secret_reference_not_a_value_in_its_manifest(k8s_config_cls):
+    """What the worker does to each Job with the settings above, by prefect-kubernetes' own code: the auth string the
+    worker's settings put into the Job's env becomes a reference to the Secret."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect_kubernetes.worker import KubernetesWorker
+
+    with temporary_settings(updates={PREFECT_API_AUTH_STRING: "draftline:do-not-leak",
+                                     PREFECT_API_URL: "http://prefect.example/api"}):
+        config = pool_templates.render(_template("gpu-vllm"), {}, deployment_name="evaluate-vllm")
+    assert _env(config.job_manifest)["PREFECT_API_AUTH_STRING"] == "draftline:do-not-leak"  # before the worker's step
+    import asyncio
+
+    # The method uses nothing of the worker but its arguments.
+    asyncio.run(KubernetesWorker._replace_env_variable_with_secret(
+        None, env_variable_name="PREFECT_API_AUTH_STRING", configuration=config,
+        secret_name="draftline-prefect-auth", secret_key="PREFECT_API_AUTH_STRING"))
+    env = {e["name"]: e for e in _container(config.job_manifest)["env"]}
+    assert env["PREFECT_API_AUTH_STRING"] == {"name": "PREFECT_API_AUTH_STRING", "valueFrom": {
+        "secretKeyRef": {"name": "draftline-prefect-auth", "key": "PREFECT_API_AUTH_STRING"}}}
+    assert "do-not-leak" not in json.dumps(config.job_manifest)
+
+
+def test_the_evaluation_policy_in_the_repository_is_the_one_s3_policy_writes():
+    from infra.s3_policy import EVALUATION_WRITES, iam_policy
+
+    committed = json.loads((REPO / "infra/k8s/s3-evaluation-policy.json").read_text())
+    assert committed == iam_policy("draftline", "team")
+    (write,) = [s for s in committed["Statement"] if s["Sid"] == "WriteEvaluationsOnly"]
+    assert write["Resource"] == [f"arn:aws:s3:::draftline/team/{p}" for p in EVALUATION_WRITES]
+    assert all("/train" not in r and "/export" not in r for r in write["Resource"])

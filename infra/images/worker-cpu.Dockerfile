@@ -31,7 +31,9 @@ COPY tasks tasks
 COPY flows flows
 COPY configs configs
 COPY deployments deployments
+COPY infra/prefect_worker.py infra/prefect_worker.py
 COPY assets assets
 RUN python -c "import vllm, prefect, transformers, draftline, flows.pipeline"
 
-CMD ["prefect", "worker", "start", "--pool", "cpu", "--type", "process"]
+# Through infra/prefect_worker.py: a missing or refused PREFECT_API_AUTH_STRING is one sentence, not a traceback.
+CMD ["python", "infra/prefect_worker.py", "--pool", "cpu", "--type", "process"]

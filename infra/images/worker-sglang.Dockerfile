@@ -24,7 +24,9 @@ COPY tasks tasks
 COPY flows flows
 COPY configs configs
 COPY deployments deployments
+COPY infra/prefect_worker.py infra/prefect_worker.py
 RUN python3 -c "import sglang, prefect, draftline, flows.evaluate"
 
 ENTRYPOINT []
-CMD ["prefect", "worker", "start", "--pool", "gpu-sglang", "--type", "process"]
+# Through infra/prefect_worker.py: a missing or refused PREFECT_API_AUTH_STRING is one sentence, not a traceback.
+CMD ["python3", "infra/prefect_worker.py", "--pool", "gpu-sglang", "--type", "process"]

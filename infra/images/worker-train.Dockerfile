@@ -24,8 +24,10 @@ COPY tasks tasks
 COPY flows flows
 COPY configs configs
 COPY deployments deployments
+COPY infra/prefect_worker.py infra/prefect_worker.py
 # torchrun is the module torch.distributed.run of the image's torch; the training task starts it with this Python.
 RUN python3 -c "import torch.distributed.run, prefect, transformers, draftline, flows.stages, flows.evaluate"
 
 ENTRYPOINT []
-CMD ["prefect", "worker", "start", "--pool", "gpu-train", "--type", "process"]
+# Through infra/prefect_worker.py: a missing or refused PREFECT_API_AUTH_STRING is one sentence, not a traceback.
+CMD ["python3", "infra/prefect_worker.py", "--pool", "gpu-train", "--type", "process"]

@@ -25,8 +25,10 @@ COPY tasks tasks
 COPY flows flows
 COPY configs configs
 COPY deployments deployments
+COPY infra/prefect_worker.py infra/prefect_worker.py
 RUN python3 -c "import vllm, prefect, draftline, flows.evaluate"
 
 # The vLLM image's entrypoint starts a server; this image's job is the Prefect worker (or a Kubernetes flow run).
 ENTRYPOINT []
-CMD ["prefect", "worker", "start", "--pool", "gpu-vllm", "--type", "process"]
+# Through infra/prefect_worker.py: a missing or refused PREFECT_API_AUTH_STRING is one sentence, not a traceback.
+CMD ["python3", "infra/prefect_worker.py", "--pool", "gpu-vllm", "--type", "process"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or update the GPU work pools (gpu-vllm, gpu-sglang, gpu-train) on the Prefect server at $PREFECT_API_URL from the
 # base job templates next to this script, after checking that no job variable would be silently dropped.
-#   PREFECT_API_URL=http://prefect.example:4200/api infra/k8s/apply-pools.sh [POOL...]
+#   PREFECT_API_URL=https://prefect.example/api PREFECT_API_AUTH_STRING=user:password infra/k8s/apply-pools.sh [POOL...]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -9,6 +9,10 @@ PY="${PYTHON:-$repo/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 if [ -z "${PREFECT_API_URL:-}" ]; then
   echo "apply-pools.sh: PREFECT_API_URL is not set; export the team server's API URL (e.g. http://HOST:4200/api) first" >&2
+  exit 2
+fi
+if [ -z "${PREFECT_API_AUTH_STRING:-}" ]; then
+  echo "apply-pools.sh: PREFECT_API_AUTH_STRING is not set; export the team server's auth string (user:password) first" >&2
   exit 2
 fi
 # A variable that the template does not use would vanish without a word: refuse to apply such templates.

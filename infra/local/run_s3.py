@@ -1,6 +1,9 @@
 """SeaweedFS S3 as a service for infra/local: seaweedfs.py's server, stopped cleanly on SIGTERM, ready-file when up.
 
     AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... python infra/local/run_s3.py --dir D --port P --bucket B --ready-file F
+
+With --evaluation-identity, DRAFTLINE_EVAL_ACCESS_KEY_ID and DRAFTLINE_EVAL_SECRET_ACCESS_KEY become a second
+identity that reads the buckets and writes only evaluations (infra/s3_policy.py).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from infra.local.seaweedfs import LocalS3  # noqa: E402
+from infra.s3_policy import seaweedfs_identity  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,17 +27,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True, help="S3 port on 127.0.0.1")
     parser.add_argument("--bucket", action="append", default=[], help="bucket to create (repeatable)")
     parser.add_argument("--ready-file", required=True, help="written once S3 answers; removed on stop")
+    parser.add_argument("--evaluation-identity", action="store_true",
+                        help="add the evaluation identity from DRAFTLINE_EVAL_ACCESS_KEY_ID/_SECRET_ACCESS_KEY")
     args = parser.parse_args(argv)
     access_key, secret_key = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     if not (access_key and secret_key):
         print("run_s3.py: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (the credentials the server enforces)",
               file=sys.stderr)
         return 2
+    identities = []
+    if args.evaluation_identity:
+        eval_key = os.environ.get("DRAFTLINE_EVAL_ACCESS_KEY_ID")
+        eval_secret = os.environ.get("DRAFTLINE_EVAL_SECRET_ACCESS_KEY")
+        if not (eval_key and eval_secret):
+            print("run_s3.py: --evaluation-identity needs DRAFTLINE_EVAL_ACCESS_KEY_ID and "
+                  "DRAFTLINE_EVAL_SECRET_ACCESS_KEY (the evaluation identity's credentials)", file=sys.stderr)
+            return 2
+        identities = [seaweedfs_identity(eval_key, eval_secret, bucket) for bucket in args.bucket]
+        # SeaweedFS takes one entry per identity name: one entry, with the actions of every bucket.
+        if identities:
+            identities = [{**identities[0], "actions": [a for i in identities for a in i["actions"]]}]
     stop = threading.Event()
     # Started in the background by up.sh, where SIGINT is ignored: SIGTERM (down.sh) is the stop signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = LocalS3(args.dir, keep_data=True, access_key=access_key, secret_key=secret_key, s3_port=args.port)
+    server = LocalS3(args.dir, keep_data=True, access_key=access_key, secret_key=secret_key, s3_port=args.port,
+                     identities=identities)
     with server:
         for bucket in args.bucket:
             server.create_bucket(bucket)

@@ -105,6 +105,7 @@ class LocalS3:
         secret_key: str | None = None,
         s3_port: int | None = None,
         start_timeout: float = 60.0,
+        identities: list[dict] | None = None,
     ):
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="draftline-s3-")
         # Data in a folder of the caller's is kept and the server stopped gently; throwaway data is not.
@@ -115,6 +116,9 @@ class LocalS3:
         self.access_key = access_key or (saved or {}).get("accessKey") or "draftline" + secrets.token_hex(4)
         self.secret_key = secret_key or (saved or {}).get("secretKey") or secrets.token_hex(20)
         self.s3_port = s3_port
+        # More identities beside the admin one, each {"name", "credentials": [...], "actions": [...]} as SeaweedFS
+        # reads them (e.g. from s3_policy.seaweedfs_identities): least-privilege keys for some workers.
+        self.identities = list(identities or [])
         self.start_timeout = start_timeout
         self.process: subprocess.Popen | None = None
         self.log_path = self.data_dir / "weed.log"
@@ -190,7 +194,8 @@ class LocalS3:
                     "name": "draftline",
                     "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                     "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                }
+                },
+                *self.identities,
             ]
         }
         config_path = self.data_dir / "s3-identities.json"

