@@ -235,8 +235,8 @@ def _start_or_take_back(client, run: FlowRun, deployment: str, pool: str) -> Flo
     else:
         client.set_flow_run_state(run.id, Scheduled(message=f"retried by a retry of the run that started it, after "
                                                             f"it ended {state.name}"), force=True)
-        print(f"{deployment} run {run.name} ({run.id}) ended {state.name} in an earlier attempt of this run; retrying it "
-              f"on work pool {pool}, where it resumes from what it stored")
+        print(f"{deployment} run {run.name} ({run.id}) ended {state.name} in an earlier attempt of this run; "
+              f"retrying it on work pool {pool}, where it resumes from what it stored")
         run = client.read_flow_run(run.id)
     return run
 

@@ -139,8 +139,8 @@ def _wait_for_worker(server, pool: str, deadline_s: float = 120) -> None:
         time.sleep(2)
 
 
-def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishes_the_pipeline(deployed, tiny_hidden_run,
-                                                                                             tmp_path):
+def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishes_the_pipeline(
+        deployed, tiny_hidden_run, tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     root = tmp_path / "store"
