@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 from draftline.acceptance import expected_acceptance  # noqa: E402
 from draftline.speculative import SpeculativeDecoder, plain_decode  # noqa: E402
 from draftline.drafter.data import Sequence as TraceStates  # noqa: E402
-from draftline.drafter.model import Eagle3Drafter  # noqa: E402
 from draftline.drafter.replay import (replayed_acceptance, resampled_acceptance_lengths,  # noqa: E402
                                       sequence_rounds)
+from draftline.drafter.target_sizing import drafter_for_target  # noqa: E402
 from draftline.drafter.ttt import TTTModel  # noqa: E402
 from draftline.drafter.vocab import build_vocab, count_tokens  # noqa: E402
 from draftline.aux_ids import default_aux_layer_ids  # noqa: E402
@@ -208,7 +208,7 @@ def train_drafter(model, rows, val_rows, args, device):
     cfg = model.config
     aux_ids = default_aux_layer_ids(cfg.num_hidden_layers)
     torch.manual_seed(args.seed)
-    drafter = Eagle3Drafter.from_target_config(cfg, SimpleNamespace(draft_vocab_size=args.draft_vocab), aux_ids)
+    drafter = drafter_for_target(cfg, SimpleNamespace(draft_vocab_size=args.draft_vocab), aux_ids)
     drafter.load_target_weights(model.get_input_embeddings().weight.detach().float().cpu())
     counts = sum(count_tokens(r["input_ids"].cpu(), r["loss_mask"].cpu(), cfg.vocab_size) for r in rows)
     d2t, t2d, report = build_vocab(counts, drafter.config.draft_vocab_size)

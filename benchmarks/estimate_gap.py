@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from draftline import stages  # noqa: E402
-from draftline.config import load_config  # noqa: E402
+from draftline.config_loading import load_config  # noqa: E402
 from draftline.drafter.data import hidden_shard_entries, hidden_shard_keys, split_validation  # noqa: E402
 from draftline.drafter.ttt import acceptance_length  # noqa: E402
 from draftline.store import open_store  # noqa: E402
@@ -191,7 +191,7 @@ def offline_validation(base, demo_root: Path, chosen: list[dict], max_new_tokens
     import torch
 
     from draftline.drafter.data import read_shard_tensors
-    from draftline.drafter.model import Eagle3Drafter
+    from draftline.drafter.eagle_format import load_eagle_dir
     from draftline.drafter.data import Sequence
     from draftline.drafter.replay import decode_rounds, draft_hits
     from draftline.drafter.train import load_target_head
@@ -199,7 +199,7 @@ def offline_validation(base, demo_root: Path, chosen: list[dict], max_new_tokens
 
     k, cfg = base.train.ttt_steps, base.train
     target_cfg, embed, head = load_target_head(base.target.path)
-    model = Eagle3Drafter.from_pretrained(demo_root / base.run / "train" / "drafter", embed_tokens=embed.float()).eval()
+    model = load_eagle_dir(demo_root / base.run / "train" / "drafter", embed_tokens=embed.float()).eval()
     ttt = TTTModel(model, head, k, cfg.logits_chunk_tokens, "eager", torch.float32).eval()
     chosen_ids = {t["id"] for t in chosen}
     store = open_store(str(demo_root))

@@ -30,9 +30,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from draftline.extract import (  # noqa: E402
-    HiddenStateExtractor, HostShard, ShardPlan, length_buckets, run_overlapped, write_hidden_shard,
-)
+from benchmarks.extract_workload import disk_bandwidth, random_sequences  # noqa: E402
+from draftline.extract import HiddenStateExtractor, run_overlapped  # noqa: E402
+from draftline.hidden_shards import HostShard, ShardPlan, length_buckets, write_hidden_shard  # noqa: E402
 from draftline.state_storage import FP8_E4M3, STORAGES, quantize_slots  # noqa: E402
 from draftline.store import base as store_module  # noqa: E402
 from draftline.store import BackgroundFlush, LocalStore  # noqa: E402
@@ -69,26 +69,6 @@ def matmul_peak(device, n: int = 8192, dtype=torch.bfloat16) -> float:
     reps = 20 if device.type == "cuda" else 1
     t = timed(lambda: [a @ b for _ in range(reps)], device)
     return 2 * n**3 * reps / t
-
-
-def disk_bandwidth(folder: Path, total: int, chunk: int = 64 << 20, early_flush: bool = False) -> float:
-    """Bytes/s of a sequential write with fsync, like the store's atomic publish; early_flush: a background flush
-    after each chunk, as the store starts one every EARLY_WRITEBACK_BYTES (64 MiB), so the disk writes early."""
-    data = os.urandom(chunk)
-    path = folder / "disk-probe.bin"
-    t = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        flush = BackgroundFlush(f.fileno())
-        for _ in range(max(1, total // chunk)):
-            f.write(data)
-            if early_flush:
-                flush.start()
-        flush.wait()
-        os.fsync(f.fileno())
-    elapsed = time.perf_counter() - t
-    size = path.stat().st_size
-    path.unlink()
-    return size / elapsed
 
 
 @contextlib.contextmanager
@@ -340,12 +320,6 @@ def naive(model, sequences, aux_ids, folder: Path, device):
                 torch.save({"input_ids": torch.tensor(seq), "aux": torch.cat([hs[k][0] for k in aux_ids], -1).cpu(),
                             "last": hs[-1][0].cpu()}, folder / f"sample-{j}.pt")
     return run
-
-
-def random_sequences(n: int, length: int, vocab: int, seed: int = 0, jitter: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    lengths = [length - (int(torch.randint(0, length // 4, (1,), generator=g)) if jitter else 0) for _ in range(n)]
-    return [torch.randint(10, vocab, (m,), generator=g).tolist() for m in lengths]
 
 
 def bench(args) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from draftline.config import load_config  # noqa: E402
+from draftline.config_loading import load_config  # noqa: E402
 from draftline.extract import extract_hidden_states  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 

@@ -85,11 +85,12 @@ def median_difference(a_path: Path, b_path: Path) -> dict:
 
 
 def bench_vllm(args) -> dict:
-    from benchmarks.extract import disk_bandwidth, random_sequences
+    from benchmarks.extract_workload import disk_bandwidth, random_sequences
     from draftline.config import ExtractConfig, ServerSettings
     from draftline.engines.launch import launch
     from draftline.engines.vllm import capture_server_spec, installed_version
-    from draftline.extract import extract_hidden_states, load_shard_traces, plan_hidden_shards, trace_entries
+    from draftline.extract import extract_hidden_states
+    from draftline.hidden_shards import load_shard_traces, plan_hidden_shards, trace_entries
     from draftline.extract_vllm import CapturedTarget, SpoolClient, _capture_shards, check_architecture, write_final_norm
     from draftline.state_storage import bytes_per_token
     from draftline.store import LocalStore

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from draftline import stages  # noqa: E402
-from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config  # noqa: E402
+from draftline.config import PipelineConfig  # noqa: E402
+from draftline.config_loading import load_config, merge_overrides, parse_config  # noqa: E402
 from draftline.layout import export_prefix  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from draftline import stages  # noqa: E402
-from draftline.config import load_config  # noqa: E402
+from draftline.config_loading import load_config  # noqa: E402
 from draftline.drafter.data import hidden_shard_keys, read_shard_tensors  # noqa: E402
 from draftline.eval_result import EvalResult  # noqa: E402
 from draftline.store import open_store  # noqa: E402

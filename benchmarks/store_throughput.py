@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftline.local_s3 import LocalS3  # noqa: E402
+from infra.local.seaweedfs import LocalS3  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 
 

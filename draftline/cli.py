@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--store", help="override store.root: a local folder or s3://bucket/prefix")
         p.add_argument("--run", help="override the run name (artifacts go to <store>/<run>/<stage>/)")
         _add_set(p)
+    _add_plan(sub)
     cfg = sub.add_parser("config", help="write and check pipeline configs", description="write and check pipeline configs")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     v = cfg_sub.add_parser("validate", help="validate a pipeline config and print it with defaults filled in",
@@ -59,6 +60,52 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--out", metavar="FILE",
                    help="the file to write, which must not exist yet (default: print the config)")
     return parser
+
+
+def _add_plan(sub) -> None:
+    text = ("predict each stage's tokens, bytes, wall time, GPU-hours, memory per device and the disk a run needs, "
+            "from measured rates (benchmarks/results/), before renting the GPUs")
+    p = sub.add_parser("plan", help=text, description=text + "; refuses a target that cannot fit the devices")
+    p.add_argument("config", metavar="CONFIG", help="pipeline config (YAML), e.g. configs/kimi-k2.5.yaml")
+    p.add_argument("--traces", type=int, metavar="N", help="traces to plan for (default: the prompts that "
+                   "traces.prompts holds, else 10,000)")
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs of each worker: every engine server's tensor parallel "
+                   "size and the training processes (default: the config's parallel sizes)")
+    p.add_argument("--hardware", choices=("h200", "h100", "cpu"), help="the devices (default: h200, or cpu when "
+                   "train.device is cpu); rates measured on the H200 carry to the H100 as the plan states")
+    p.add_argument("--prompt-tokens", type=float, metavar="N", help="mean prompt length in tokens (default: the "
+                   "prompts tokenized with the target's tokenizer, else 256)")
+    p.add_argument("--answer-tokens", type=float, metavar="N", help="mean answer length in tokens (default: "
+                   "traces.max_new_tokens, an upper bound)")
+    p.add_argument("--rate", action="append", default=[], metavar="NAME=VALUE",
+                   help="replace one of the plan's constants (listed under constants in its JSON) with your own "
+                        "measurement, e.g. prefill_flops_per_s=2e14; repeatable")
+    p.add_argument("--json", metavar="FILE", help="where the plan's JSON goes (default: plan-<run>.json here)")
+    _add_set(p)
+
+
+def _plan(args) -> int:
+    from draftline.plan import build_plan, render, write_plan
+
+    cfg = load_with_overrides(args.config, settings=args.settings)
+    rates = {}
+    for text in args.rate:
+        name, sep, value = text.partition("=")
+        try:
+            rates[name.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"--rate {text!r} is not NAME=NUMBER; write e.g. "
+                              "--rate prefill_flops_per_s=2e14") from None
+    for flag, value in (("--traces", args.traces), ("--gpus", args.gpus), ("--prompt-tokens", args.prompt_tokens),
+                        ("--answer-tokens", args.answer_tokens)):
+        if value is not None and value < (0 if flag == "--prompt-tokens" else 1):
+            raise ConfigError(f"{flag} {value:g} must be a positive number")
+    plan = build_plan(cfg, traces=args.traces, gpus=args.gpus, hardware=args.hardware,
+                      prompt_tokens=args.prompt_tokens, answer_tokens=args.answer_tokens, rates=rates)
+    print(render(plan))
+    path = write_plan(plan, args.json or f"plan-{cfg.run}.json")
+    print(f"plan written to {path}")
+    return 0
 
 
 def _add_set(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +172,8 @@ def _set_at(node: Any, keys: list[str], value: Any, given: str, seen: list[str])
 def load_with_overrides(path: str, store: str | None = None, run: str | None = None, settings: list[str] = ()):
     """Load a pipeline config with the command-line overrides applied (--store, --run, then each --set in order),
     validated as a whole like the file, with the same one-sentence errors."""
-    from draftline.config import PipelineConfig, parse_config, read_config_file
+    from draftline.config import PipelineConfig
+    from draftline.config_loading import parse_config, read_config_file
 
     data = read_config_file(path)
     if (store is None and run is None and not settings) or not isinstance(data, dict):
@@ -185,6 +233,8 @@ def _run_stage(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "config":
             return _init(args) if args.config_command == "init" else _validate(args)
         return _run_stage(args)

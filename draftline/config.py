@@ -1,17 +1,13 @@
-"""Pydantic models for every pipeline stage and the whole pipeline, loaded from YAML with one-sentence errors."""
+"""Pydantic models for every pipeline stage and the whole pipeline (draftline.config_loading reads them from YAML)."""
 from __future__ import annotations
 
-import difflib
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from draftline.aux_ids import AuxLayerIds
-from draftline.errors import ConfigError
 from draftline.store import check_store_uri
 from draftline.store.keys import STORE_URI_PATTERN
 
@@ -113,8 +109,10 @@ class ServerSettings(Strict):
 class TracesConfig(Strict):
     """Trace generation: the target answers the prompts so the drafter learns its own distribution."""
 
-    prompts: str = Field(description='The prompts the target answers: a JSON-lines file, one {"id", "prompt"} or '
-                         '{"id", "messages"} object per line, ids unique.')
+    prompts: str = Field(description="The prompts and conversations the target answers: a .jsonl, .json or .parquet "
+                         "file or a folder a dataset was saved to with datasets' save_to_disk, local or s3://; each "
+                         'record a raw "prompt", OpenAI "messages" or ShareGPT "conversations", ids unique '
+                         "(docs/data-formats.md).")
     backend: Literal["transformers", "vllm"] = Field(
         "transformers", description="What answers: transformers (the target loaded in the worker's process, for "
         "small models) or vllm (a vLLM server: tensor parallel, quantized kernels).")
@@ -125,6 +123,25 @@ class TracesConfig(Strict):
     use_chat_template: bool = Field(True, description="Render message prompts with the target's chat template and a "
                                     "generation prompt; false: their contents joined by blank lines. Plain prompt "
                                     "text is never templated.")
+    turns: Literal["last", "all"] = Field(
+        "last", description="Which turns of a conversation are answered and trained on: last, its final turn (a "
+        "conversation must then not end on an assistant turn); all, every assistant turn in order, each given the "
+        "conversation so far with the earlier answers in it, and the end of a conversation that ends on a user turn.")
+    responses: Literal["regenerate", "dataset"] = Field(
+        "regenerate", description="Whose answers the drafter learns: regenerate, the target's own (the target answers "
+        "each turn); dataset, the dataset's assistant turns as they are, with no generation (every record needs one; "
+        "with turns: last, the final one).")
+    chat_template: str | None = Field(None, description="A Jinja chat template file to render conversations with, "
+                                      "here, in the reference decoder and in the engines (vLLM gets it as "
+                                      "--chat-template; SGLang's prompts are rendered with it); on every worker's "
+                                      "disk. null: the target tokenizer's own.")
+    chat_template_kwargs: dict[str, Any] = Field({}, description='Variables the chat template is rendered with, e.g. '
+                                                 '{"enable_thinking": false}; the engines\' chat requests carry the '
+                                                 "same chat_template_kwargs, so train and serve render prompts alike.")
+    on_bad_record: Literal["fail", "skip"] = Field(
+        "fail", description="A record that cannot be used (not JSON, an unknown role, an empty conversation, one "
+        "that ends wrong for turns, one the template refuses): fail names its file, line or record and field before "
+        "anything is generated; skip leaves it out, and traces/stats.json counts and lists what was skipped.")
     temperature: float = Field(0.0, ge=0.0, le=5.0, description="Sampling temperature of the answers; 0: greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling's probability mass, when temperature is "
                          "above 0.")
@@ -147,6 +164,24 @@ class TracesConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the transformers backend generates; auto: a GPU when one is visible, else the CPU. "
         "vLLM picks its own.")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_not_reserved(cls, v):
+        from draftline.chat_template import RESERVED_KWARGS
+
+        taken = sorted(set(v) & set(RESERVED_KWARGS))
+        if taken:
+            raise ValueError(f"traces.chat_template_kwargs sets {', '.join(taken)}, which draftline sets itself; "
+                             "remove it")
+        return v
+
+    @model_validator(mode="after")
+    def _turns_need_template(self):
+        if not self.use_chat_template and (self.turns == "all" or self.responses == "dataset"):
+            raise ValueError("traces.turns: all and traces.responses: dataset need the chat template to tell the "
+                             "turns apart; set use_chat_template: true")
+        return self
 
     @model_validator(mode="after")
     def _endpoint_needs_vllm(self):
@@ -351,8 +386,9 @@ class ReferenceConfig(Strict):
 class EvalConfig(Strict):
     """Evaluation: prompts, sampling, engines, and the parity check against the reference decoder."""
 
-    prompts: str = Field(description='The evaluation prompts: a JSON-lines file, one {"id", "messages"} (sent to the '
-                         'chat endpoint) or {"id", "prompt"} (a raw completion) object per line.')
+    prompts: str = Field(description="The evaluation prompts, read like traces.prompts (files, datasets, s3://): "
+                         'each record "messages" or "conversations" (sent to the chat endpoint, with traces\' chat '
+                         'template and kwargs) or "prompt" (a raw completion), answered at its last turn.')
     max_prompts: int | None = Field(None, ge=1, description="Use only the first this many prompts; null: all.")
     max_new_tokens: int = Field(128, ge=1, description="Most tokens of each answer, in the engines and the reference "
                                 "decoder; training's replayed estimate reads as many of each validation answer.")
@@ -480,105 +516,3 @@ class PipelineConfig(Strict):
             raise ValueError("export.formats lists speculators, whose format describes Llama-layer heads only, but "
                              "drafter.attention is mla; remove speculators from export.formats or use attention: llama")
         return self
-
-
-def _describe_error(err: dict[str, Any], model: type[BaseModel], source: str) -> str:
-    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        parent = _model_at(model, err["loc"][:-1])
-        allowed = sorted(parent.model_fields) if parent else []
-        bad = str(err["loc"][-1])
-        hint = difflib.get_close_matches(bad, allowed, n=1)
-        fix = f"did you mean {hint[0]!r}?" if hint else f"allowed keys: {', '.join(allowed)}"
-        return f"{source}: unknown key {loc!r}; {fix}"
-    if kind == "missing":
-        return f"{source}: {loc} is required but missing; add it"
-    value = err.get("input")
-    msg = err["msg"].removeprefix("Value error, ")
-    if not err["loc"] or isinstance(value, dict):  # a whole section: its message names the fields, not its dump
-        return f"{source}: {msg}"
-    return f"{source}: {loc}={value!r} is invalid: {msg}"
-
-
-def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    current: Any = model
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return None
-        ann = field.annotation
-        # Unwrap list[X] / X | None to reach the section model.
-        for arg in getattr(ann, "__args__", ()) or ():
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                ann = arg
-        current = ann
-    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
-
-
-def parse_config(data: Any, model: type[BaseModel] = PipelineConfig, source: str = "config") -> BaseModel:
-    """Validate a mapping; raise ConfigError with one sentence per problem, naming field, value and fix."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
-    _reject_secrets(data, source)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        lines = [_describe_error(e, model, source) for e in exc.errors()]
-        raise ConfigError("\n".join(lines)) from None
-
-
-def _reject_secrets(data: Any, source: str, path: str = "") -> None:
-    if isinstance(data, dict):
-        for key, value in data.items():
-            where = f"{path}.{key}" if path else str(key)
-            if isinstance(key, str) and _SECRET_KEY.search(key) and not isinstance(value, dict):
-                raise ConfigError(
-                    f"{source}: {where} looks like a secret; secrets never go in config files, "
-                    "set them in the environment (e.g. AWS_SECRET_ACCESS_KEY) instead"
-                )
-            _reject_secrets(value, source, where)
-    elif isinstance(data, list):
-        for i, item in enumerate(data):
-            _reject_secrets(item, source, f"{path}[{i}]")
-
-
-def merge_overrides(base: dict, overrides: dict) -> dict:
-    """`overrides` laid over `base`, section by section: a mapping merges into the mapping it replaces, key by key;
-    anything else (a value, a list such as eval.engines, null) replaces what was there."""
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_overrides(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def load_config(path: str | os.PathLike, model: type[BaseModel] = PipelineConfig,
-                overrides: dict | None = None) -> BaseModel:
-    """Read a YAML file and validate it, with `overrides` merged into it first (merge_overrides); relative paths
-    inside stay relative to the current directory. Every problem is named, one sentence each."""
-    data = read_config_file(path)
-    if not overrides or not isinstance(data, dict):
-        return parse_config(data, model, str(path))
-    if not isinstance(overrides, dict):
-        raise ConfigError(f"the overrides for {path} must be a mapping of sections, such as "
-                          f'{{"train": {{"max_steps": 20}}}}, got {type(overrides).__name__}')
-    return parse_config(merge_overrides(data, overrides), model, f"{path} with overrides")
-
-
-def read_config_file(path: str | os.PathLike) -> Any:
-    """The YAML of a config file, parsed but not validated."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such config file; pass the path of a YAML file such as configs/demo.yaml")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}; fix the syntax there") from None
-    return data

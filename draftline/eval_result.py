@@ -135,6 +135,9 @@ class EvalResult(BaseModel):
     prompt_set: str
     prompt_set_sha256: str | None = None
     num_prompts: int = 0
+    # How the chat prompts were rendered: by whom, the template (a file, or the target tokenizer's own), its sha256
+    # where known, and the kwargs.
+    chat_template: dict[str, Any] | None = None
     sampling: dict[str, Any] = {}
     num_speculative_tokens: int
     server_args: list[str] = []  # the arguments given to both servers beyond draftline's own

@@ -1,7 +1,6 @@
 """Serves the target with and without the drafter in one engine, measures both, and compares acceptance with the reference."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -10,11 +9,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from draftline.aux_ids import AuxLayerIdsError
+from draftline.chat_template import ChatTemplate
 from draftline.config import EngineConfig, EvalConfig
 from draftline.engines.base import Acceptance, EngineAdapter
 from draftline.engines.client import (
     Prompt, RunMetrics, load_prompts, requests_for, round_robin, run_load, summarize_repeats,
 )
+from draftline.conversations import source_name, source_sha256
 from draftline.engines.launch import launch
 from draftline.engines.preflight import EngineUnavailable, check_drafter, preflight
 from draftline.errors import ConfigError, EngineError
@@ -44,11 +45,6 @@ def describe_hardware() -> str:
     except OSError:
         pass
     return f"CPU {model} ({os.cpu_count()} cores)"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
 
 
 # ---------------------------------------------------------------------------------------------- acceptance
@@ -114,13 +110,15 @@ class ServerRuns(NamedTuple):
 
 
 def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None,
-            prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, prefix: str | None) -> ServerRuns:
+            prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, prefix: str | None,
+            template: ChatTemplate | None = None) -> ServerRuns:
     """Start one server (baseline or EAGLE-3), run every configured concurrency against it (one warm-up wave, then
     `cfg.repeats` measured runs of the same requests), keep the engine's raw answers
-    (`prefix`/responses/<server>.json), stop it, and read its log."""
+    (`prefix`/responses/<server>.json), stop it, and read its log. `template`: the chat template and kwargs the
+    chat prompts are rendered with (traces.chat_template and chat_template_kwargs)."""
     served = _served_name(target_dir)
-    spec = adapter.server_spec(cfg, target_dir, drafter_dir, served)
-    requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature)
+    spec = adapter.server_spec(cfg, target_dir, drafter_dir, served, template)
+    requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature, template)
     out, repeats, repeat_acceptance = [], [], []
     log_prefix = f"{prefix}/logs" if prefix else None
     with launch(spec, cfg, log_dir, store=store, log_key_prefix=log_prefix) as server:
@@ -161,8 +159,9 @@ def _put_json(store, key: str, data: dict) -> None:
         store.put_bytes(key, (json.dumps(data, indent=2) + "\n").encode())
 
 
-def _new_result(cfg: EngineConfig, adapter: EngineAdapter, target_dir: Path, drafter_dir: Path, prompts_path: Path,
-                num_prompts: int, eval_cfg: EvalConfig, run: str, trained_aux_layer_ids: list[int] | None) -> EvalResult:
+def _new_result(cfg: EngineConfig, adapter: EngineAdapter, target_dir: Path, drafter_dir: Path, prompts_path: str,
+                num_prompts: int, eval_cfg: EvalConfig, run: str, trained_aux_layer_ids: list[int] | None,
+                template: ChatTemplate | None = None) -> EvalResult:
     """An engine's result row before anything is measured: what is evaluated, where and with which settings."""
     lineage = {}
     if (drafter_dir / "draftline.json").is_file():
@@ -170,8 +169,10 @@ def _new_result(cfg: EngineConfig, adapter: EngineAdapter, target_dir: Path, dra
     return EvalResult(
         run=run, engine=cfg.engine, engine_version=adapter.version(), status="ok", hardware=describe_hardware(),
         target=_served_name(target_dir), target_path=str(target_dir), drafter=drafter_dir.resolve().name,
-        drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=prompts_path.name,
-        prompt_set_sha256=_sha256(prompts_path), num_prompts=num_prompts,
+        drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=source_name(prompts_path),
+        prompt_set_sha256=source_sha256(prompts_path), num_prompts=num_prompts,
+        chat_template={"rendered_by": adapter.rendering(template or ChatTemplate()),
+                       **(template or ChatTemplate()).describe(target_dir=target_dir)},
         sampling={"temperature": eval_cfg.temperature, "max_new_tokens": eval_cfg.max_new_tokens},
         num_speculative_tokens=cfg.num_speculative_tokens, server_args=list(cfg.extra_args),
         speculative_server_args=list(cfg.speculative_extra_args), started_at=timestamp(),
@@ -192,7 +193,7 @@ def refuse_misread_export(cfg: EngineConfig, target_dir: str | Path, drafter_dir
     """The export check of preflight alone (files only: no engine is asked, no server starts): None when the engine
     would read the export as it was trained; else the refusal, with the engine's failed row written to the store as
     evaluate_engine writes it. Lets an evaluation fail before its reference decoder runs."""
-    target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), Path(prompts_path)
+    target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), str(prompts_path)
     try:
         check_drafter(cfg.engine, drafter_dir, target_dir, trained_aux_layer_ids)
     except ConfigError as exc:
@@ -206,7 +207,8 @@ def refuse_misread_export(cfg: EngineConfig, target_dir: str | Path, drafter_dir
 
 def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path, prompts_path: str | Path,
                     eval_cfg: EvalConfig, store, run: str, reference: Any = None,
-                    log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None) -> EvalResult:
+                    log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None,
+                    template: ChatTemplate | None = None) -> EvalResult:
     """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency; result JSON in the store.
 
     An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
@@ -214,14 +216,15 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     acceptance summary on the same prompts and k), parity is filled in; compute the reference on the trained
     checkpoint itself, not on this engine's export, or an export bug (wrong aux-layer ids) hides in both.
     `trained_aux_layer_ids` (vLLM convention, from the training record) is what the export and the engine's log are
-    checked against; without it, the export's own lineage.
+    checked against; without it, the export's own lineage. `template`: the chat template and kwargs of the chat
+    prompts (traces.chat_template and chat_template_kwargs, so that the engines render what the traces did).
     """
-    target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), Path(prompts_path)
+    target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), str(prompts_path)
     adapter = adapter_for(cfg.engine)
     prompts = load_prompts(prompts_path, eval_cfg.max_prompts)
     prefix, result_key = eval_prefix(run, cfg.engine), eval_result_key(run, cfg.engine)
     result = _new_result(cfg, adapter, target_dir, drafter_dir, prompts_path, len(prompts), eval_cfg, run,
-                         trained_aux_layer_ids)
+                         trained_aux_layer_ids, template)
     try:
         facts = preflight(cfg, target_dir, drafter_dir, trained_aux_layer_ids)
     except EngineUnavailable as exc:
@@ -238,8 +241,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         result.hardware = facts["gpu"]
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"draftline-{cfg.engine}-logs-"))
     try:
-        base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, prefix)
-        spec = measure(adapter, cfg, target_dir, drafter_dir, prompts, eval_cfg, logs, store, prefix)
+        base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, prefix, template)
+        spec = measure(adapter, cfg, target_dir, drafter_dir, prompts, eval_cfg, logs, store, prefix, template)
     except EngineError as exc:
         failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0],
                                            "finished_at": timestamp()})

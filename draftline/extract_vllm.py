@@ -21,7 +21,7 @@ import torch
 from draftline.aux_ids import VLLM, AuxLayerIds
 from draftline.config import ExtractConfig, ServerSettings
 from draftline.errors import ConfigError, EngineError
-from draftline.extract import (
+from draftline.hidden_shards import (
     STAGE, HostShard, check_traces, load_shard_traces, trace_entries, finalize_hidden_states,
     length_buckets, plan_hidden_shards, shard_spec, write_hidden_shard,
 )

@@ -51,14 +51,74 @@ def _tokenizer(config: PipelineConfig) -> str:
     return f"target.path {root}: a tokenizer"
 
 
-def _prompts(field_name: str, path: str) -> str:
-    from draftline.traces import read_prompts
+# `config validate` and a stage's own check read this many records of each prompt set, not a whole dataset.
+VALIDATE_RECORDS = 1000
 
+
+def _reading(config: PipelineConfig, field_name: str) -> dict:
+    """How the stage that reads `field_name` reads it: traces as traces.turns and responses say, eval at last turns."""
+    t = config.traces
+    if field_name == "traces.prompts":
+        return {"turns": t.turns, "responses": t.responses, "on_bad_record": t.on_bad_record}
+    return {"turns": "last", "responses": "regenerate", "on_bad_record": "fail"}
+
+
+def _prompts(config: PipelineConfig, field_name: str, path: str) -> str:
+    from draftline.conversations import read_prompt_set
+
+    prompts = read_prompt_set(path, field_name, limit=VALIDATE_RECORDS, **_reading(config, field_name))
+    said = f"{field_name} {path}: {len(prompts)} records" + (" (the first ones read)" if prompts.read
+                                                            >= VALIDATE_RECORDS else "")
+    if prompts.skipped:
+        said += f", {len(prompts.skipped)} bad ones to skip (the first: {prompts.skipped[0]})"
+    return said
+
+
+def _template_file(path: str) -> str:
+    if not Path(path).is_file():
+        raise ConfigError(f"traces.chat_template {path}: no such file; point it at a Jinja chat template")
+    return f"traces.chat_template {path}: a file"
+
+
+def _chat_template(config: PipelineConfig) -> str:
+    """The template renders and opens the answer, and renders the first prompt of each record read."""
+    from draftline import turns as turn_lib
+    from draftline.chat_template import ChatTemplate
+    from draftline.conversations import BadRecord, read_prompt_set
+
+    template = ChatTemplate.of(config.traces)
+    if not config.traces.use_chat_template:
+        return "traces.use_chat_template is false: the contents of messages are joined, not templated"
+    root = Path(config.target.path)
     try:
-        prompts = read_prompts(path)
-    except ConfigError as exc:  # read_prompts names traces.prompts; say which field this file came from
-        raise ConfigError(str(exc).replace("traces.prompts", field_name)) from None
-    return f"{field_name} {path}: {len(prompts)} prompts"
+        # The fast tokenizer's class alone where its files are: the auto classes import every model's code (seconds).
+        if (root / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast as Tokenizer
+        else:
+            from transformers import AutoTokenizer as Tokenizer
+        tok = Tokenizer.from_pretrained(root)
+    except Exception as exc:  # transformers raises what the files happen to trip (KeyError, OSError, ...)
+        raise ConfigError(f"target.path {config.target.path}: its tokenizer does not load ({type(exc).__name__}: "
+                          f"{exc}); copy the model's own tokenizer files there") from None
+    template.check(tok)
+    refused = []
+    for field_name, path in (("traces.prompts", config.traces.prompts), ("eval.prompts", config.eval.prompts)):
+        if path.startswith("s3://") or not Path(path).exists():
+            continue
+        reading = {**_reading(config, field_name), "on_bad_record": "skip"}  # _prompts reports what is unreadable
+        prompts = read_prompt_set(path, field_name, limit=VALIDATE_RECORDS, **reading)
+        for record in prompts:
+            try:
+                slots = turn_lib.answer_slots(record, reading["turns"], reading["responses"])
+                d = turn_lib.Dialogue(record, prompts.origin(record["id"]), slots)  # the engines take images too
+                if d.slots:
+                    turn_lib.turn_prompt(d, 0, tok, template, True)
+            except BadRecord as bad:
+                if field_name == "eval.prompts" or config.traces.on_bad_record != "skip":
+                    raise
+                refused.append(bad)
+    said = f"traces.chat_template: {template.describe(tok)['template']} with kwargs {template.kwargs} renders the prompts"
+    return said + (f"; {len(refused)} records it refuses will be skipped" if refused else "")
 
 
 def _warm_start(path: str) -> str:
@@ -99,11 +159,11 @@ def _store(root: str) -> str:
 # What each stage reads of the config's inputs on its own worker (a deployed stage checks these before its work):
 # the stages that turn prompts into tokens need the target's tokenizer, the others its config and weights only.
 STAGE_INPUTS = {
-    "traces": ("target.path", "target.tokenizer", "traces.prompts", "store.root"),
+    "traces": ("target.path", "target.tokenizer", "traces.prompts", "traces.chat_template", "store.root"),
     "extraction": ("target.path", "store.root"),
     "training": ("target.path", "train.warm_start", "store.root"),
-    "reference": ("target.path", "target.tokenizer", "eval.prompts", "store.root"),
-    "evaluation": ("target.path", "target.tokenizer", "eval.prompts", "store.root"),
+    "reference": ("target.path", "target.tokenizer", "eval.prompts", "traces.chat_template", "store.root"),
+    "evaluation": ("target.path", "target.tokenizer", "eval.prompts", "traces.chat_template", "store.root"),
 }
 
 
@@ -115,19 +175,29 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
     wanted = (lambda name: True) if needs is None else (lambda name: name in needs)
     report = InputReport()
     paths = [("target.path", config.target.path, lambda: _target(config)),
-             ("traces.prompts", config.traces.prompts, lambda: _prompts("traces.prompts", config.traces.prompts)),
-             ("eval.prompts", config.eval.prompts, lambda: _prompts("eval.prompts", config.eval.prompts))]
+             ("traces.prompts", config.traces.prompts, lambda: _prompts(config, "traces.prompts",
+                                                                        config.traces.prompts)),
+             ("eval.prompts", config.eval.prompts, lambda: _prompts(config, "eval.prompts", config.eval.prompts))]
     if config.train.warm_start:
         paths.append(("train.warm_start", config.train.warm_start, lambda: _warm_start(config.train.warm_start)))
+    if config.traces.chat_template:
+        paths.append(("traces.chat_template", config.traces.chat_template,
+                      lambda: _template_file(config.traces.chat_template)))
     for name, path, check in paths:
         if not wanted(name):
             continue
-        if not here and not Path(path).exists():
+        if path.startswith("s3://") and not reach_store:
+            report.unchecked.append(f"{name} {path}: not contacted (add --check-store)")
+            continue
+        if not here and not path.startswith("s3://") and not Path(path).exists():
             report.unchecked.append(f"{name} {path} is not on this machine (the stage's worker must have it)")
             continue
         _check(report, name, check)
     if wanted("target.tokenizer") and Path(config.target.path).is_dir():
         _check(report, "target.tokenizer", lambda: _tokenizer(config))
+        if wanted("traces.chat_template") and not report.problems and (not config.traces.chat_template
+                                                                       or Path(config.traces.chat_template).is_file()):
+            _check(report, "traces.chat_template", lambda: _chat_template(config))
     if wanted("eval.engines") and here and Path(config.target.path, "config.json").is_file():
         _check(report, "eval.engines", lambda: _cpu_kernels(config))
     root = config.store.root

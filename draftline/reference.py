@@ -14,6 +14,7 @@ import torch
 
 from draftline.acceptance import AcceptanceStats
 from draftline.aux_ids import AuxLayerIds, outside
+from draftline.chat_template import ChatTemplate
 from draftline.config import DEFAULT_K
 from draftline.errors import ConfigError
 from draftline.speculative import SpeculativeDecoder, plain_decode
@@ -50,6 +51,7 @@ class ReferenceResult:
     plain_mode: str = "eager"
     aux_shifts: list[dict] = field(default_factory=list)  # the same drafter fed neighbouring layers (variant_runs)
     other_precision: dict | None = None  # the same decode in another precision: how far numerics alone move it
+    chat_template: dict | None = None  # the template and kwargs the chat prompts were rendered with
 
     @property
     def spec_tokens_per_s(self) -> float:
@@ -72,6 +74,7 @@ class ReferenceResult:
             "draft_sampling": self.draft_sampling,
             "dtype": self.dtype, "device": self.device, "batch_size": self.batch_size,
             "num_prompts": self.num_prompts, "max_new_tokens": self.max_new_tokens,
+            "chat_template": self.chat_template,
             "mean_acceptance_length": s.mean_acceptance_length,
             "per_position_acceptance": s.per_position_acceptance,
             "conditional_acceptance": s.conditional_acceptance,
@@ -147,9 +150,9 @@ def eos_token_ids(target_dir: str | Path, tokenizer) -> list[int]:
 
 def load_drafter(drafter_dir: str | Path, target_model, dtype: torch.dtype, device: str):
     """An Eagle3Drafter from a drafter directory, checked against the target, on device in dtype."""
-    from draftline.drafter.model import Eagle3Drafter
+    from draftline.drafter.eagle_format import load_eagle_dir
 
-    drafter = Eagle3Drafter.from_pretrained(
+    drafter = load_eagle_dir(
         drafter_dir, embed_tokens=target_model.get_input_embeddings().weight.detach().float().cpu(),
         target_num_layers=len(decoder_layers(target_model)))
     return drafter.to(device=device, dtype=dtype).eval()
@@ -160,7 +163,7 @@ def reference_acceptance(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, m
                          max_prompts: int | None = None, use_chat_template: bool = True, batch_size: int = 1,
                          seed: int = 0, draft_sampling: str = "greedy", target=None, fast: bool | None = None,
                          sync_every: int | None = None, aux_shifts: Sequence[int] = (),
-                         other_precision: bool = False) -> dict:
+                         other_precision: bool = False, template: ChatTemplate | None = None) -> dict:
     """Acceptance of `drafter_dir` on `prompts` (a prompts .jsonl path or contract-B dicts), as JSON-ready figures.
 
     Prompts are encoded as the engines see them (chat template with generation prompt for messages). Plain
@@ -172,17 +175,19 @@ def reference_acceptance(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, m
                          max_prompts=max_prompts, use_chat_template=use_chat_template, batch_size=batch_size,
                          seed=seed, draft_sampling=draft_sampling, target=target, fast=fast,
                          sync_every=sync_every, aux_shifts=aux_shifts,
-                         other_precision=other_precision).summary()
+                         other_precision=other_precision, template=template).summary()
 
 
 def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_tokens: int = 128, device: str = "auto",
                   dtype: str = "float32", *, temperature: float = 0.0, max_prompts: int | None = None,
                   use_chat_template: bool = True, batch_size: int = 1, seed: int = 0, draft_sampling: str = "greedy",
                   target=None, fast: bool | None = None, sync_every: int | None = None,
-                  aux_shifts: Sequence[int] = (), other_precision: bool = False) -> ReferenceResult:
+                  aux_shifts: Sequence[int] = (), other_precision: bool = False,
+                  template: ChatTemplate | None = None) -> ReferenceResult:
     """Like reference_acceptance, returning the ReferenceResult; `target` = an already loaded (model, tokenizer).
     aux_shifts: also decode with the drafter fed layers moved by each shift; other_precision: also decode in
-    bfloat16 (float32 when dtype is bfloat16); both on the same prompts (variant_runs)."""
+    bfloat16 (float32 when dtype is bfloat16); both on the same prompts (variant_runs). template: the chat template
+    and kwargs (traces.chat_template and chat_template_kwargs; None: the tokenizer's own)."""
     from draftline.target import load_target
     from draftline.traces import encode_prompt, read_prompts
 
@@ -197,7 +202,8 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_
     rows = rows[:max_prompts] if max_prompts else rows
     model, tokenizer = target if target is not None else load_target(target_dir, dtype, device)
     drafter = load_drafter(drafter_dir, model, _DTYPES[dtype], device)
-    encoded = [encode_prompt(tokenizer, p, use_chat_template) for p in rows]
+    template = template or ChatTemplate()
+    encoded = [encode_prompt(tokenizer, p, use_chat_template, template) for p in rows]
     eos = eos_token_ids(target_dir, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     decoder = SpeculativeDecoder(model, drafter, k, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
@@ -240,5 +246,6 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_
         greedy_outputs_match=match if temperature == 0.0 else None,
         target_forwards_spec=spec_fw, target_forwards_plain=plain_fw,
         mode="+".join(sorted(modes["spec"])), plain_mode="+".join(sorted(modes["plain"])),
-        aux_shifts=shifted, other_precision=other)
+        aux_shifts=shifted, other_precision=other,
+        chat_template=template.describe(tokenizer) if use_chat_template else None)
 

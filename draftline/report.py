@@ -8,7 +8,7 @@ from pathlib import Path
 from draftline.engines.sglang_findings import sglang_overlap_finding, sglang_prefill_graph_finding
 from draftline.errors import ConfigError
 from draftline.eval_result import EvalResult, timestamp
-from draftline.layout import report_prefix, training_record_key
+from draftline.layout import report_prefix, trace_stats_key, training_record_key
 from draftline.parity import logged_aux_layers
 
 
@@ -101,8 +101,10 @@ def measurement_sentence(results: list[EvalResult]) -> str:
             "percentiles are over every measured request; output tokens are per repeat.")
 
 
-def report_markdown(results: list[EvalResult], training: dict | None = None, run: str | None = None) -> str:
-    """The report page; `training` is the run's training record (train/metrics.json), None when it has none."""
+def report_markdown(results: list[EvalResult], training: dict | None = None, run: str | None = None,
+                    traces: dict | None = None) -> str:
+    """The report page; `training` is the run's training record (train/metrics.json), None when it has none;
+    `traces` the run's trace stats (traces/stats.json), None when it made no traces."""
     run = run or next((r.run for r in results), None)
     lines = ["# Drafter evaluation", ""]
     when = max((r.finished_at or "" for r in results), default="")
@@ -150,6 +152,7 @@ def report_markdown(results: list[EvalResult], training: dict | None = None, run
     for r in (r for r in results if r.status != "skipped"):  # a skipped engine started no server
         lines.append(_identity_cells(r) + f"| {' '.join(r.server_args) or 'none'} | "
                      f"{' '.join(r.speculative_server_args) or 'none'} |")
+    lines += rendering_markdown(results, traces)
     lines += ["", "## Acceptance by draft position and parity with the reference decoder", "",
               "Parity compares accepted draft tokens per verification step (acceptance length minus the bonus "
               "token) of the engine with draftline's reference decoder on the same prompts, drafter and k.", "",
@@ -199,6 +202,29 @@ def report_markdown(results: list[EvalResult], training: dict | None = None, run
         lines += [f"![training curves]({TRAINING_PLOT})", ""]
     lines += ["Raw figures: results.json (one EvalResult per engine).", ""]
     return "\n".join(lines)
+
+
+def rendering_markdown(results: list[EvalResult], traces: dict | None) -> list[str]:
+    """Which chat template and kwargs each side rendered its prompts with: the traces the drafter learned from, and
+    each engine's requests."""
+    rows = []
+    if traces is not None:
+        rows.append(("traces", "draftline", traces.get("chat_template")))
+    rows += [(f"{r.engine} {r.engine_version or ''}".strip(), None, r.chat_template)
+             for r in results if r.status != "skipped" and r.chat_template is not None]
+    if not rows:
+        return []
+    lines = ["", "## Prompt rendering", "", "The chat template and kwargs each side rendered chat prompts with; train and "
+             "serve render alike when they match.", "", "| side | rendered by | template | sha256 | kwargs |",
+             "|" + "---|" * 5]
+    for side, by, said in rows:
+        if not said:
+            lines.append(f"| {side} | {by or 'n/a'} | not templated | | |")
+            continue
+        digest = (said.get("sha256") or "")[:12]
+        lines.append(f"| {side} | {said.get('rendered_by', by or '')} | {said.get('template')} | {digest} | "
+                     f"{json.dumps(said.get('kwargs') or {})} |")
+    return lines
 
 
 def _servers(servers: list[str]) -> str:
@@ -455,10 +481,11 @@ def write_report(results: list[EvalResult], store, run: str) -> dict[str, str]:
         raise ConfigError("no evaluation results to report; run at least one engine first")
     prefix = report_prefix(run)
     training = read_training(store, run)
+    traces = json.loads(store.get_bytes(trace_stats_key(run))) if store.exists(trace_stats_key(run)) else None
     keys = {}
     with tempfile.TemporaryDirectory(prefix="draftline-report-") as tmp:
         tmp = Path(tmp)
-        (tmp / "report.md").write_text(report_markdown(results, training, run))
+        (tmp / "report.md").write_text(report_markdown(results, training, run, traces))
         (tmp / "results.json").write_text(json.dumps([r.model_dump(mode="json") for r in results], indent=2))
         plot_acceptance(results, tmp / "acceptance_by_position.png")
         plot_throughput(results, tmp / "throughput_speedup.png")

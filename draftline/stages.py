@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from draftline.aux_ids import VLLM, AuxLayerIds
+from draftline.chat_template import ChatTemplate
 from draftline.config import EngineConfig, PipelineConfig
 from draftline.errors import ConfigError
 from draftline.layout import (eval_result_key, export_prefix, hidden_manifest_key, reference_result_key,
@@ -59,7 +60,8 @@ def finish_traces(config: PipelineConfig, store: Store) -> dict:
     """Stats and the stage manifest once every trace shard is published; returns the stats."""
     from draftline import traces as trace_lib
 
-    return trace_lib.finalize_traces(config.traces, trace_lib.load_prompts(config.traces), store, config.run)
+    return trace_lib.finalize_traces(config.traces, trace_lib.load_prompts(config.traces), store, config.run,
+                                     config.target.path)
 
 
 def extraction_in_one_server(config: PipelineConfig) -> bool:
@@ -68,9 +70,9 @@ def extraction_in_one_server(config: PipelineConfig) -> bool:
 
 
 def hidden_shard_count(config: PipelineConfig, store: Store) -> int:
-    from draftline import extract as extract_lib
+    from draftline import hidden_shards
 
-    return extract_lib.num_hidden_shards(config.extract, store, config.run)
+    return hidden_shards.num_hidden_shards(config.extract, store, config.run)
 
 
 def extract_shard(config: PipelineConfig, store: Store, shard_index: int) -> dict:
@@ -83,9 +85,9 @@ def extract_shard(config: PipelineConfig, store: Store, shard_index: int) -> dic
 
 def finish_extraction(config: PipelineConfig, store: Store, num_shards: int) -> str:
     """The stage manifest once every hidden-state shard exists; returns its URI."""
-    from draftline import extract as extract_lib
+    from draftline import hidden_shards
 
-    extract_lib.finalize_hidden_states(store, config.run, num_shards)
+    hidden_shards.finalize_hidden_states(store, config.run, num_shards)
     return hidden_manifest_uri(config, store)
 
 
@@ -171,7 +173,8 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
     eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
-                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports))
+                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports),
+                             template=ChatTemplate.of(config.traces))
     return engine_result_key(config, engine)
 
 
@@ -272,6 +275,7 @@ def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> 
         use_chat_template=config.eval.use_chat_template, device=config.eval.reference.device,
         temperature=config.eval.temperature, batch_size=config.eval.reference.batch_size,
         aux_shifts=config.eval.reference.aux_shifts, other_precision=config.eval.reference.other_precision,
+        template=ChatTemplate.of(config.traces),
     )
     key = reference_key(config)
     store.put_bytes(key, (json.dumps(summary, indent=2) + "\n").encode())

@@ -1,6 +1,7 @@
-"""Prompts → the target's own responses ("traces"): chat templates, sampling, loss masks, filters, resumable shards."""
+"""Prompts and conversations → the target's own answers ("traces"): turn by turn, loss masks, filters, resumable shards."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -11,7 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
+from draftline import turns as turn_lib
+from draftline.chat_template import ChatTemplate
 from draftline.config import TracesConfig
+from draftline.conversations import BadRecord, Origin, PromptSet, read_prompt_set
 from draftline.errors import ConfigError, EngineError
 from draftline.layout import TRACES_STAGE, trace_stats_key, traces_prefix
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
@@ -21,68 +25,32 @@ log = logging.getLogger(__name__)
 STAGE = TRACES_STAGE
 SUFFIX = ".jsonl"
 LENGTH_BINS = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+LISTED_SKIPS = 1000  # stats.json lists this many skipped records; it counts them all
 
 
 # ---------------------------------------------------------------- prompts
 
-def read_prompts(path: str | Path) -> list[dict]:
-    """Read a prompts jsonl: each line {"id", "prompt": str} or {"id", "messages": [{"role", "content"}]}."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such prompts file; set traces.prompts to a .jsonl file of prompts")
-    prompts = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                prompts.append(_parse_prompt(line, p, n))
-    if not prompts:
-        raise ConfigError(f"{p}: holds no prompts; add lines like {{\"id\": \"p1\", \"prompt\": \"Hello\"}}")
-    return prompts
+def read_prompts(path: str | Path) -> PromptSet:
+    """Every record of a prompt set (draftline.conversations), answered at its last turn: {"id", "prompt"} or
+    {"id", "messages"} each; a bad record raises BadRecord naming its file, line and field."""
+    return read_prompt_set(path, "traces.prompts")
 
 
-def _parse_prompt(line: str, path: Path, n: int) -> dict:
-    where = f"{path}, line {n}"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix that line") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{where}: expected a JSON object with \"id\" and \"prompt\" or \"messages\"; fix that line")
-    pid = obj.get("id")
-    if not isinstance(pid, str) or not pid:
-        raise ConfigError(f"{where}: \"id\" must be a non-empty string; add one")
-    if "messages" in obj:
-        msgs = obj["messages"]
-        ok = isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
-        )
-        if not ok:
-            raise ConfigError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}; fix that line")
-        if msgs[-1]["role"] == "assistant":
-            raise ConfigError(f"{where}: the last message is the assistant's; end with the user turn the target should answer")
-        return {"id": pid, "messages": msgs}
-    if isinstance(obj.get("prompt"), str):
-        return {"id": pid, "prompt": obj["prompt"]}
-    raise ConfigError(f"{where}: needs \"prompt\" (a string) or \"messages\" (a list); add one of them")
-
-
-def load_prompts(cfg: TracesConfig) -> list[dict]:
-    """The prompts this stage answers: read, duplicates dropped (same text, first kept), capped at max_prompts."""
-    prompts = read_prompts(cfg.prompts)
-    seen_ids: set[str] = set()
-    for p in prompts:
-        if p["id"] in seen_ids:
-            raise ConfigError(f"{cfg.prompts}: id {p['id']!r} appears twice; prompt ids must be unique")
-        seen_ids.add(p["id"])
+def load_prompts(cfg: TracesConfig) -> PromptSet:
+    """The records this stage answers: read as traces.turns, responses and on_bad_record say, duplicates dropped
+    (same content, first kept), capped at max_prompts."""
+    prompts = read_prompt_set(cfg.prompts, "traces.prompts", turns=cfg.turns, responses=cfg.responses,
+                              on_bad_record=cfg.on_bad_record)
+    kept = list(prompts)
     if cfg.drop_duplicates:
-        seen, unique = set(), []
+        seen, kept = set(), []
         for p in prompts:
             k = json.dumps(p.get("messages", p.get("prompt")), sort_keys=True)
             if k not in seen:
                 seen.add(k)
-                unique.append(p)
-        prompts = unique
-    return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+                kept.append(p)
+    kept = kept[: cfg.max_prompts] if cfg.max_prompts else kept
+    return PromptSet(kept, prompts.source, prompts.origins, prompts.skipped, prompts.read)
 
 
 def num_trace_shards(cfg: TracesConfig, prompts: list[dict]) -> int:
@@ -96,24 +64,18 @@ def shard_prompts(cfg: TracesConfig, prompts: list[dict], shard_index: int) -> l
     return prompts[shard_index * cfg.traces_per_shard:(shard_index + 1) * cfg.traces_per_shard]
 
 
-def encode_prompt(tokenizer, prompt: dict, use_chat_template: bool) -> list[int]:
-    """Token ids the target sees before its answer: the chat template with a generation prompt, or the raw text."""
-    if "messages" in prompt and use_chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(
-                "the target's tokenizer has no chat template; add one to tokenizer_config.json "
-                "or set traces.use_chat_template: false"
-            )
-        text = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
-        # The template already writes BOS where the model wants it.
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = prompt.get("prompt") if "prompt" in prompt else "\n\n".join(m["content"] for m in prompt["messages"])
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+def encode_prompt(tokenizer, prompt: dict, use_chat_template: bool, template: ChatTemplate | None = None
+                  ) -> list[int]:
+    """Token ids the target sees before its answer to the last turn: the chat template (the tokenizer's, or
+    `template`) with a generation prompt, or the raw text."""
+    d = turn_lib.plan(prompt, Origin(f"prompt {prompt['id']!r}"), "last", "regenerate", use_chat_template)
+    return turn_lib.turn_prompt(d, 0, tokenizer, template or ChatTemplate(), use_chat_template)[1]
 
 
-def _request_seed(seed: int, prompt_id: str) -> int:
-    # Per-prompt seeds make sampled traces independent of batching, sharding and resumption.
-    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+def _request_seed(seed: int, prompt_id: str, turn: int = 0) -> int:
+    # Per-prompt (and per-turn) seeds make sampled traces independent of batching, sharding and resumption.
+    key = prompt_id if turn == 0 else f"{prompt_id}#{turn}"
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
 # ---------------------------------------------------------------- backends
@@ -129,7 +91,11 @@ def _cached_target(path: str, dtype: str, device: str):
 def _cached_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target {path} has no usable tokenizer ({str(exc).splitlines()[0]}); add tokenizer.json "
+                          "there") from None
 
 
 def _eos_ids(target_dir: str, tokenizer) -> list[int]:
@@ -141,13 +107,6 @@ def _eos_ids(target_dir: str, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
-
-
-def _cut_at_eos(tokens: list[int], eos: list[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]  # the EOS is part of the answer: the drafter must learn to predict it
-    return tokens
 
 
 def _generate_transformers(cfg: TracesConfig, target_dir: str, prompt_ids: list[list[int]], seeds: list[int],
@@ -179,25 +138,48 @@ def _generate_transformers(cfg: TracesConfig, target_dir: str, prompt_ids: list[
             pad_token_id=pad, eos_token_id=eos,
         )
         for row, i in enumerate(idx):
-            out[i] = _cut_at_eos(gen[row, width:].tolist(), eos)[: budgets[i]]
+            out[i] = turn_lib.cut_at_stop(gen[row, width:].tolist(), eos)[: budgets[i]]
     return out  # type: ignore[return-value]
 
 
-def _generate_vllm_server(cfg: TracesConfig, target_dir: str, prompt_ids: list[list[int]], seeds: list[int],
-                          budgets: list[int], dtype: str) -> list[list[int]]:
-    """Start a supervised vLLM server with traces.vllm's settings (tensor parallelism, quantization, ...), answer
-    every prompt through it, stop it."""
-    from draftline.engines.launch import launch
-    from draftline.engines.vllm import generation_server_spec
-    from draftline.extract_vllm import check_devices
+class _Answerer:
+    """Answers token-id prompts with traces' backend. A vLLM server draftline starts (traces.vllm) starts with the
+    first prompts, so work without any (the dataset's answers, prompts all too long) starts none, and it answers
+    every round of turns until the block ends."""
 
-    settings = cfg.vllm.resolved(dtype)
-    check_devices(settings, "traces.vllm")
-    limit = _length_limit(cfg, target_dir)
-    spec = generation_server_spec(settings, Path(target_dir), settings.max_model_len or limit)
-    with tempfile.TemporaryDirectory(prefix="draftline-traces-") as logs:
-        with launch(spec, settings, logs) as server:
-            return _generate_vllm_at(server.base_url + "/v1", cfg, prompt_ids, seeds, budgets)
+    def __init__(self, cfg: TracesConfig, target_dir: str, dtype: str, device: str):
+        self.cfg, self.target_dir, self.dtype, self.device = cfg, target_dir, dtype, device
+        self.endpoint = cfg.endpoint
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "_Answerer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def __call__(self, prompt_ids: list[list[int]], seeds: list[int], budgets: list[int]) -> list[list[int]]:
+        if not prompt_ids:
+            return []
+        if self.cfg.backend == "transformers":
+            return _generate_transformers(self.cfg, self.target_dir, prompt_ids, seeds, budgets, self.dtype,
+                                          self.device)
+        if self.endpoint is None:
+            self.endpoint = self._start_server()
+        return _generate_vllm_at(self.endpoint, self.cfg, prompt_ids, seeds, budgets)
+
+    def _start_server(self) -> str:
+        """A supervised vLLM server with traces.vllm's settings (tensor parallelism, quantization, ...)."""
+        from draftline.engines.launch import launch
+        from draftline.engines.vllm import generation_server_spec
+        from draftline.extract_vllm import check_devices
+
+        settings = self.cfg.vllm.resolved(self.dtype)
+        check_devices(settings, "traces.vllm")
+        limit = _length_limit(self.cfg, self.target_dir)
+        spec = generation_server_spec(settings, Path(self.target_dir), settings.max_model_len or limit)
+        logs = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="draftline-traces-"))
+        return self._stack.enter_context(launch(spec, settings, logs)).base_url + "/v1"
 
 
 def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],
@@ -235,7 +217,14 @@ def _shard_spec(cfg: TracesConfig, target_dir: str, prompts: list[dict], dtype: 
 
     # How and where the work runs, not what it produces: changing them keeps finished shards.
     knobs = cfg.model_dump(exclude={"prompts", "max_prompts", "traces_per_shard", "batch_size", "endpoint", "device",
-                                    "vllm"})
+                                    "vllm", "on_bad_record"})
+    # Settings at their defaults stay out, so that shards published before the settings existed are still found.
+    for name, default in (("turns", "last"), ("responses", "regenerate"), ("chat_template", None),
+                          ("chat_template_kwargs", {})):
+        if knobs[name] == default:
+            del knobs[name]
+    if cfg.chat_template:
+        knobs["chat_template"] = ChatTemplate.of(cfg).describe()
     return spec_hash({"cfg": knobs, "target": target_fingerprint(target_dir), "dtype": dtype, "prompts": prompts})
 
 
@@ -263,8 +252,9 @@ def generate_trace_shard(cfg: TracesConfig, target_dir: str | Path, prompts: lis
     if done is not None:
         return {**done.metadata, "computed": False}
     started = time.monotonic()
-    return _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec,
-                                _generate(cfg, target_dir, mine, dtype, device), started)
+    with _Answerer(cfg, target_dir, dtype, device) as answerer:
+        answered = _answer(cfg, target_dir, prompts, mine, answerer)
+    return _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, answered, started)
 
 
 def _length_limit(cfg: TracesConfig, target_dir: str) -> int:
@@ -276,63 +266,76 @@ def _length_limit(cfg: TracesConfig, target_dir: str) -> int:
     return min(cfg.max_total_tokens, int(tc.get("max_position_embeddings") or cfg.max_total_tokens))
 
 
-def _generate(cfg, target_dir, mine, dtype, device) -> tuple[list, list]:
-    """Encode and answer `mine`; returns (prompt_ids per prompt or None if too long, response ids)."""
-    tok = _cached_tokenizer(target_dir) if cfg.backend == "vllm" else _cached_target(target_dir, dtype, device)[1]
-    encoded = [encode_prompt(tok, p, cfg.use_chat_template) for p in mine]
-    limit = _length_limit(cfg, target_dir)
-    keep = [i for i, ids in enumerate(encoded) if len(ids) < limit]
-    ids = [encoded[i] for i in keep]
-    seeds = [_request_seed(cfg.seed, mine[i]["id"]) for i in keep]
-    budgets = [min(cfg.max_new_tokens, limit - len(x)) for x in ids]
-    if not ids:
-        responses = []
-    elif cfg.backend == "transformers":
-        responses = _generate_transformers(cfg, target_dir, ids, seeds, budgets, dtype, device)
-    elif cfg.endpoint:
-        responses = _generate_vllm_at(cfg.endpoint, cfg, ids, seeds, budgets)
+def _answer(cfg: TracesConfig, target_dir: str, prompts: list[dict], mine: list[dict], answerer: _Answerer
+            ) -> tuple[list[turn_lib.Dialogue], object]:
+    """Every record of `mine` as a Dialogue with its answers (the target's, turn by turn, or the dataset's), and the
+    tokenizer. Every first prompt is rendered before anything is generated: a bad record or template stops the
+    stage before a server starts (with on_bad_record: skip, the record is dropped and kept as the reason)."""
+    tok = _cached_tokenizer(target_dir)
+    template, skip = ChatTemplate.of(cfg), cfg.on_bad_record == "skip"
+    if cfg.use_chat_template and any("messages" in p for p in mine):
+        template.check(tok)
+    origin = getattr(prompts, "origin", lambda pid: Origin(f"{cfg.prompts}, id {pid!r}"))
+    dialogues = []
+    for p in mine:
+        try:
+            dialogues.append(turn_lib.plan(p, origin(p["id"]), cfg.turns, cfg.responses, cfg.use_chat_template))
+        except BadRecord as bad:
+            if not skip:
+                raise
+            dialogues.append(turn_lib.Dialogue(p, origin(p["id"]), [], dropped="bad_record", problem=bad))
+    eos, limit = _eos_ids(target_dir, tok), _length_limit(cfg, target_dir)
+    if cfg.responses == "dataset":
+        for d in dialogues:
+            if d.dropped is None:
+                try:
+                    turn_lib.dataset_answers(d, tok, template, eos, limit)
+                except BadRecord as bad:
+                    if not skip:
+                        raise
+                    d.dropped, d.problem = "bad_record", bad
     else:
-        responses = _generate_vllm_server(cfg, target_dir, ids, seeds, budgets, dtype)
-    eos = _eos_ids(target_dir, tok)
-    full: list = [None] * len(mine)
-    resp: list = [None] * len(mine)
-    for j, i in enumerate(keep):
-        full[i], resp[i] = encoded[i], _cut_at_eos(list(responses[j]), eos)
-    return (full, resp), tok
+        turn_lib.regenerate(dialogues, tok, template, cfg.use_chat_template, eos, limit, cfg.max_new_tokens,
+                            lambda pid, turn: _request_seed(cfg.seed, pid, turn), answerer, skip)
+    return dialogues, tok
 
 
-def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, generated,
+def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, answered,
                          started: float | None = None) -> dict:
     """Publish one shard's traces; with `started` (when its generation began) the log line gives tokens/s."""
-    (prompt_ids, responses), tok = generated
-    lines, seen = [], set()
-    dropped = {"prompt_too_long": 0, "response_too_short": 0, "duplicate": 0}
-    prompt_tokens = response_tokens = 0
+    dialogues, tok = answered
+    limit = _length_limit(cfg, target_dir)
+    lines, seen, skipped = [], set(), []
+    dropped = {"prompt_too_long": 0, "response_too_short": 0, "duplicate": 0, "bad_record": 0}
+    prompt_tokens = response_tokens = answers = 0
     hist = [0] * (len(LENGTH_BINS) - 1)
-    for p, pids, rids in zip(mine, prompt_ids, responses):
-        if pids is None:
-            dropped["prompt_too_long"] += 1
+    for d in dialogues:
+        if d.dropped:
+            dropped[d.dropped] += 1
+            if d.problem is not None:
+                skipped.append(d.problem.as_dict())
             continue
-        if len(rids) < cfg.min_response_tokens:
-            dropped["response_too_short"] += 1
-            continue
-        input_ids = pids + rids
-        if cfg.drop_duplicates:
-            k = hashlib.sha256(json.dumps(input_ids).encode()).digest()
-            if k in seen:
-                dropped["duplicate"] += 1
+        for n, (input_ids, loss_mask, said) in enumerate(turn_lib.assemble(d, tok, limit)):
+            if sum(loss_mask) < cfg.min_response_tokens:
+                dropped["response_too_short"] += 1
                 continue
-            seen.add(k)
-        trace = {"id": f"{p['id']}:0", "prompt_id": p["id"], "input_ids": input_ids,
-                 "loss_mask": [0] * len(pids) + [1] * len(rids),
-                 "text": tok.decode(rids, skip_special_tokens=True)}
-        lines.append(json.dumps(trace, ensure_ascii=False))
-        prompt_tokens += len(pids)
-        response_tokens += len(rids)
-        hist[_bin(len(input_ids))] += 1
-    stats = {"count": len(lines), "prompts": len(mine), "dropped": dropped, "prompt_tokens": prompt_tokens,
-             "response_tokens": response_tokens, "total_tokens": prompt_tokens + response_tokens,
-             "length_histogram": hist}
+            if cfg.drop_duplicates:
+                k = hashlib.sha256(json.dumps(input_ids).encode()).digest()
+                if k in seen:
+                    dropped["duplicate"] += 1
+                    continue
+                seen.add(k)
+            text = "\n\n".join(tok.decode(a.ids, skip_special_tokens=True) for a in said)
+            trace = {"id": f"{d.record['id']}:{n}", "prompt_id": d.record["id"], "input_ids": input_ids,
+                     "loss_mask": loss_mask, "text": text}
+            lines.append(json.dumps(trace, ensure_ascii=False))
+            response_tokens += sum(loss_mask)
+            prompt_tokens += len(loss_mask) - sum(loss_mask)
+            answers += len(said)
+            hist[_bin(len(input_ids))] += 1
+    stats = {"count": len(lines), "prompts": len(mine), "answers": answers, "dropped": dropped,
+             "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
+             "total_tokens": prompt_tokens + response_tokens, "length_histogram": hist, "skipped": skipped}
     data = ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8")
     meta = {**stats, "sequences": len(lines), "tokens": prompt_tokens + response_tokens}
     publish_shard(store, run, STAGE, shard_index, SUFFIX, spec, meta, data=data)
@@ -351,21 +354,27 @@ def _bin(length: int) -> int:
     return len(LENGTH_BINS) - 2
 
 
-def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str) -> dict:
-    """After every shard: write `<run>/traces/stats.json` and the stage manifest; returns the stats."""
+def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str, target_dir: str | Path | None = None
+                    ) -> dict:
+    """After every shard: write `<run>/traces/stats.json` and the stage manifest; returns the stats. target_dir:
+    where the target's tokenizer files are, for the sha256 of its chat template."""
     n = num_trace_shards(cfg, prompts)
     records = shard_records(store, run, STAGE, n)
     ms = [r.metadata for r in records]
-    dropped = {k: sum(m["dropped"][k] for m in ms) for k in ms[0]["dropped"]}
+    dropped = {k: sum(m["dropped"].get(k, 0) for m in ms) for k in dict.fromkeys(k for m in ms for k in m["dropped"])}
+    # Bad records the reader left out, then those the template refused while the shards were made.
+    skipped = [b.as_dict() for b in getattr(prompts, "skipped", [])] + [s for m in ms for s in m.get("skipped", [])]
     stats = {
         "count": sum(m["count"] for m in ms), "prompts": sum(m["prompts"] for m in ms), "shards": n,
-        "dropped": dropped,
+        "answers": sum(m.get("answers", m["count"]) for m in ms), "dropped": dropped,
+        "skipped": {"count": len(skipped), "records": skipped[:LISTED_SKIPS]},
         "prompt_tokens": sum(m["prompt_tokens"] for m in ms), "response_tokens": sum(m["response_tokens"] for m in ms),
         "total_tokens": sum(m["total_tokens"] for m in ms),
         "length_histogram": {"bin_edges": LENGTH_BINS,
                              "counts": [sum(c) for c in zip(*(m["length_histogram"] for m in ms))]},
         "backend": cfg.backend, "temperature": cfg.temperature, "top_p": cfg.top_p,
-        "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+        "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed, "turns": cfg.turns, "responses": cfg.responses,
+        "chat_template": ChatTemplate.of(cfg).describe(target_dir=target_dir) if cfg.use_chat_template else None,
     }
     stats_key = trace_stats_key(run)
     stats_bytes = json.dumps(stats, indent=2).encode()
@@ -383,7 +392,8 @@ def _drop_reasons(cfg: TracesConfig, dropped: dict[str, int]) -> str:
     remedy = {"prompt_too_long": f"longer than traces.max_total_tokens={cfg.max_total_tokens} or the target's context",
               "response_too_short": f"answered in fewer than traces.min_response_tokens={cfg.min_response_tokens} "
                                     "tokens",
-              "duplicate": "duplicates (traces.drop_duplicates)"}
+              "duplicate": "duplicates (traces.drop_duplicates)",
+              "bad_record": "bad records (traces.on_bad_record: skip; stats.json lists them)"}
     return "; ".join(f"{n} {remedy.get(k, k)}" for k, n in dropped.items() if n)
 
 
@@ -394,6 +404,9 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
     device: where the transformers backend generates ('auto': a GPU when one is visible); vLLM picks its own."""
     device = _device(cfg, device)
     prompts = load_prompts(cfg)
+    if prompts.skipped:
+        log.warning("traces: %d of %d records of %s skipped as bad (traces.on_bad_record: skip), the first: %s",
+                    len(prompts.skipped), prompts.read, cfg.prompts, prompts.skipped[0])
     target_dir = str(target_dir)
     n = num_trace_shards(cfg, prompts)
     pending = []
@@ -409,20 +422,21 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
     if cfg.backend == "vllm" and not cfg.endpoint and len(pending) > 1:
         # Starting vLLM costs a minute: answer all pending shards through one server, then split them back.
         everything = [p for _, mine, _ in pending for p in mine]
-        (pids, resp), tok = _generate(cfg, target_dir, everything, dtype, device)
+        with _Answerer(cfg, target_dir, dtype, device) as answerer:
+            dialogues, tok = _answer(cfg, target_dir, prompts, everything, answerer)
         at = 0
         for i, mine, spec in pending:
-            part = ((pids[at:at + len(mine)], resp[at:at + len(mine)]), tok)
-            _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, part)
+            _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, (dialogues[at:at + len(mine)], tok))
             at += len(mine)
         log.info("traces: %d prompts answered in %.0f s, the server's start included", len(everything),
                  time.monotonic() - started)
     else:
         for i, mine, spec in pending:
             began = time.monotonic()
-            _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec,
-                                 _generate(cfg, target_dir, mine, dtype, device), began)
-    stats = finalize_traces(cfg, prompts, store, run)
+            with _Answerer(cfg, target_dir, dtype, device) as answerer:
+                answered = _answer(cfg, target_dir, prompts, mine, answerer)
+            _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, answered, began)
+    stats = finalize_traces(cfg, prompts, store, run, target_dir)
     return {**stats, "computed_shards": [i for i, _, _ in pending]}
 
 

@@ -10,7 +10,8 @@ from typing import Any
 from prefect import flow
 from prefect.context import FlowRunContext
 
-from draftline.config import PipelineConfig, load_config, merge_overrides, parse_config
+from draftline.config import PipelineConfig
+from draftline.config_loading import load_config, merge_overrides, parse_config
 from draftline.errors import ConfigError, report_failure
 from draftline.overrides import PipelineOverrides, overrides_dict
 from draftline.stages import summary_text

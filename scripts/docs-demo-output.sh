@@ -36,8 +36,8 @@ import json
 import sys
 from pathlib import Path
 
-from draftline.config import load_config
-from draftline.evaluate import EvalResult
+from draftline.config_loading import load_config
+from draftline.eval_result import EvalResult
 from draftline.layout import report_page_key
 from draftline.stages import print_summary, summary_rows
 

@@ -1,5 +1,6 @@
 """Config loading: the demo config is valid, and each kind of bad input gets one sentence naming field and fix."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftline.config import EvalConfig, PipelineConfig, load_config, parse_config
+from draftline.config import EvalConfig, PipelineConfig
+from draftline.config_loading import load_config, parse_config
 from draftline.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +70,8 @@ def test_the_llama_example_runs_every_stage_on_one_gpu(tmp_path):
         "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}))
     for i in range(1, 5):
         (model / f"model-0000{i}-of-00004.safetensors").touch()
-    (model / "tokenizer.json").write_text("{}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer that loads: validate renders the template
+        shutil.copy(ROOT / "assets" / "demo-llama" / name, model / name)
     data = yaml.safe_load(path.read_text())
     data["target"]["path"] = str(model)
     data["traces"]["prompts"] = str(ROOT / "assets" / "prompts" / "train_prompts.jsonl")
@@ -249,14 +252,15 @@ def test_the_pipeline_refuses_missing_inputs_before_any_stage_starts(tmp_path):
     assert res.stderr.splitlines() == [
         f"draftline: target {tmp_path / 'no-model'}: no such directory; point target.path at a transformers "
         "checkpoint directory",
-        f"draftline: {tmp_path / 'no-prompts.jsonl'}: no such prompts file; set eval.prompts to a .jsonl file of prompts",
+        f"draftline: {tmp_path / 'no-prompts.jsonl'}: no such file or folder; set eval.prompts to a .jsonl, .json or "
+        ".parquet file, or a folder a dataset was saved to with datasets' save_to_disk",
     ], res.stderr
     assert not (tmp_path / "runs").exists()  # nothing was started, nothing written
 
 
 def test_cli_help_lists_the_planned_stages():
     res = subprocess.run([sys.executable, "-m", "draftline.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
-    for stage in ("run", "traces", "extract", "train", "export", "eval", "report", "config"):
+    for stage in ("run", "traces", "extract", "train", "export", "eval", "report", "plan", "config"):
         assert stage in res.stdout
 
 
@@ -311,7 +315,7 @@ def test_each_stage_checks_only_the_inputs_it_reads_and_names_every_wrong_one():
         require_inputs(config, "the traces stage", needs=STAGE_INPUTS["traces"])
     lines = str(info.value).splitlines()
     assert lines[0] == "the traces stage cannot start, its inputs are wrong:"
-    assert len(lines) == 2 and "set traces.prompts to a .jsonl file" in lines[1], lines
+    assert len(lines) == 2 and "set traces.prompts to a .jsonl, .json or .parquet file" in lines[1], lines
     with pytest.raises(ConfigError) as info:
         require_inputs(config, "run demo")
     assert "traces.prompts" in str(info.value) and "eval.prompts" in str(info.value)
@@ -329,3 +333,30 @@ def test_training_and_extraction_need_no_tokenizer_but_the_stages_that_tokenize_
     for stage in ("traces", "reference", "evaluation"):
         with pytest.raises(ConfigError, match="has no tokenizer files; copy the model's tokenizer there"):
             require_inputs(config, f"the {stage} stage", needs=STAGE_INPUTS[stage])
+
+
+def test_validate_reads_the_first_records_naming_the_first_bad_one_and_checks_the_chat_template(tmp_path):
+    """The traces stage's own check (what `config validate` prints): the first bad record by file, line and field;
+    with on_bad_record: skip, how many would be skipped; a template that opens no answer, by its file."""
+    from draftline.inputs import STAGE_INPUTS, check_inputs
+
+    chats = tmp_path / "chats.jsonl"
+    turn = {"from": "human", "value": "def f():"}
+    chats.write_text("\n".join(json.dumps({"conversations": c}) for c in (
+        [turn, {"from": "gpt", "value": "    pass"}], [turn, {"from": "bot", "value": "?"}], [turn])) + "\n")
+    traces = {"prompts": str(chats), "turns": "all"}
+    config = load_config(DEMO, PipelineConfig, {"traces": traces})
+    assert check_inputs(config, needs=STAGE_INPUTS["traces"]).problems == [
+        f"{chats}, line 2, conversations[1].from: 'bot' is not a ShareGPT role; use human, gpt or system"]
+    skipping = load_config(DEMO, PipelineConfig, {"traces": {**traces, "on_bad_record": "skip"}})
+    report = check_inputs(skipping, needs=STAGE_INPUTS["traces"])
+    assert not report.problems and f"ok: traces.prompts {chats}: 2 records, 1 bad ones to skip (the first: {chats}, " \
+        "line 2, conversations[1].from" in "\n".join(report.lines())
+    template = tmp_path / "no-answer.jinja"
+    template.write_text("{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}")
+    dropping = load_config(DEMO, PipelineConfig, {"traces": {**traces, "on_bad_record": "skip",
+                                                             "chat_template": str(template)}})
+    assert check_inputs(dropping, needs=STAGE_INPUTS["traces"]).problems == [
+        f"traces.chat_template {template} drops the generation prompt (add_generation_prompt adds nothing), so the "
+        "target would continue the user's turn instead of answering it; use a template that opens the assistant's "
+        "turn there"]

@@ -11,7 +11,8 @@ import yaml
 
 from draftline.aux_ids import default_aux_layer_ids
 from draftline.cli import apply_settings, load_with_overrides, main
-from draftline.config import PipelineConfig, load_config, parse_config
+from draftline.config import PipelineConfig
+from draftline.config_loading import load_config, parse_config
 from draftline.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +38,14 @@ def _validate(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def _checkpoint(tmp_path: Path, shape: str) -> Path:
-    """A folder laid out like the real checkpoint: its config.json, and empty weight and tokenizer files (the
-    validation checks that they are there; nothing reads them)."""
+    """A folder laid out like the real checkpoint: its config.json, an empty weight file (the validation checks that
+    it is there; nothing reads it) and the demo's tokenizer (the validation renders the prompts' chat template)."""
     model = tmp_path / shape
     model.mkdir()
     shutil.copy(SHAPES / shape / "config.json", model / "config.json")
     (model / "model-00001-of-00001.safetensors").touch()
-    (model / "tokenizer.json").write_text("{}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "assets" / "demo-llama" / name, model / name)
     return model
 
 

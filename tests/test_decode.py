@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from draftline.acceptance import AcceptanceStats, expected_acceptance
+from draftline.drafter.eagle_format import save_eagle_dir
+from draftline.drafter.model import DrafterCache, Eagle3Drafter
+from draftline.drafter.target_sizing import drafter_for_target
+from draftline.errors import ConfigError
 from draftline.ragged_batch import RaggedDrafter
 from draftline.reference import reference_acceptance, run_reference
 from draftline.speculative import SpeculativeDecoder, plain_decode
-from draftline.drafter.model import DrafterCache, Eagle3Drafter
-from draftline.errors import ConfigError
 from draftline.target import load_target
 
 
@@ -53,7 +55,7 @@ def random_drafter(model, aux_ids=None, seed: int = 1, draft_vocab: int | None =
     cfg = model.config
     n = cfg.num_hidden_layers
     sizes = DrafterConfig(draft_vocab_size=draft_vocab or cfg.vocab_size, attention=attention)
-    drafter = Eagle3Drafter.from_target_config(cfg, sizes, aux_ids or [2, n // 2, n - 3])
+    drafter = drafter_for_target(cfg, sizes, aux_ids or [2, n // 2, n - 3])
     drafter.reset_parameters(std=std)
     if draft_vocab is not None:  # a draft vocabulary of every other token
         used = torch.arange(0, 2 * draft_vocab, 2)
@@ -299,7 +301,7 @@ def test_sampling_acceptance_rate_of_the_first_draft_is_the_overlap_of_p_and_q()
 def untrained_drafter_dir(target_dirs, tmp_path_factory):
     model, _ = load_target(target_dirs["llama"], "float32", "cpu")
     out = tmp_path_factory.mktemp("drafter") / "sglang"
-    random_drafter(model).save_pretrained(out, convention="sglang", include_embeddings=False)
+    save_eagle_dir(random_drafter(model), out, convention="sglang", include_embeddings=False)
     return out
 
 
@@ -365,7 +367,7 @@ def test_reference_rejects_a_drafter_for_another_target(target_dirs, tmp_path):
 
     other = tiny_target("llama", vocab=16)
     d = tmp_path / "wrong"
-    random_drafter(other).save_pretrained(d, convention="sglang")
+    save_eagle_dir(random_drafter(other), d, convention="sglang")
     with pytest.raises(ConfigError, match="vocab_size"):
         run_reference(target_dirs["llama"], d, ASSETS / "prompts" / "eval_prompts.jsonl", max_prompts=1,
                       max_new_tokens=2, device="cpu")

@@ -12,6 +12,7 @@ import torch
 from draftline.reference import run_reference
 from draftline.speculative import SpeculativeDecoder, plain_decode
 from draftline.decode_static import StaticDrafter, StaticTarget, slots_needed, time_call
+from draftline.drafter.eagle_format import save_eagle_dir
 from draftline.target import load_target
 from tests.test_decode import _exact_joint, one_thread, random_drafter, random_prompts, tiny_target  # noqa: F401
 
@@ -171,7 +172,7 @@ def test_reference_names_the_mode_it_ran(target_dirs, tmp_path):
     from tests.fixtures.tiny_targets import ASSETS
 
     model, tok = load_target(target_dirs["llama"], "float32", "cpu")
-    random_drafter(model).save_pretrained(tmp_path / "drafter", convention="sglang", include_embeddings=False)
+    save_eagle_dir(random_drafter(model), tmp_path / "drafter", convention="sglang", include_embeddings=False)
     summary = run_reference(target_dirs["llama"], tmp_path / "drafter", ASSETS / "prompts" / "eval_prompts.jsonl",
                             k=3, max_new_tokens=8, device="cpu", max_prompts=2, fast=True, target=(model, tok)).summary()
     assert summary["mode"] == "static-eager" and summary["plain_mode"] == "static-eager"

@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from draftline.config import DrafterConfig
 from draftline.drafter.export import export_drafter
-from draftline.drafter.model import Eagle3Drafter
+from draftline.drafter.eagle_format import load_eagle_dir, save_eagle_dir
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.train import load_target_head
 from draftline.drafter.vocab import build_vocab
 from draftline.errors import ConfigError
@@ -39,13 +40,13 @@ def source_drafter(tmp_path, draft_vocab=1024, aux_layer_ids=None, target=DEMO_L
     """An (untrained) drafter for a demo target in the training stage's layout: SGLang format plus draftline.json."""
     cfg, embed, _ = load_target_head(target)
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(cfg, DrafterConfig(draft_vocab_size=draft_vocab), aux_layer_ids)
+    model = drafter_for_target(cfg, DrafterConfig(draft_vocab_size=draft_vocab), aux_layer_ids)
     model.load_target_weights(embed)
     counts = torch.arange(cfg["vocab_size"]).flip(0) % 97  # any deterministic frequencies
     d2t, t2d, _ = build_vocab(counts, draft_vocab)
     model.set_vocab(d2t, t2d)
     out = tmp_path / "trained"
-    model.save_pretrained(out)
+    save_eagle_dir(model, out)
     (out / "draftline.json").write_text(json.dumps({"convention": "sglang", "run": "unit"}))
     return out
 
@@ -77,7 +78,7 @@ def test_each_format_carries_ids_in_its_engines_convention(tmp_path):
     with safe_open(str(dirs["speculators"] / "model.safetensors"), "pt") as f:
         assert "layers.0.self_attn.q_proj.weight" in f.keys()
     # Our own sglang and vllm exports load back to the same head (ids converted back to vLLM's convention).
-    a, b = Eagle3Drafter.from_pretrained(dirs["sglang"]), Eagle3Drafter.from_pretrained(dirs["vllm"])
+    a, b = load_eagle_dir(dirs["sglang"]), load_eagle_dir(dirs["vllm"])
     assert a.config.aux_layer_ids == b.config.aux_layer_ids == [2, 4, 5]
 
 
@@ -163,7 +164,7 @@ def test_sglang_contract_not_run_against_sglang_the_export_makes_sglang_capture_
     lineage = json.loads((dirs["sglang"] / "draftline.json").read_text())
     assert lineage["aux_layer_ids_vllm"] == aux_ids and lineage["aux_layer_ids"] == written
     # draftline reads its own export back to the trained layers, and the engine preflight accepts it for SGLang.
-    assert Eagle3Drafter.from_pretrained(dirs["sglang"]).config.aux_layer_ids == aux_ids
+    assert load_eagle_dir(dirs["sglang"]).config.aux_layer_ids == aux_ids
     from draftline.engines.preflight import check_drafter
     assert check_drafter("sglang", dirs["sglang"], target, trained_vllm_ids=aux_ids)["convention"] == lineage["convention"]
 

@@ -7,7 +7,8 @@ from torch import nn
 from safetensors import safe_open
 
 from draftline.config import DrafterConfig
-from draftline.drafter.model import Eagle3Drafter
+from draftline.drafter.eagle_format import load_eagle_dir, save_eagle_dir
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.errors import ConfigError
 
 TARGET = {
@@ -19,7 +20,7 @@ TARGET = {
 
 def make_drafter(draft_vocab=100, seed=0):
     torch.manual_seed(seed)
-    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=draft_vocab))
+    model = drafter_for_target(TARGET, DrafterConfig(draft_vocab_size=draft_vocab))
     if draft_vocab < TARGET["vocab_size"]:
         used = torch.arange(draft_vocab) * 3  # every third target id
         t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
@@ -72,7 +73,7 @@ def test_draft_to_target_uses_d2t_offsets():
 
 def test_save_and_load_roundtrip_in_the_sglang_format(tmp_path):
     model = make_drafter()
-    model.save_pretrained(tmp_path / "d", dtype=torch.float32)
+    save_eagle_dir(model, tmp_path / "d", dtype=torch.float32)
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"]
     assert raw["num_hidden_layers"] == 1 and raw["draft_vocab_size"] == 100 and raw["vocab_size"] == 300
@@ -84,7 +85,7 @@ def test_save_and_load_roundtrip_in_the_sglang_format(tmp_path):
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
             "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight", "embed_tokens.weight"} <= keys
 
-    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d").eval()
+    loaded = load_eagle_dir(tmp_path / "d").eval()
     assert loaded.config.aux_layer_ids == [2, 4, 5]
     ids, hid, pos = torch.randint(0, 300, (1, 6)), torch.randn(1, 6, 64), torch.arange(6)[None]
     torch.testing.assert_close(loaded(ids, hid, pos)[0], model(ids, hid, pos)[0])
@@ -93,27 +94,27 @@ def test_save_and_load_roundtrip_in_the_sglang_format(tmp_path):
 
 def test_full_vocabulary_export_has_no_d2t(tmp_path):
     model = make_drafter(draft_vocab=300)
-    model.save_pretrained(tmp_path / "d")
+    save_eagle_dir(model, tmp_path / "d")
     with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
         assert "d2t" not in f.keys() and "t2d" not in f.keys()
-    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d")
+    loaded = load_eagle_dir(tmp_path / "d")
     assert loaded.draft_to_target(torch.tensor([7])).item() == 7
 
 
 def test_reduced_vocabulary_without_d2t_is_refused(tmp_path):
     model = make_drafter()
-    model.save_pretrained(tmp_path / "d")
+    save_eagle_dir(model, tmp_path / "d")
     from safetensors.torch import load_file, save_file
     tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
     del tensors["d2t"]
     save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(ConfigError, match="no d2t"):
-        Eagle3Drafter.from_pretrained(tmp_path / "d")
+        load_eagle_dir(tmp_path / "d")
 
 
 def test_aux_ids_beyond_the_target_layers_are_refused():
     with pytest.raises(ConfigError, match="contradict a target with 8 layers"):
-        Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=100), aux_layer_ids=[2, 4, 8])
+        drafter_for_target(TARGET, DrafterConfig(draft_vocab_size=100), aux_layer_ids=[2, 4, 8])
 
 
 def test_a_weight_used_at_every_step_gets_the_sum_of_its_gradients_through_its_cast():
@@ -151,16 +152,16 @@ def test_mla_head_takes_the_targets_latent_sizes_and_round_trips_in_the_engines_
     """drafter.attention: mla gives DeepSeek's attention with the target's sizes, saved under the class and keys vLLM's
     and SGLang's MLA EAGLE-3 heads load (Eagle3DeepseekV2ForCausalLM; q_a/q_b, kv_a_proj_with_mqa, kv_b)."""
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(MLA_TARGET, DrafterConfig(draft_vocab_size=300, attention="mla")).eval()
+    model = drafter_for_target(MLA_TARGET, DrafterConfig(draft_vocab_size=300, attention="mla")).eval()
     cfg = model.config
     assert (cfg.head_dim, cfg.rope_dim, cfg.value_dim, cfg.kv_lora_rank) == (24, 16, 12, 32)
     att = model.midlayer.self_attn
     assert att.kv_a_proj_with_mqa.weight.shape == (32 + 16, 128) and att.o_proj.weight.shape == (64, 4 * 12)
-    model.save_pretrained(tmp_path / "mla", convention="vllm")
+    save_eagle_dir(model, tmp_path / "mla", convention="vllm")
     written = json.loads((tmp_path / "mla" / "config.json").read_text())
     assert written["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and written["model_type"] == "deepseek_v2"
     assert written["rope_interleave"] is True and written["rope_parameters"]["rope_type"] == "default"
-    again = Eagle3Drafter.from_pretrained(tmp_path / "mla").eval()
+    again = load_eagle_dir(tmp_path / "mla").eval()
     assert again.config.attention == "mla" and again.config.head_dim == 24
     ids, hidden, pos = torch.randint(0, 300, (1, 5)), torch.randn(1, 5, 64), torch.arange(5)[None]
     torch.testing.assert_close(again(ids, hidden, pos)[0], model.to(torch.bfloat16).float()(ids, hidden, pos)[0],
@@ -195,7 +196,7 @@ def test_an_mla_head_needs_an_mla_target_and_the_speculators_format_is_refused_f
     from draftline.config import PipelineConfig
 
     with pytest.raises(ConfigError, match="the target config has no q_lora_rank, kv_lora_rank"):
-        Eagle3Drafter.from_target_config(TARGET, DrafterConfig(attention="mla"))
+        drafter_for_target(TARGET, DrafterConfig(attention="mla"))
     base = {"target": {"path": "t"}, "traces": {"prompts": "p"}, "eval": {"prompts": "p"}, "drafter": {"attention": "mla"}}
     with pytest.raises(ValidationError, match="speculators, whose format describes Llama-layer heads only"):
         PipelineConfig.model_validate(base)

@@ -1,6 +1,8 @@
-"""Training on several processes from the flow: the train-drafter task starts torchrun (2 ranks, gloo on CPU), its
-progress is the task's log in Prefect, and when a rank is killed mid-training the task's retry resumes from the last
-checkpoint and finishes the requested steps. Real torchrun, real Prefect server."""
+"""Training on several processes: two gloo ranks under torchrun train the same loss curve and checkpoint as one
+process with the same global batch, and a run resumes on another process count where it stopped. From the flow: the
+train-drafter task starts torchrun (2 ranks, gloo on CPU), its progress is the task's log in Prefect, and when a rank
+is killed mid-training the task's retry resumes from the last checkpoint and finishes the requested steps. Real
+torchrun, real Prefect server."""
 from __future__ import annotations
 
 import asyncio
@@ -12,10 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from prefect import flow
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from draftline.config import PipelineConfig, parse_config
+from draftline import stages
+from draftline.config import PipelineConfig
+from draftline.config_loading import parse_config
 from draftline.errors import ConfigError, TrainingError
 from draftline.store import copy_tree, open_store
 from tasks.drafter import train_drafter
@@ -184,3 +189,118 @@ def test_a_process_count_below_one_is_one_sentence_naming_the_field_and_the_fix(
     message = str(info.value)
     assert len(message.splitlines()) == 1
     assert message.startswith("cfg.yaml: train.processes=0 is invalid") and "set it to 1" in message
+
+
+# ---------------------------------------------------------------- one process against two
+
+CURVE_STEPS = 12  # checkpoints and validation at 6 and 12
+# fp32 on the CPU. The two runs differ only in summation order: each rank sums its rows' losses and gradients, gloo
+# adds the two sums, and a matmul over one row or two may block differently; each sum is exact to a few units of
+# fp32's 2^-24 (6e-8). The logged figures (loss, validation loss, gradient norm) are such sums: measured within
+# 1.2e-7 of each other, bounded here by 1e-5. Twelve AdamW steps carry the differences into the weights, where they
+# grow: AdamW divides each gradient by its own running magnitude, so a weight whose gradient is near zero takes a
+# step of the relative error of that gradient; measured 1.8e-5 of a tensor's largest weight, bounded by 1e-3. A
+# gradient twice too large (averaged wrongly over ranks) would fail the gradient norms by 1.0 and a batch split
+# wrongly the losses by percents.
+CURVE_RTOL = 1e-5
+WEIGHTS_RTOL = 1e-3
+
+
+def _store_copy(tiny_hidden_run, root: Path) -> Path:
+    copy_tree(open_store(str(tiny_hidden_run.store_root)), "tiny/hidden", open_store(str(root)), "tiny/hidden")
+    return root
+
+
+def _train(config: PipelineConfig) -> dict:
+    """The training stage as the pipeline runs it: in this process for one, under torchrun for more."""
+    lines: list[str] = []
+    threads = torch.get_num_threads()
+    try:
+        return stages.train(config, open_store(config.store.root), on_line=lines.append)
+    except TrainingError:
+        print("\n".join(lines[-60:]))
+        raise
+    finally:
+        torch.set_num_threads(threads)  # train.num_threads applies to this whole process
+
+
+def _checkpoint(root: Path, step: int) -> dict:
+    return torch.load(root / f"tiny/train/checkpoints/step-{step:08d}.pt", map_location="cpu", weights_only=False)
+
+
+def _rewind(root: Path, step: int) -> None:
+    """Make the checkpoint of `step` the newest, as if the run had stopped right after writing it."""
+    store = open_store(str(root))
+    prefix = "tiny/train/checkpoints"
+    fingerprint = json.loads(store.get_bytes(f"{prefix}/latest.json"))["fingerprint"]
+    for key in store.list(f"{prefix}/"):
+        if key.endswith(".pt") and int(key.rsplit("-", 1)[1].split(".")[0]) > step:
+            store.delete(key)
+    store.put_bytes(f"{prefix}/latest.json", json.dumps(
+        {"key": f"{prefix}/step-{step:08d}.pt", "step": step, "fingerprint": fingerprint}).encode())
+
+
+@pytest.fixture(scope="module")
+def curves(tiny_hidden_run, tmp_path_factory) -> dict:
+    """The same training on one process and on two; then each rewound to its middle checkpoint and finished on the
+    other count. Per count: (summary, final checkpoint, summary of the resumed run, its final checkpoint)."""
+    out = {}
+    for processes, other in ((1, 2), (2, 1)):
+        root = _store_copy(tiny_hidden_run, tmp_path_factory.mktemp(f"curve-{processes}") / "store")
+        config = _config(root, tiny_hidden_run.target_dir, processes=processes, max_steps=CURVE_STEPS,
+                         checkpoint_every=CURVE_STEPS // 2, val_every=CURVE_STEPS // 2, keep_checkpoints=2)
+        summary = _train(config)
+        final = _checkpoint(root, CURVE_STEPS)
+        _rewind(root, CURVE_STEPS // 2)
+        resumed = _train(config.model_copy(update={"train": config.train.model_copy(update={"processes": other})}))
+        out[processes] = (summary, final, resumed, _checkpoint(root, CURVE_STEPS))
+    return out
+
+
+def _curve(summary: dict) -> list[float]:
+    return [e["loss"] for e in summary["history"]["train"]]
+
+
+def _close(a: list[float], b: list[float]) -> float:
+    """The largest relative difference of two equally long curves."""
+    assert len(a) == len(b)
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def _weights_close(a: dict, b: dict) -> float:
+    """The largest difference of two checkpoints' trained weights, relative to each tensor's largest value."""
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12))
+               for k in b if b[k].is_floating_point() and k != "embed_tokens.weight")
+
+
+def test_two_gloo_processes_train_the_curve_and_checkpoint_of_one_process(curves):
+    (one, one_final, _, _), (two, two_final, _, _) = curves[1], curves[2]
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert [e["step"] for e in two["history"]["train"]] == list(range(1, CURVE_STEPS + 1))
+    loss, val = _close(_curve(two), _curve(one)), _close([v["loss"] for v in two["history"]["val"]],
+                                                          [v["loss"] for v in one["history"]["val"]])
+    grads = _close([e["grad_norm"] for e in two["history"]["train"]], [e["grad_norm"] for e in one["history"]["train"]])
+    weights = _weights_close(two_final["model"], one_final["model"])
+    print(f"two processes against one: loss {loss:.2e}, validation {val:.2e}, gradient norm {grads:.2e}, "
+          f"weights {weights:.2e} (relative)")
+    assert max(loss, val, grads) <= CURVE_RTOL and weights <= WEIGHTS_RTOL
+    # The loss moves by far more than the tolerance per step: equal curves are not two flat lines.
+    assert min(abs(a - b) / a for a, b in zip(_curve(one), _curve(one)[1:])) > 10 * CURVE_RTOL
+    assert two_final["step"] == one_final["step"] == CURVE_STEPS
+    assert two_final["cursor"] == one_final["cursor"] and two_final["fingerprint"] == one_final["fingerprint"]
+
+
+@pytest.mark.parametrize("processes", [2, 1], ids=["two-then-one", "one-then-two"])
+def test_a_run_resumed_on_another_process_count_continues_its_curve(curves, processes):
+    """Stopped after its middle checkpoint and finished on the other count: the first half is the stopped run's, the
+    second half and the last checkpoint those of an uninterrupted run."""
+    full, _, resumed, resumed_final = curves[processes]
+    other = 3 - processes
+    uninterrupted, uninterrupted_final = curves[other][0], curves[other][1]
+    half = CURVE_STEPS // 2
+    assert resumed["resumed_from"] == half and resumed["world_size"] == other
+    assert _curve(resumed)[:half] == _curve(full)[:half]  # carried in the checkpoint, not recomputed
+    loss = _close(_curve(resumed), _curve(uninterrupted))
+    weights = _weights_close(resumed_final["model"], uninterrupted_final["model"])
+    print(f"resumed on {other} process(es) against an uninterrupted run: loss {loss:.2e}, weights {weights:.2e}")
+    assert loss <= CURVE_RTOL and weights <= WEIGHTS_RTOL

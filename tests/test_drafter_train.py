@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from draftline.config import DrafterConfig, TrainConfig
-from draftline.drafter.model import Eagle3Drafter
+from draftline.drafter.eagle_format import load_eagle_dir
 from draftline.drafter.train import train_drafter
 from draftline.errors import ConfigError
 from draftline.store import open_store
@@ -90,8 +90,8 @@ def test_a_run_killed_mid_way_resumes_and_ends_like_an_uninterrupted_one(tiny_hi
     print(f"killed at step {killed_at}; final val resumed {a['final_val']} vs uninterrupted {b['final_val']}")
     assert a["final_val"] == b["final_val"]  # bitwise: same numbers, not merely close
     assert [e["loss"] for e in a["history"]["train"]] == [e["loss"] for e in b["history"]["train"]]
-    wa = Eagle3Drafter.from_pretrained(store.get_dir("tiny/train-killed/drafter")).state_dict()
-    wb = Eagle3Drafter.from_pretrained(store.get_dir("tiny/train-whole/drafter")).state_dict()
+    wa = load_eagle_dir(store.get_dir("tiny/train-killed/drafter")).state_dict()
+    wb = load_eagle_dir(store.get_dir("tiny/train-whole/drafter")).state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -169,7 +169,7 @@ def test_training_streams_shards_from_s3_and_checkpoints_there(tiny_hidden_run, 
     assert summary["steps"] == 3 and summary["final_val"]["tokens"] > 0
     assert json.loads(s3.get_bytes("tiny/train/checkpoints/latest.json"))["step"] == 3
     assert s3.exists("tiny/train/metrics.json")
-    drafter = Eagle3Drafter.from_pretrained(s3.get_dir("tiny/train/drafter"))
+    drafter = load_eagle_dir(s3.get_dir("tiny/train/drafter"))
     assert drafter.config.aux_layer_ids == [2, 4, 5]
 
 

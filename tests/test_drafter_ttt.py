@@ -6,7 +6,8 @@ import torch
 
 from draftline.config import DrafterConfig
 from draftline.drafter import speed
-from draftline.drafter.model import DrafterCache, Eagle3Drafter
+from draftline.drafter.model import DrafterCache
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.ttt import (SoftCrossEntropy, TTTModel, acceptance_length, target_distribution,
                                      ttt_attention_eager, ttt_attention_flex)
 from draftline.drafter.vocab import build_vocab, count_tokens
@@ -23,7 +24,7 @@ MLA_TARGET = {**TARGET, "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_ra
 def drafter(seed=0, attention="llama"):
     torch.manual_seed(seed)
     target = MLA_TARGET if attention == "mla" else TARGET
-    return Eagle3Drafter.from_target_config(target, DrafterConfig(draft_vocab_size=50, attention=attention)).eval()
+    return drafter_for_target(target, DrafterConfig(draft_vocab_size=50, attention=attention)).eval()
 
 
 @pytest.mark.parametrize("attention", ["llama", "mla"])
@@ -223,7 +224,7 @@ def random_qkv(r: int, t: int, steps: int):
 
 def drafter_with_draft_vocab():
     """A drafter over a random 20-token draft vocabulary of the 50-token target (uses the global RNG)."""
-    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=20))
+    model = drafter_for_target(TARGET, DrafterConfig(draft_vocab_size=20))
     used = torch.sort(torch.randperm(50)[:20]).values
     t2d = torch.zeros(50, dtype=torch.bool)
     t2d[used] = True
@@ -410,7 +411,7 @@ def test_every_step_of_an_unroll_calls_flex_attention_with_one_shape(monkeypatch
         return flex_attention(q, k, v, **kw)
 
     monkeypatch.setattr(ttt_module, "_FLEX", recording_flex)
-    model = Eagle3Drafter.from_target_config(TARGET, DrafterConfig(draft_vocab_size=20))
+    model = drafter_for_target(TARGET, DrafterConfig(draft_vocab_size=20))
     ttt = TTTModel(model, torch.randn(50, 32), 4, 5, "flex", torch.float32).eval()
     batch = packed_batch()
     with torch.no_grad():

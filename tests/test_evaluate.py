@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draftline.config import DrafterConfig, EngineConfig
-from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.eagle_format import LINEAGE_FILE, save_eagle_dir
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics, load_prompts, requests_for, summarize, RequestResult
 from draftline.errors import ConfigError
@@ -25,13 +26,13 @@ TARGET_CFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "interm
 
 def _drafter(tmp_path: Path, convention: str, draft_vocab: int = 300, drop_d2t: bool = False) -> Path:
     d = tmp_path / f"drafter-{convention}-{draft_vocab}"
-    model = Eagle3Drafter.from_target_config(TARGET_CFG, DrafterConfig(draft_vocab_size=draft_vocab))
+    model = drafter_for_target(TARGET_CFG, DrafterConfig(draft_vocab_size=draft_vocab))
     if draft_vocab < 300:
         used = torch.linspace(0, 299, draft_vocab).long()  # distinct, ascending target ids
         t2d = torch.zeros(300, dtype=torch.bool)
         t2d[used] = True
         model.set_vocab(used - torch.arange(draft_vocab), t2d)
-    model.save_pretrained(d, convention=convention)
+    save_eagle_dir(model, d, convention=convention)
     if drop_d2t:
         from safetensors.torch import load_file, save_file
 
@@ -227,19 +228,31 @@ def test_plots_of_several_engines_name_each_engines_own_drafter(tmp_path):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("not json", "not valid JSON"),
-    ('{"messages": [{"role": "user", "content": "x"}]}', 'needs a string "id"'),
-    ('{"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "exactly one of"),
-    ('{"id": "a", "messages": [{"role": "user"}]}', '"messages" must be a non-empty list'),
+    ("not json", "line 2: not valid JSON"),
+    ('{"id": "", "messages": [{"role": "user", "content": "x"}]}', "line 2, id: must be a non-empty string"),
+    ('{"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "line 2: needs exactly one of"),
+    ('{"id": "a", "messages": [{"role": "user"}]}', "line 2, messages[0].content: is missing"),
+    ('{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}',
+     "line 2, messages[1]: the conversation ends on an assistant turn, but the target answers its last turn: end it "
+     "on a user turn"),
 ])
-def test_bad_prompt_lines_fail_early_naming_file_and_line(tmp_path, line, message):
+def test_bad_prompt_lines_fail_early_naming_file_line_and_field(tmp_path, line, message):
+    """Evaluation reads its prompts with the traces' reader: the same shapes, the same sentences."""
     p = tmp_path / "prompts.jsonl"
     p.write_text('{"id": "ok", "prompt": "fine"}\n' + line + "\n")
-    with pytest.raises(ConfigError, match=message) as info:
+    with pytest.raises(ConfigError) as info:
         load_prompts(p)
-    assert f"{p}:2:" in str(info.value)
-    with pytest.raises(ConfigError, match="no such prompt file"):
+    assert str(info.value).startswith(f"{p}, {message}")
+    with pytest.raises(ConfigError, match="no such file or folder; set eval.prompts to"):
         load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_sharegpt_conversations_are_chat_prompts_of_the_evaluation(tmp_path):
+    p = tmp_path / "chats.json"
+    p.write_text(json.dumps([{"id": "c", "system": "Be brief.", "conversations": [
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}, {"from": "human", "value": "Bye?"}]}]))
+    [prompt] = load_prompts(p)
+    assert prompt.prompt is None and [m["role"] for m in prompt.messages] == ["system", "user", "assistant", "user"]
 
 
 def test_prompt_files_of_both_documented_kinds_load(tmp_path):
@@ -508,6 +521,67 @@ def test_report_names_the_arguments_each_server_ran_with():
     assert ("| sglang | 0.5.14 | NVIDIA H200 | t | d | p.jsonl | --attention-backend triton | "
             "--cuda-graph-backend-prefill breakable |") in md
     assert "| vllm | 0.25.0 | NVIDIA H200 | t | d | p.jsonl | none | none |" in md
+
+
+def test_the_chat_template_and_kwargs_reach_every_engine_and_the_report_names_them_per_side(tmp_path, target_dirs):
+    """traces.chat_template and chat_template_kwargs: vLLM's server gets the file and each chat request the kwargs
+    (a raw completion neither); SGLang's /generate text is rendered with both; the report shows each side's."""
+    import asyncio
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from draftline.chat_template import ChatTemplate
+    from draftline.engines.client import Prompt
+    from draftline.engines.sglang import SglangAdapter
+    from draftline.engines.vllm import VllmAdapter
+
+    own = json.loads((target_dirs["llama"] / "tokenizer_config.json").read_text())["chat_template"]
+    path = tmp_path / "template.jinja"
+    path.write_text(own.replace("{{- bos_token -}}", "{{- bos_token -}}{%- if brief -%}{{- '<|system|>Brief.<|end|>' "
+                                "-}}{%- endif -%}"))
+    template = ChatTemplate(str(path), {"brief": True})
+    spec = VllmAdapter().server_spec(EngineConfig(engine="vllm"), target_dirs["llama"], None, "t", template)
+    argv = spec.command(8000)
+    assert argv[argv.index("--chat-template") + 1] == str(path.resolve())
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        if request.url.path == "/generate":
+            return httpx.Response(200, content=b'data: {"text": "x", "meta_info": {"completion_tokens": 1}}\n\n'
+                                  b"data: [DONE]\n\n")
+        chunk = {"choices": [{"delta": {"content": "x"}, "text": "x"}], "usage": {"completion_tokens": 1}}
+        return httpx.Response(200, content=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+
+    chat, raw = Prompt(id="c", messages=[{"role": "user", "content": "Hi"}]), Prompt(id="r", prompt="Hi")
+    requesters = [VllmAdapter().requester("t", target_dirs["llama"], 4, 0.0, template),
+                  SglangAdapter().requester("t", target_dirs["llama"], 4, 0.0, template)]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for requester in requesters[:1]:
+                for prompt in (chat, raw):
+                    await requester(client, "http://engine", prompt)
+            await requesters[1](client, "http://engine", chat)
+
+    asyncio.run(go())
+    assert bodies[0]["chat_template_kwargs"] == {"brief": True} and "chat_template_kwargs" not in bodies[1]
+    assert bodies[2]["text"] == "<|bos|><|system|>Brief.<|end|><|user|>Hi<|end|>\n<|assistant|>"
+    rendered = {"vllm": VllmAdapter().rendering(template), "sglang": SglangAdapter().rendering(template)}
+    results = [_result(Path("d"), engine).model_copy(update={"chat_template": {"rendered_by": rendered[engine],
+                                                                               **template.describe()}})
+               for engine in ("vllm", "sglang")]
+    traces = {"chat_template": template.describe()}
+    md = report_markdown(results, traces=traces)
+    digest = traces["chat_template"]["sha256"][:12]
+    assert f"| traces | draftline | {path} | {digest} | {{\"brief\": true}} |" in md
+    assert (f"| vllm 0.32.0 | vLLM's chat endpoint, the template given as --chat-template, the kwargs in each "
+            f"request's chat_template_kwargs | {path} | {digest} | {{\"brief\": true}} |") in md
+    assert f"| sglang 0.32.0 | draftline, for SGLang's /generate | {path} | {digest} |" in md
+    own = ChatTemplate().describe(target_dir=target_dirs["llama"])  # the tokenizer's own, read from its files
+    assert own["template"] == "the target tokenizer's own" and own["sha256"] == ChatTemplate().describe(
+        AutoTokenizer.from_pretrained(target_dirs["llama"]))["sha256"]
 
 
 # ---------------------------------------------------------------------------------------------- the report as a benchmark

@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from draftline.config import ExtractConfig
 from draftline.errors import ConfigError
-from draftline.extract import extract_hidden_states, extract_shard, length_buckets, num_hidden_shards
+from draftline.extract import extract_hidden_states, extract_shard
+from draftline.hidden_shards import length_buckets, num_hidden_shards
 from draftline.store import open_store
 from draftline.target import load_target
 from draftline.traces import iter_traces

@@ -12,9 +12,9 @@ from safetensors import safe_open
 
 from draftline.config import ExtractConfig
 from draftline.errors import ConfigError, ShardWriteError
-from draftline.extract import (
-    HiddenStateExtractor, ShardPlan, extract_hidden_states, num_hidden_shards, run_overlapped, safetensors_chunks,
-)
+from draftline.extract import HiddenStateExtractor, extract_hidden_states, run_overlapped
+from draftline.hidden_shards import ShardPlan, num_hidden_shards
+from draftline.safetensors_io import safetensors_chunks
 from draftline.store import ChunkReader, open_store
 from tests.test_extract import _copy_traces, write_traces
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from draftline.errors import StoreError, is_transient
-from draftline.local_s3 import LocalS3
 from draftline.store import open_store
+from infra.local.seaweedfs import LocalS3
 
 ROOT = Path(__file__).resolve().parents[1]
 # Three 16 MiB parts and a short last one: a multipart upload, paused after its first parts went up.

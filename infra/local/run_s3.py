@@ -1,4 +1,4 @@
-"""SeaweedFS S3 as a service for infra/local: draftline.local_s3's server, stopped cleanly on SIGTERM, ready-file when up.
+"""SeaweedFS S3 as a service for infra/local: seaweedfs.py's server, stopped cleanly on SIGTERM, ready-file when up.
 
     AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... python infra/local/run_s3.py --dir D --port P --bucket B --ready-file F
 """
@@ -9,8 +9,12 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
-from draftline.local_s3 import LocalS3
+# up.sh runs this file as a script: the repository root goes on the path so that the infra package imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from infra.local.seaweedfs import LocalS3  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,13 @@
 """A real S3 endpoint on this machine: starts a SeaweedFS `weed server` on free ports with enforced credentials.
 
-Used by the tests (one server per session), by infra/local and by anyone who wants S3 without a cloud account:
+Used by the tests (one server per session), by infra/local (run_s3.py) and by anyone who wants S3 without a cloud
+account. Not part of the draftline package: the pipeline only talks to an S3 endpoint it is given.
 
-    with LocalS3() as s3:                       # or: python -m draftline.local_s3 --dir ./s3data
+    with LocalS3() as s3:
         s3.create_bucket("runs")
         os.environ.update(s3.env())             # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... for boto3
+
+or as a command, from the repository root: python -m infra.local.seaweedfs --dir ./s3data
 """
 from __future__ import annotations
 
@@ -319,7 +322,7 @@ def _interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m draftline.local_s3",
+        prog="python -m infra.local.seaweedfs",
         description="Run a local S3 server (SeaweedFS) with credentials enforced, and print the AWS variables to use it.",
     )
     parser.add_argument("--dir", default="./s3data", help="folder for the server's data (kept between runs)")

@@ -1,0 +1,128 @@
+"""`draftline plan`: every rate it uses is the number in its source file, the shape arithmetic matches real
+checkpoints and shards, it prints and writes a plan for the demo and for Kimi-K2.5 (whose checkpoint is not here),
+and it refuses a target larger than the devices in one sentence. No model runs: seconds."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from draftline.cli import main
+from draftline.config_loading import load_config
+from draftline.errors import ConfigError
+from draftline.plan import build_plan, model_for, render
+from draftline.plan_data import DEMO, DEMO_1B, DEMO_8B, PUBLISHED_SHAPES, RATES
+from draftline.plan_shape import hidden_state_bytes, target_shape
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _field(data, path: str):
+    for part in path.split("."):
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data
+
+
+def _from_json(r) -> bool:
+    return r.source.endswith(".json") and (REPO / r.source).is_file()
+
+
+@pytest.mark.parametrize("r", [r for r in RATES if _from_json(r)], ids=lambda r: r.name)
+def test_every_json_rate_is_the_number_in_its_source_file(r):
+    assert _field(json.loads((REPO / r.source).read_text()), r.field) == pytest.approx(r.value, rel=1e-9)
+
+
+@pytest.mark.parametrize("r", [r for r in RATES if not _from_json(r)], ids=lambda r: r.name)
+def test_every_rate_read_from_a_log_names_lines_that_are_there(r):
+    if r.name == "engine_start_s":
+        starts = [json.loads(p.read_text())["engine_start_s"]
+                  for p in [REPO / "benchmarks/results/extract-vllm-h200.json",
+                            *sorted((REPO / "benchmarks/results/extract-vllm-h200").glob("*.json"))]]
+        assert sorted(starts) == sorted(r.setup["starts"])
+        ordered = sorted(starts)
+        assert r.value == pytest.approx((ordered[3] + ordered[4]) / 2, abs=0.05)
+        return
+    text = (REPO / r.source).read_text()
+    for stamp in re.findall(r"\d\d:\d\d:\d\d\.\d\d\d", r.field):
+        assert stamp in text, f"{r.source} has no line at {stamp}"
+    for quoted in re.findall(r"'([^']+)'", r.field):
+        assert quoted in text, f"{r.source} has no {quoted!r}"
+
+
+def test_parameter_counts_match_the_checkpoints_and_the_published_sizes():
+    demo = target_shape(DEMO, "demo")
+    size = (REPO / "assets/demo-llama/model.safetensors").stat().st_size
+    assert demo.total_params * 2 == pytest.approx(size, rel=0.005)  # bf16, plus the file's header and norms
+    assert target_shape(DEMO_1B, "1b").total_params == pytest.approx(1.04e9, rel=0.01)
+    assert target_shape(DEMO_8B, "8b").total_params == pytest.approx(6.879e9, rel=0.002)
+    kimi = PUBLISHED_SHAPES["Kimi-K2.5"]
+    shape = target_shape({"text_config": kimi["config"]}, "Kimi-K2.5", quantization=kimi["quantization"])
+    # Published: about 1.04T parameters, 32B of them activated per token, about 595 GB in INT4.
+    assert shape.total_params == pytest.approx(1.04e12, rel=0.02)
+    assert shape.active_layer_params + 2 * shape.embedding_params == pytest.approx(32.9e9, rel=0.03)
+    assert shape.weight_bytes == pytest.approx(595e9, rel=0.02)
+    # Every expert is read once enough tokens share a decode step.
+    assert shape.decode_step_bytes(1) < 0.1 * shape.weight_bytes < shape.decode_step_bytes(256)
+
+
+def test_hidden_state_bytes_match_measured_shards_within_a_tenth_of_a_percent():
+    runs = json.loads((REPO / "benchmarks/results/storage-acceptance-cpu.json").read_text())["runs"]
+    for run in runs.values():
+        shards = run["shards"]
+        predicted = hidden_state_bytes(shards["tokens"], 395, 256, shards["storage"][0])
+        assert predicted == pytest.approx(shards["shard_bytes"], rel=1e-3)
+
+
+def test_the_demo_plan_reads_its_prompts_and_covers_every_stage(tmp_path, capsys):
+    assert main(["plan", "configs/demo.yaml", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [s["stage"] for s in plan["stages"]] == ["traces", "extraction", "training"]
+    # 400 prompts, 5 of them duplicates: the 395 traces every demo run has.
+    assert plan["hardware_key"] == "cpu" and plan["workload"]["traces"] == 395
+    # The demo's traces hold 67.9 prompt tokens a trace, from the same prompts, tokenizer and chat template.
+    assert plan["workload"]["prompt_tokens"] == pytest.approx(67.9, abs=1.0)
+    assert all(s["wall_s"] > 0 for s in plan["stages"])
+    for line in ("traces", "extraction", "training", "disk: offline"):
+        assert line in out
+    assert "answers assumed as long as traces.max_new_tokens allows (96 tokens)" in out
+
+
+def test_kimi_plans_from_its_published_shape_and_its_bytes_follow_the_story(tmp_path, capsys):
+    """10,000 traces of 1,443.7 tokens are the story's 828 GB of bf16 hidden states."""
+    path = tmp_path / "kimi.json"
+    assert main(["plan", "configs/kimi-k2.5.yaml", "--traces", "10000", "--prompt-tokens", "288.7",
+                 "--answer-tokens", "1155", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(path.read_text())
+    extraction = next(s for s in plan["stages"] if s["stage"] == "extraction")
+    assert extraction["bytes_bf16"] == pytest.approx(828e9, rel=0.001)
+    assert extraction["bytes_fp8"] == pytest.approx(828e9 / 2, rel=0.01)
+    assert all(s["gpus"] == 8 for s in plan["stages"])
+    assert "planned with Kimi-K2.5's published shape" in out and "lower bounds" in out
+    assert plan["stages"][0]["memory_per_device"]["weights_gb"] == pytest.approx(595 / 8, rel=0.02)
+
+
+def test_a_target_larger_than_the_devices_is_refused_in_one_sentence(tmp_path, capsys):
+    assert main(["plan", "configs/kimi-k2.5.yaml", "--hardware", "h100", "--json", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not (tmp_path / "p.json").exists()
+    assert "74.3 GB on each of 8 devices but each NVIDIA H100 SXM gives 71.6 GB" in err
+    with pytest.raises(ConfigError, match="on each of 4 devices"):
+        build_plan(load_config(REPO / "configs/kimi-k2.5.yaml"), gpus=4, traces=10)
+
+
+def test_more_gpus_shorten_the_engine_stages_and_a_measured_rate_replaces_the_planners(tmp_path):
+    cfg = load_config(REPO / "configs/kimi-k2.5.yaml")
+    eight = build_plan(cfg, traces=1000, prompt_tokens=200, answer_tokens=800)
+    sixteen = build_plan(cfg, traces=1000, prompt_tokens=200, answer_tokens=800, gpus=16)
+    ext8, ext16 = (next(s for s in p["stages"] if s["stage"] == "extraction") for p in (eight, sixteen))
+    assert ext16["bound_by"] == "disk" or ext16["work_s"] < ext8["work_s"]
+    slow = build_plan(cfg, traces=1000, prompt_tokens=200, answer_tokens=800, rates={"disk_bytes_per_s": 1.8e8})
+    assert next(s for s in slow["stages"] if s["stage"] == "extraction")["tokens_per_s"] == pytest.approx(
+        1.8e8 / (4 * 7168 * 2 + 9), rel=1e-6)
+    with pytest.raises(ConfigError, match="--rate nonsense: no such rate"):
+        model_for("h200", {"nonsense": 1.0})
+    assert "GPU-hours" in render(eight)
