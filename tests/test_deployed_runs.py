@@ -127,7 +127,7 @@ def test_wrong_inputs_fail_an_in_process_run_before_any_stage_naming_each_field(
     run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"', 'stage_runs="in-process"')
     message = run.state.message
     for named in ("run t32-inputs-here cannot start", "point target.path at a transformers checkpoint directory",
-                  "set eval.prompts to a .jsonl file"):
+                  "set eval.prompts to a .jsonl, .json or .parquet file"):
         assert named in message, message
     # Its only task is the check: no stage's subflow (each has a task run in its parent) began.
     tasks = _read(server, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
