@@ -358,11 +358,29 @@ def print_summary(config: PipelineConfig, report: dict[str, Any], elapsed_s: flo
     """The final table on the terminal, each stage's wall time (marking those served from cache), and where the
     artifacts are."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     if not console.is_terminal:  # piped or logged (CI, make): rich would wrap the notes at 80 columns
         console = Console(width=140)
+    _render_summary(console, config, report, elapsed_s, stage_times)
+
+
+def summary_text(config: PipelineConfig, report: dict[str, Any], elapsed_s: float | None = None,
+                 stage_times: list[dict] | None = None) -> str:
+    """print_summary's lines as plain text: the last line of a deployed pipeline run's log."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=140, color_system=None)
+    _render_summary(console, config, report, elapsed_s, stage_times)
+    return console.file.getvalue().rstrip()
+
+
+def _render_summary(console, config: PipelineConfig, report: dict[str, Any], elapsed_s: float | None,
+                    stage_times: list[dict] | None) -> None:
+    from rich.table import Table
+
     table = Table(title=f"draftline run {config.run!r}: target {config.target.display_name}")
     for col in ("engine", "status", "concurrency", "acceptance_length", "speedup", "parity", "note"):
         table.add_column(col.replace("_", " "), overflow="fold")

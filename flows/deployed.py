@@ -7,20 +7,28 @@ and a child that no worker takes (child_runs.start_timeout_s) or that runs too l
 cancelled and fails its parent with the cause. Each child is started by a task of the parent ("train-drafter on
 gpu-train"), its parent task run, so the parent's page in the UI shows it in place and the task ends as the child did.
 A stage run of the same name that has not ended (its parent crashed and was retried) is waited for, not started again.
+
+One retry of the pipeline run resumes everything: each child is created under a key made of the pipeline run's id,
+its name and its parameters, so a retried pipeline gets back the child its earlier attempt made. A completed one is
+reused, a crashed, failed or cancelled one is retried in place (same run, same name; it resumes from what it stored),
+and one left behind by a changed config is tagged `superseded`. A crashed child's message names that retry.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Literal
 
-from prefect import task
+from prefect import tags, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
-from prefect.context import TaskRunContext
+from prefect.context import FlowRunContext, TaskRunContext
 from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-from prefect.states import Cancelled, Cancelling, Scheduled
+from prefect.states import Cancelled, Cancelling, Crashed, Scheduled
 
 from draftline import stages
 from draftline.config import ChildRunsConfig, PipelineConfig
@@ -41,6 +49,8 @@ POLL_S = 3.0
 # Scheduled states in which a run waits for something other than a worker: a deployment's concurrency slot (another
 # run holds it) or its retry delay.
 _WAITING_FOR_OTHER_THAN_A_WORKER = ("AwaitingConcurrencySlot", "AwaitingRetry")
+# The tag on a child run that a later attempt of its pipeline run replaced with a run of another config.
+SUPERSEDED_TAG = "superseded"
 
 
 class StageRunFailed(DraftlineError):
@@ -49,6 +59,14 @@ class StageRunFailed(DraftlineError):
 
 class NoLiveWorker(DraftlineError):
     """A work pool the run needs has no worker that could take its flow runs."""
+
+
+def subflows_tagged_like_this_run():
+    """A block whose subflows carry this flow run's tags (`draftline`, from its deployment): the crash automation
+    watches runs by that tag, and Prefect gives a subflow none of its parent's. They beat as often as their parent,
+    in its process."""
+    context = FlowRunContext.get()
+    return tags(*(context.flow_run.tags if context is not None else []))
 
 
 def engine_deployment(engine: str) -> str:
@@ -160,6 +178,7 @@ def run_on_pool(deployment: str, parameters: dict[str, Any], gpus: int, limits: 
     with get_client(sync_client=True) as client:
         found = client.read_deployment_by_name(deployment)
         pool = found.work_pool_name or "(no pool)"
+        retried = _outermost_run(client)
         run = _unfinished_run(client, found.id, run_name)
         if run is not None and run.parameters != parameters:
             raise StageRunFailed(
@@ -169,14 +188,88 @@ def run_on_pool(deployment: str, parameters: dict[str, Any], gpus: int, limits: 
             print(f"{deployment} run {run.name} ({run.id}) has not ended ({run.state.name if run.state else 'no state'});"
                   f" waiting for it instead of starting the stage twice")
         else:
-            run = _create_linked(client, found.id, parameters, run_name, parent.task_run.id if parent else None, gpus)
-            print(f"started {deployment} run {run.name} ({run.id}) on work pool {pool}")
+            run = _create_linked(client, found.id, parameters, run_name, parent.task_run.id if parent else None, gpus,
+                                 idempotency_key=_child_key(retried, run_name, parameters))
+            run = _start_or_take_back(client, run, deployment, pool)
+        _mark_superseded(client, found.id, run, retried)
         run = _wait(client, run, deployment, pool, limits)
-    state = run.state
+        state = run.state
+        if state.is_crashed() and retried is not None:
+            raise StageRunFailed(_crashed(client, run, deployment, pool, retried))
     if not state.is_completed():
         why = f": {state.message}" if state.message else ""
         raise StageRunFailed(f"the {deployment} run {run.name} ended {state.name}{why}; see its logs in the Prefect UI")
     return str(run.id)
+
+
+def _outermost_run(client) -> FlowRun | None:
+    """The flow run a user retries: the one this code runs in, or, from a subflow (the pipeline's evaluate), the
+    run above it that no task of another run started."""
+    context = FlowRunContext.get()
+    run = context.flow_run if context else None
+    while run is not None and run.parent_task_run_id is not None:
+        parent_flow_run_id = client.read_task_run(run.parent_task_run_id).flow_run_id
+        if parent_flow_run_id is None:
+            break
+        run = client.read_flow_run(parent_flow_run_id)
+    return run
+
+
+def _child_key(retried: FlowRun | None, run_name: str, parameters: dict[str, Any]) -> str | None:
+    """The idempotency key of a child run: the same in every attempt of the outermost run, for the same parameters,
+    so the server hands a retried pipeline the child its earlier attempt made."""
+    if retried is None:
+        return None
+    digest = hashlib.sha256(json.dumps(parameters, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{retried.id}/{run_name}/{digest}"
+
+
+def _start_or_take_back(client, run: FlowRun, deployment: str, pool: str) -> FlowRun:
+    """A new child is left to start; one an earlier attempt made is reused when it completed and retried in place
+    otherwise, as `prefect flow-run retry` does (it resumes from what it stored)."""
+    state = run.state
+    if state is None or not state.is_final():
+        print(f"started {deployment} run {run.name} ({run.id}) on work pool {pool}")
+    elif state.is_completed():
+        print(f"{deployment} run {run.name} ({run.id}) completed in an earlier attempt of this run; reusing it")
+    else:
+        client.set_flow_run_state(run.id, Scheduled(message=f"retried by a retry of the run that started it, after "
+                                                            f"it ended {state.name}"), force=True)
+        print(f"{deployment} run {run.name} ({run.id}) ended {state.name} in an earlier attempt of this run; "
+              f"retrying it on work pool {pool}, where it resumes from what it stored")
+        run = client.read_flow_run(run.id)
+    return run
+
+
+def _mark_superseded(client, deployment_id, run: FlowRun, retried: FlowRun | None) -> None:
+    """Tag the other runs of this name that earlier attempts of the same outermost run made (with another config),
+    so that the UI tells the one in use from the ones it replaced."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
+
+    if retried is None:
+        return
+    same_name = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run.name])),
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+    for other in same_name:
+        if (other.id != run.id and SUPERSEDED_TAG not in other.tags
+                and (other.idempotency_key or "").startswith(f"{retried.id}/")):
+            client.update_flow_run(other.id, tags=[*other.tags, SUPERSEDED_TAG])
+            print(f"{other.name} ({other.id}) is superseded by {run.id}: tagged {SUPERSEDED_TAG}")
+
+
+def _crashed(client, run: FlowRun, deployment: str, pool: str, retried: FlowRun) -> str:
+    """The sentence for a child that crashed (its process died: no heartbeat, or its infrastructure exited), also
+    written into the child's own state message: the run to retry is the outermost one, whose retry reuses the stages
+    that completed and retries this one."""
+    cause = re.split(r"(?<=[.;])\s", (run.state.message or "its process stopped").strip(), maxsplit=1)[0].rstrip(".;")
+    flow_name = client.read_flow(retried.flow_id).name
+    advice = (f"retry {flow_name} run {retried.name} with `prefect flow-run retry {retried.id}` once work pool {pool} "
+              f"has a worker: it reuses the stages that completed and retries this one, which resumes from what it "
+              f"stored (finished shards, the last training checkpoint)")
+    client.set_flow_run_state(run.id, Crashed(message=f"{cause}; this run is a stage of {flow_name} run "
+                                                      f"{retried.name} ({retried.id}): {advice}."), force=True)
+    return f"the {deployment} run {run.name} crashed: {cause}; {advice}"
 
 
 def _unfinished_run(client, deployment_id, run_name: str) -> FlowRun | None:
@@ -198,16 +291,18 @@ def _unfinished_run(client, deployment_id, run_name: str) -> FlowRun | None:
 
 
 def _create_linked(client, deployment_id, parameters: dict[str, Any], run_name: str, parent_task_run_id,
-                   gpus: int, link_wait_s: float = 60.0):
-    """The child flow run, linked to this task's run. The server records a task run from the events it receives, a
-    moment after the task starts; until then linking to it is refused (409 Conflict), so the request is repeated
-    for up to link_wait_s, and the child starts unlinked rather than not at all."""
+                   gpus: int, idempotency_key: str | None = None, link_wait_s: float = 60.0):
+    """The child flow run, linked to this task's run (or the run an earlier attempt made under the same
+    idempotency_key, as it is). The server records a task run from the events it receives, a moment after the task
+    starts; until then linking to it is refused (409 Conflict), so the request is repeated for up to link_wait_s, and
+    the child starts unlinked rather than not at all."""
     deadline = time.monotonic() + link_wait_s
     while True:
         try:
             return client.create_flow_run_from_deployment(
                 deployment_id, parameters=parameters, state=Scheduled(), name=run_name,
-                parent_task_run_id=parent_task_run_id, job_variables={"gpus": gpus})
+                parent_task_run_id=parent_task_run_id, job_variables={"gpus": gpus},
+                idempotency_key=idempotency_key)
         except PrefectHTTPStatusError as exc:
             if parent_task_run_id is None or exc.response.status_code != 409:
                 raise

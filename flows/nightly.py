@@ -75,13 +75,14 @@ def nightly_regression(config: PipelineConfig | None = None, drafter: str = "./r
     deployed.require_live_workers(needed)  # nothing waits on a pool without a worker
     tonight = config.model_copy(update={"run": nightly_run_name(config)})
     production = regression_tasks.production_drafter(tonight, drafter)
-    evaluation = evaluate(tonight, production["exports"], engine_runs, stage_runs, return_state=True)
-    error = None
-    if not evaluation.is_completed():
-        # An engine that cannot serve is judged too: its result.json (status failed) or its absence is recorded.
-        error = evaluation.message or evaluation.name
-        print(f"the evaluation ended {evaluation.name} ({error}); judging what it left in the store")
-    return regression_check(tonight, production, history_prefix, accept_new_baseline, error)
+    with deployed.subflows_tagged_like_this_run():
+        evaluation = evaluate(tonight, production["exports"], engine_runs, stage_runs, return_state=True)
+        error = None
+        if not evaluation.is_completed():
+            # An engine that cannot serve is judged too: its result.json (status failed) or its absence is recorded.
+            error = evaluation.message or evaluation.name
+            print(f"the evaluation ended {evaluation.name} ({error}); judging what it left in the store")
+        return regression_check(tonight, production, history_prefix, accept_new_baseline, error)
 
 
 def _nightly_run_id() -> str | None:

@@ -10,6 +10,7 @@ import uuid
 from typing import Any, Iterator
 
 from prefect import flow
+from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
 from draftline.config import PipelineConfig
@@ -17,6 +18,7 @@ from draftline.config_loading import load_config, merge_overrides, parse_config
 from draftline.errors import ConfigError, report_failure
 from draftline.overrides import PipelineOverrides, overrides_dict
 from draftline.run_lock import RunLease, RunNameTaken
+from draftline.stages import summary_text
 from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
@@ -40,6 +42,7 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
         overrides: Keys laid over config_file section by section, e.g. {"train": {"max_steps": 20}}; an unknown
             key, a wrong type or a malformed store URI is refused when the run is submitted.
     """
+    started = time.monotonic()
     config = resolve_config(config, config_file, overrides)
     # Every input in seconds, before any stage; where stages run on other workers, what is missing here is theirs to
     # check when their stage starts.
@@ -60,8 +63,12 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
         with timed_stage("training and export", times):
             drafter = stage_flows.train_drafter(config, hidden_manifest)
         lease.check()
-        with timed_stage("evaluation", times):
+        with timed_stage("evaluation", times), deployed.subflows_tagged_like_this_run():
             report = evaluate(config, drafter["exports"], engine_runs, stage_runs)
+    if FlowRunContext.get().flow_run.deployment_id is not None:
+        # A deployment's run has no terminal of its own: its log, which `--watch` and `prefect flow-run logs` show,
+        # ends with the final table and the stage times, as `draftline run` does.
+        print(summary_text(config, report, elapsed_s=time.monotonic() - started, stage_times=times))
     return {"traces": traces, "hidden": hidden_manifest, "drafter": drafter, "report": report, "stage_times": times}
 
 

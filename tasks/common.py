@@ -97,15 +97,30 @@ def relay_library_logs() -> None:
 
 
 class _DraftlineErrorsWithoutTraceback(logging.Filter):
-    """A draftline error is the user's to act on and says so in its sentence: Prefect's failure lines keep that
-    sentence and drop the traceback. Any other exception is a bug: its traceback stays, with a line saying so."""
+    """A draftline error is the user's to act on and says so in its sentence: the first line Prefect logs about it in a
+    flow run is that sentence alone (no repr, no traceback), and Prefect's later lines re-raising it in the same run
+    are dropped; its "Finished in state Failed(...)" line stays. Any other exception is a bug: its traceback stays,
+    with a line saying so. A deployed pipeline run's log ends with its final table: Prefect's "Finished in state
+    Completed()" after it is dropped (the run's state says so in the UI and in `--watch`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._logged: set[tuple[str, str]] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "_record_outcome" in str(record.msg):  # Prefect announces every hook it runs; this one is bookkeeping
             return False
+        if (getattr(record, "flow_name", None) == "pipeline" and getattr(record, "deployment_name", None)
+                and not hasattr(record, "task_run_id") and str(record.msg).startswith("Finished in state Completed(")):
+            return False
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, DraftlineError):
             record.exc_info, record.exc_text = None, None
+            key = (str(getattr(record, "flow_run_id", None)), str(exc))
+            if key in self._logged:
+                return False
+            self._logged.add(key)
+            record.msg, record.args = str(exc), ()
         elif isinstance(exc, Exception) and not getattr(record, "_draftline_marked", False):
             record.msg = f"{record.msg}\n{BUG_LINE}"
             record._draftline_marked = True
@@ -114,10 +129,11 @@ class _DraftlineErrorsWithoutTraceback(logging.Filter):
 
 def quiet_draftline_errors() -> None:
     """Install the filter on the loggers Prefect's engines report task and flow failures on (once per process)."""
+    shared = _DraftlineErrorsWithoutTraceback()  # one, so that a task's failure line and its flow's are told apart
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DraftlineErrorsWithoutTraceback) for f in logger.filters):
-            logger.addFilter(_DraftlineErrorsWithoutTraceback())
+            logger.addFilter(shared)
 
 
 relay_library_logs()

@@ -127,7 +127,7 @@ def test_wrong_inputs_fail_an_in_process_run_before_any_stage_naming_each_field(
     run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"', 'stage_runs="in-process"')
     message = run.state.message
     for named in ("run t32-inputs-here cannot start", "point target.path at a transformers checkpoint directory",
-                  "set eval.prompts to a .jsonl file"):
+                  "set eval.prompts to a .jsonl, .json or .parquet file"):
         assert named in message, message
     # Its only task is the check: no stage's subflow (each has a task run in its parent) began.
     tasks = _read(server, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
@@ -250,3 +250,41 @@ def test_a_run_name_another_live_run_holds_is_refused_before_any_stage_naming_th
     assert [t.name.rsplit("-", 1)[0] for t in tasks] == ["check-inputs"], [t.name for t in tasks]
     assert store.get_bytes(run_lease_key("t32-taken")) == lease
     assert store.list("t32-taken") == sorted([run_lease_key("t32-taken"), training_record_key("t32-taken")])
+
+
+def test_a_retried_parent_takes_its_child_back_and_tags_one_of_another_config_superseded(server):
+    """In one parent flow run, as in a retried pipeline run, a child of the same name and config is the same run,
+    retried in place when it did not complete, not a second one; one of another config is a new run, and the old one
+    is tagged superseded. No worker serves the SGLang pool here, so each child is cancelled after its start timeout."""
+    from prefect import flow
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from draftline.config import ChildRunsConfig
+    from flows.deployed import SUPERSEDED_TAG, StageRunFailed, run_on_pool
+
+    name = "t32-retried-evaluate-sglang"
+    demo = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    other = {**demo, "train": {**demo["train"], "max_steps": 3}}
+    sglang = next(e for e in demo["eval"]["engines"] if e["engine"] == "sglang")
+
+    @flow
+    def parent() -> list[str]:
+        failures = []
+        for config in (demo, demo, other):
+            try:
+                run_on_pool("evaluate-engine/evaluate-sglang", {"config": config, "engine": sglang, "exports": {}}, 1,
+                            ChildRunsConfig(start_timeout_s=3), name)
+            except StageRunFailed as exc:
+                failures.append(str(exc))
+        return failures
+
+    with _client(server):
+        failures = parent()
+    assert len(failures) == 3 and all("(child_runs.start_timeout_s)" in f for f in failures), failures
+    children = sorted(_read(server, lambda c: c.read_flow_runs(
+        flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))), key=lambda r: r.created)
+    assert [c.parameters["config"]["train"]["max_steps"] for c in children] == [demo["train"]["max_steps"], 3]
+    first, replacement = children
+    scheduled = [s for s in _read(server, lambda c: c.read_flow_run_states(first.id)) if s.is_scheduled()]
+    assert len(scheduled) == 2, "the second call did not retry the first child in place"
+    assert SUPERSEDED_TAG in first.tags and SUPERSEDED_TAG not in replacement.tags, (first.tags, replacement.tags)

@@ -55,6 +55,19 @@ def test_every_test_the_reliability_table_names_exists():
         assert any(row[0].startswith(fault) for row in rows), f"no row for {fault!r}"
 
 
+def test_the_local_server_block_waits_for_the_api_and_stops_the_workers_before_the_server():
+    """docs/prefect.md's block is pasted whole: nothing asks the API before it answers, and the stop ends the
+    workers while the server still answers (a worker stopped after its server retries it for half a minute)."""
+    text = section((DOCS / "prefect.md").read_text(), "A Prefect server on your machine")
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    start, stop = blocks[0].splitlines(), blocks[-1]
+    waits = next(i for i, line in enumerate(start) if "prefect server status --wait" in line)
+    asks = next(i for i, line in enumerate(start)
+                if re.search(r"prefect (work-pool|deploy|--no-prompt|automation)", line))
+    assert waits < asks, "the block uses the API before waiting for it"
+    assert stop.index("kill $WORKERS") < stop.index("kill $SERVER"), stop
+
+
 def test_the_configuration_page_lists_every_example():
     text = section((DOCS / "configuration.md").read_text(), "The examples")
     listed = set(re.findall(r"^- `configs/([\w.-]+\.yaml)`: ", text, re.M))

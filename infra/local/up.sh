@@ -75,7 +75,9 @@ wait_for() {  # wait_for SECONDS NAME DESCRIPTION COMMAND...: until COMMAND succ
 }
 start_bg() {  # start_bg NAME LOGFILE COMMAND...: own session (down.sh stops the group), pid file
   local name="$1" log="$2"; shift 2
-  setsid "$@" >>"$log" 2>&1 < /dev/null &
+  # A script's background command starts with SIGINT ignored; a Prefect worker turns SIGTERM into SIGINT, so without
+  # `trap - INT` down.sh's SIGTERM would not stop it (it would be killed after its grace period, unregistered).
+  ( trap - INT; exec setsid "$@" ) >>"$log" 2>&1 < /dev/null &
   echo $! > "$STATE/run/$name.pid"
 }
 
