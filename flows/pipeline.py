@@ -22,7 +22,7 @@ from draftline.stages import summary_text
 from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
-from tasks.common import store_at, timed_stage
+from tasks.common import final_table_logged, store_at, timed_stage
 from tasks.inputs import check_inputs
 
 
@@ -69,6 +69,7 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
         # A deployment's run has no terminal of its own: its log, which `--watch` and `prefect flow-run logs` show,
         # ends with the final table and the stage times, as `draftline run` does.
         print(summary_text(config, report, elapsed_s=time.monotonic() - started, stage_times=times))
+        final_table_logged(FlowRunContext.get().flow_run.id)
     return {"traces": traces, "hidden": hidden_manifest, "drafter": drafter, "report": report, "stage_times": times}
 
 

@@ -96,12 +96,21 @@ def relay_library_logs() -> None:
         library.setLevel(logging.INFO)
 
 
+# Flow runs of this process whose log ends with their final table.
+_FINAL_TABLE_RUNS: set[str] = set()
+
+
+def final_table_logged(flow_run_id: str) -> None:
+    """The flow run has logged its final table, which stays its log's last line."""
+    _FINAL_TABLE_RUNS.add(str(flow_run_id))
+
+
 class _DraftlineErrorsWithoutTraceback(logging.Filter):
     """A draftline error is the user's to act on and says so in its sentence: the first line Prefect logs about it in a
     flow run is that sentence alone (no repr, no traceback), and Prefect's later lines re-raising it in the same run
     are dropped; its "Finished in state Failed(...)" line stays. Any other exception is a bug: its traceback stays,
-    with a line saying so. A deployed pipeline run's log ends with its final table: Prefect's "Finished in state
-    Completed()" after it is dropped (the run's state says so in the UI and in `--watch`)."""
+    with a line saying so. A run that logged its final table (final_table_logged) ends its log with it: Prefect's
+    "Finished in state Completed()" after it is dropped (the run's state says so in the UI and in `--watch`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,8 +119,8 @@ class _DraftlineErrorsWithoutTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if "_record_outcome" in str(record.msg):  # Prefect announces every hook it runs; this one is bookkeeping
             return False
-        if (getattr(record, "flow_name", None) == "pipeline" and getattr(record, "deployment_name", None)
-                and not hasattr(record, "task_run_id") and str(record.msg).startswith("Finished in state Completed(")):
+        if (str(getattr(record, "flow_run_id", None)) in _FINAL_TABLE_RUNS and not hasattr(record, "task_run_id")
+                and str(record.msg).startswith("Finished in state Completed(")):
             return False
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, DraftlineError):
