@@ -130,7 +130,15 @@ def online_trainer(config: PipelineConfig, store: Store, on_line: Callable[[str]
     return run_trainer(config, store, on_line)
 
 
+def online_trainer_ended(config: PipelineConfig) -> None:
+    """Tell the engine side of online training that the trainer has ended, if it has not said so itself."""
+    from draftline.online.run import trainer_ended
+
+    trainer_ended(config)
+
+
 def online_clean_up(config: PipelineConfig) -> None:
+    """Remove online training's hand-off folder once both sides are done."""
     from draftline.online.run import clean_up
 
     clean_up(config)

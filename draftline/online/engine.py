@@ -109,6 +109,9 @@ class EngineFeed:
         logs = Path(self.log_dir) if self.log_dir else Path(tempfile.mkdtemp(prefix="draftline-online-logs-"))
         norm = write_final_norm(target, self.folder)
         for attempt in range(settings.retries + 1):
+            if (read_json(self.folder / TRAINER) or {}).get("state") in (FINISHED, FAILED):
+                self.trainer_state = read_json(self.folder / TRAINER)["state"]
+                return  # the trainer ended (or was served from a cache) before this server was needed
             served = False
             try:
                 spec = capture_server_spec(settings, Path(target), layers, self.folder, max_len, norm)

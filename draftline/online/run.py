@@ -25,6 +25,13 @@ def clean_up(config: PipelineConfig) -> None:
     shutil.rmtree(hand_off_folder(config), ignore_errors=True)
 
 
+def trainer_ended(config: PipelineConfig) -> None:
+    """Mark the trainer ended (finished, unless it said it failed) so that the engine side stops."""
+    status = Status(hand_off_folder(config) / TRAINER)
+    if (status.read() or {}).get("state") not in (FINISHED, FAILED):
+        status.set(FINISHED, force=True)
+
+
 def run_engine(config: PipelineConfig, store, say: Callable[[str], None] | None = None, feed=None) -> dict:
     """The engine side until the trainer is done; returns what it captured, and the trainer's final state."""
     from draftline.online.engine import EngineFeed
