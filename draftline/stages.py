@@ -130,11 +130,11 @@ def online_trainer(config: PipelineConfig, store: Store, on_line: Callable[[str]
     return run_trainer(config, store, on_line)
 
 
-def online_trainer_ended(config: PipelineConfig) -> None:
-    """Tell the engine side of online training that the trainer has ended, if it has not said so itself."""
+def online_trainer_ended(config: PipelineConfig, completed: bool) -> None:
+    """Tell the engine side of online training that the trainer has ended (completed or not), whatever it said."""
     from draftline.online.run import trainer_ended
 
-    trainer_ended(config)
+    trainer_ended(config, completed)
 
 
 def online_clean_up(config: PipelineConfig) -> None:
@@ -156,6 +156,14 @@ def stage_gpus(config: PipelineConfig, stage: str) -> int:
     if stage == "extract":
         return devices_needed(config.extract.vllm) if config.extract.backend == "vllm" else 1
     if stage == "train":
+        if config.train.source == "engine":  # the capturing engine runs beside the trainer on the same worker
+            online = config.train.online
+            if online.engine_devices is not None or online.trainer_devices is not None:
+                from draftline.online.placement import place
+
+                placed = place(config, 1 + max((online.engine_devices or []) + (online.trainer_devices or [])))
+                return len(set(placed.engine) | set(placed.trainer))
+            return max(devices_needed(config.extract.vllm), config.train.processes)
         return config.train.processes
     if stage == "reference":
         return 1

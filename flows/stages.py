@@ -68,7 +68,7 @@ def train_online(config: PipelineConfig) -> dict:
     engine = online_tasks.feed_engine.submit(config)
     trainer = online_tasks.train_from_engine.submit(config)
     trainer.wait()
-    online_tasks.trainer_done(config)
+    online_tasks.trainer_done(config, trainer.state.is_completed())
     engine.wait()
     online_tasks.clean_up(config)
     if engine.state.is_failed():  # the trainer stopped because of it: the engine side's error names the cause

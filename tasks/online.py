@@ -36,9 +36,9 @@ def prepare(config: PipelineConfig) -> None:
     stages.online_prepare(config)
 
 
-def trainer_done(config: PipelineConfig) -> None:
-    """Tell the engine side the trainer has ended (a trainer served from cache never says so itself)."""
-    stages.online_trainer_ended(config)
+def trainer_done(config: PipelineConfig, completed: bool) -> None:
+    """Tell the engine side the trainer has ended (a trainer served from cache or killed never says so itself)."""
+    stages.online_trainer_ended(config, completed)
 
 
 def clean_up(config: PipelineConfig) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from draftline.config import PipelineConfig
 from draftline.drafter.data import Cursor
-from draftline.errors import EngineError
+from draftline.errors import ConfigError, EngineError
 from draftline.online import engine as engine_side
 from draftline.online.plan import OnlinePlan, epoch_order, split_traces
 from draftline.online.source import EngineWatch, OnlineStream, SpoolReader, hand_off_folder, online_plan
@@ -327,3 +327,59 @@ def test_online_training_through_the_library_keeps_only_the_validations_states_a
     assert states[-1] == "train/drafter/model.safetensors" and len(states) > 2
     assert all(s.startswith("hidden-val/shard-") for s in states[:-1])
     assert not hand_off_folder(config).exists()  # the hand-off folder goes with the session
+
+
+def kimi_shaped_target(folder: Path) -> Path:
+    """Kimi-K2.5's text sizes over the demo Kimi's config, and a sparse file as large as its INT4 weights (595 GB):
+    what the placement preflight reads, without the model."""
+    cfg = json.loads((ROOT / "assets/demo-kimi/config.json").read_text())
+    cfg["text_config"].update(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                              num_attention_heads=64, num_key_value_heads=64, num_hidden_layers=61, vocab_size=163840,
+                              q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                              v_head_dim=128, head_dim=192, n_routed_experts=384)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with open(folder / "model.safetensors", "wb") as f:
+        f.truncate(595 * 10**9)
+    return folder
+
+
+def test_the_preflight_places_both_sides_on_the_gpus_and_refuses_what_cannot_fit(tmp_path):
+    from draftline.config_loading import load_config
+    from draftline.online.engine import online_server_settings
+    from draftline.online.placement import GIB, check_placement
+    from draftline.stages import stage_gpus
+
+    h200 = int(139.8 * GIB)
+    # Kimi-K2.5 on one 8-GPU worker as configs/kimi-k2.5.yaml plans it: the engine at TP 8 keeps 0.70 of each GPU,
+    # the 8 training ranks share them; at vLLM's usual 0.9 the trainer would not fit.
+    kimi = load_config(ROOT / "configs/kimi-k2.5.yaml", overrides={
+        "target": {"path": str(kimi_shaped_target(tmp_path / "kimi"))}, "train": {"source": "engine"},
+        # The public Kimi-K2.5 drafter's layer, which the warm start takes.
+        "drafter": {"intermediate_size": 12288, "num_attention_heads": 64, "num_key_value_heads": 64}})
+    assert "trainer on GPUs [0, 1, 2, 3, 4, 5, 6, 7]" in check_placement(kimi, visible=8, gpu_bytes=h200)
+    assert stage_gpus(kimi, "train") == 8
+    server = online_server_settings(kimi)
+    assert server.extra_args.count("--gpu-memory-utilization") == 1 and server.extra_args[-1] == "0.7"
+
+    def online(config, **fields):
+        return config.model_copy(update={"train": config.train.model_copy(update={
+            "online": config.train.online.model_copy(update=fields)})})
+
+    with pytest.raises(ConfigError, match=r"engine_memory_fraction to at most 0\.\d\d"):
+        check_placement(online(kimi, engine_memory_fraction=0.9), visible=8, gpu_bytes=h200)
+    with pytest.raises(ConfigError, match="cannot hold its .* GiB of weights"):
+        check_placement(online(kimi, engine_memory_fraction=0.4), visible=8, gpu_bytes=h200)
+    with pytest.raises(ConfigError, match="the engine needs 8 GPUs"):
+        check_placement(online(kimi, engine_devices=[0, 1, 2, 3]), visible=8, gpu_bytes=h200)
+    with pytest.raises(ConfigError, match=r"trainer_devices=\[8\] must name distinct GPUs"):
+        check_placement(online(kimi, trainer_devices=[8]), visible=8, gpu_bytes=h200)
+    # Sides of their own (16 GPUs: the engine on 8, the trainer on 8): no sharing, the GPUs of both counted.
+    apart = online(kimi, engine_devices=list(range(8)), trainer_devices=list(range(8, 16)), engine_memory_fraction=0.9)
+    assert "trainer on GPUs [8, 9" in check_placement(apart, visible=16, gpu_bytes=h200)
+    assert stage_gpus(apart, "train") == 16
+    assert online_server_settings(apart).env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    # The demo on one 80 GB GPU fits at vLLM's own share; on a machine without GPUs there is nothing to place.
+    demo = load_config(ROOT / "configs/demo.yaml", overrides={"train": {"source": "engine"}})
+    assert check_placement(demo, visible=1, gpu_bytes=80 * GIB)
+    assert check_placement(demo, visible=0) is None

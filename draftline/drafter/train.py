@@ -111,9 +111,12 @@ def lr_lambda(cfg: TrainConfig):
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
-def train_device(kind: str) -> torch.device:
-    """This process's device: under torchrun, the GPU of its local rank."""
+def train_device(kind: str, devices: list[int] | None = None) -> torch.device:
+    """This process's device: under torchrun, the GPU of its local rank (torchrun's ranks see only `devices`); alone,
+    the first of `devices` (online training's trainer_devices), else GPU 0."""
     if resolve_device(kind, "train.device") == "cuda":
+        if devices and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return torch.device("cuda", devices[0])
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -154,7 +157,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     drafter_cfg = drafter_cfg or DrafterConfig()
     cfg = cfg or TrainConfig()
     prefix = out_prefix or train_prefix(run)
-    device = train_device(cfg.device)
+    device = train_device(cfg.device, cfg.online.trainer_devices if cfg.source == "engine" else None)
     d = init_distributed(device.type)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

@@ -28,8 +28,14 @@ def online_server_settings(config: PipelineConfig) -> ServerSettings:
     settings = config.extract.vllm.resolved(config.target.dtype)
     online = config.train.online
     extra, env = list(settings.extra_args), dict(settings.env)
-    if online.engine_memory_fraction is not None and not any(a.startswith("--gpu-memory-utilization") for a in extra):
-        extra += ["--gpu-memory-utilization", str(online.engine_memory_fraction)]
+    if online.engine_memory_fraction is not None:  # it replaces the server's own flag: the preflight checked this one
+        flag = "--gpu-memory-utilization"
+        kept = []
+        for i, a in enumerate(extra):
+            if a.startswith(flag + "=") or a == flag or (i and extra[i - 1] == flag):
+                continue
+            kept.append(a)
+        extra = kept + [flag, str(online.engine_memory_fraction)]
     if online.engine_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in online.engine_devices)
     return settings.model_copy(update={"extra_args": extra, "env": env})

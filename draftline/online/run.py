@@ -16,7 +16,13 @@ log = logging.getLogger("draftline.online")
 
 
 def prepare(config: PipelineConfig) -> None:
-    """Clear the hand-off folder of an earlier session before either side starts."""
+    """Check that both sides fit on this worker's GPUs, and clear the hand-off folder of an earlier session, before
+    either side starts."""
+    from draftline.online.placement import check_placement
+
+    placed = check_placement(config)
+    if placed:
+        log.info("online training: %s", placed)
     reset(hand_off_folder(config))
 
 
@@ -25,10 +31,13 @@ def clean_up(config: PipelineConfig) -> None:
     shutil.rmtree(hand_off_folder(config), ignore_errors=True)
 
 
-def trainer_ended(config: PipelineConfig) -> None:
-    """Mark the trainer ended (finished, unless it said it failed) so that the engine side stops."""
+def trainer_ended(config: PipelineConfig, completed: bool) -> None:
+    """Mark the trainer ended so that the engine side stops: failed unless it completed (a trainer that was killed,
+    or served from a cache, says nothing itself)."""
     status = Status(hand_off_folder(config) / TRAINER)
-    if (status.read() or {}).get("state") not in (FINISHED, FAILED):
+    if not completed:
+        status.set(FAILED, force=True, error=(status.read() or {}).get("error") or "the trainer's task did not complete")
+    elif (status.read() or {}).get("state") != FINISHED:
         status.set(FINISHED, force=True)
 
 
