@@ -136,7 +136,7 @@ class SpoolClient:
 
     def request(self, key: str, token_ids: list[int]) -> None:
         """One capture request; returns once vLLM has answered it (its connector writes the file just after)."""
-        from draftline.engines.vllm_capture import KEY_PARAM, STORAGE_PARAM
+        from draftline.engines.capture_keys import KEY_PARAM, STORAGE_PARAM
 
         body = {"model": self.served_name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
                 "kv_transfer_params": {KEY_PARAM: key, STORAGE_PARAM: self.storage}}
@@ -152,7 +152,7 @@ class SpoolClient:
     def capture(self, key: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
         """The shard rows of `token_ids` as vLLM computed them (aux [n, 3h], the normed last state [n, h], and
         their scales for fp8-e4m3), as views of the spooled file, which is already removed."""
-        from draftline.engines.vllm_capture import error_path, spool_path
+        from draftline.engines.capture_keys import error_path, spool_path
 
         self.request(key, token_ids)
         path = spool_path(str(self.spool_dir), key)

@@ -213,7 +213,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         if d.main:
             log.info("resumed from %s at step %d", store.uri(latest_key), step)
 
-    stream = data.open_stream(cursor, d.rank, d.world, lambda: barrier(d))
+    stream = data.open_stream(cursor, d.rank, d.world, lambda: barrier(d), steps=cfg.max_steps - step)
     aux_width, hidden = 3 * model.config.target_hidden_size, model.config.target_hidden_size
     weights = torch.tensor([cfg.step_weight_decay ** j for j in range(cfg.ttt_steps)], device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -335,6 +335,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     summary = {"run": run, "steps": step, "final_train": history["train"][-1] if history["train"] else None,
                "final_val": history["val"][-1] if history["val"] else None, "vocab": vocab_report.to_dict(),
                "aux_layer_ids": aux_ids, "convention": VLLM, "warm_start": warm, "world_size": d.world, "resumed_from": resumed_from,
+               "tokens_trained": tokens_seen,  # by this process, since it started or resumed
                "fingerprint": fingerprint, "source": cfg.source, **data.record,
                "history": history, "drafter": store.uri(trained_drafter_in(prefix)), "weights_digest": weights_digest(model)}
     if d.main:

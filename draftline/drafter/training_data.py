@@ -26,7 +26,8 @@ class TrainingData:
     identity: dict  # what a resumed checkpoint must agree with
     record: dict  # train_shards, val_shards and the held-out summary, for the training record
     token_counts: Callable[[int], torch.Tensor]  # vocab_size -> counts of the training's loss-masked tokens
-    open_stream: Callable[..., Any]  # (cursor, rank, world, barrier) -> a stream with next_batch(), cursor, close()
+    # (cursor, rank, world, barrier, steps still to train) -> a stream with next_batch(), cursor and close()
+    open_stream: Callable[..., Any]
 
 
 def shard_training_data(store, run: str, val_fraction: float, tokens_per_batch: int, max_seq_len: int, seed: int
@@ -45,7 +46,8 @@ def shard_training_data(store, run: str, val_fraction: float, tokens_per_batch: 
     record = {"train_shards": [str(p) for p in train_parts], "val_shards": [str(p) for p in val_parts],
               **held_out_summary(train_parts, val_parts)}
 
-    def open_stream(cursor: Cursor, rank: int = 0, world: int = 1, barrier=None) -> BatchStream:
+    def open_stream(cursor: Cursor, rank: int = 0, world: int = 1, barrier=None, steps: int | None = None
+                    ) -> BatchStream:
         return BatchStream(store, train_parts, tokens_per_batch, max_seq_len, seed, cursor=cursor, expected=entries)
 
     return TrainingData(aux_ids, val_parts, entries, identity, record,

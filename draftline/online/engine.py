@@ -218,6 +218,9 @@ class EngineFeed:
                 for f in [f for f in pending if f.done()]:
                     del pending[f]
                     f.result()  # a failed request fails the feed (and restarts the server)
+                if want.get("end") is not None and self._next >= int(want["end"]):
+                    time.sleep(0.02)  # everything the trainer will read is captured
+                    continue
                 trace = plan.trace_of(self._next)
                 tokens = plan.tokens(trace)
                 key = request_key(self._generation, self._next, tokens)

@@ -152,13 +152,14 @@ class OnlineStream:
     """Endless global batches of whole sequences (about tokens_per_batch tokens) in the plan's order, the cursor
     after each batch enough to resume: BatchStream's interface over the engine's states."""
 
-    def __init__(self, reader: SpoolReader, tokens_per_batch: int, cursor: Cursor):
-        self.reader, self.plan, self.tokens_per_batch = reader, reader.plan, tokens_per_batch
+    def __init__(self, reader: SpoolReader | None, tokens_per_batch: int, cursor: Cursor,
+                 plan: OnlinePlan | None = None):
+        self.reader, self.plan, self.tokens_per_batch = reader, plan or reader.plan, tokens_per_batch
         self.cursor = cursor
 
-    def next_batch(self) -> list[SpooledSequence]:
-        c = Cursor(**self.cursor.to_dict())
-        self.reader.progress(self.plan.ordinal(c.epoch, c.seq))
+    def _advance(self, cursor: Cursor) -> tuple[Cursor, list[tuple[int, int]]]:
+        """The (ordinal, trace) pairs of the batch at `cursor`, and the cursor after it."""
+        c = Cursor(**cursor.to_dict())
         batch, tokens = [], 0
         while tokens < self.tokens_per_batch:
             if c.seq >= len(self.plan.train):
@@ -167,11 +168,22 @@ class OnlineStream:
             n = self.plan.tokens(trace)
             if batch and tokens + n > self.tokens_per_batch:
                 break
-            batch.append(SpooledSequence(self.reader, self.plan.ordinal(c.epoch, c.seq), trace))
+            batch.append((self.plan.ordinal(c.epoch, c.seq), trace))
             tokens += n
             c.seq += 1
-        self.cursor = c
-        return batch
+        return c, batch
+
+    def end_after(self, steps: int) -> int:
+        """The ordinal after the last sequence `steps` more batches read: the engine captures nothing beyond."""
+        c = self.cursor
+        for _ in range(steps):
+            c, _ = self._advance(c)
+        return self.plan.ordinal(c.epoch, c.seq)
+
+    def next_batch(self) -> list[SpooledSequence]:
+        self.reader.progress(self.plan.ordinal(self.cursor.epoch, self.cursor.seq))
+        self.cursor, batch = self._advance(self.cursor)
+        return [SpooledSequence(self.reader, ordinal, trace) for ordinal, trace in batch]
 
     def close(self) -> None:
         """Training reads no more: the engine side may stop."""
@@ -219,19 +231,22 @@ def online_training_data(config: PipelineConfig, store) -> TrainingData:
             keep[int(plan.offsets[t]):int(plan.offsets[t + 1])] = True
         return count_tokens(plan.input_ids, plan.loss_mask & keep, vocab_size)
 
-    def open_stream(cursor: Cursor, rank: int, world: int, barrier: Callable[[], None]) -> OnlineStream:
-        # A new generation per trainer start: files the engine captured for an earlier one are never read.
+    def open_stream(cursor: Cursor, rank: int, world: int, barrier: Callable[[], None],
+                    steps: int | None = None) -> OnlineStream:
         # Ranks read disjoint sequences: they keep none for later epochs.
         cache_tokens = online.epoch_cache_tokens if world == 1 else 0
+        stream = OnlineStream(None, config.train.tokens_per_batch, cursor, plan)
         if rank == 0:
+            # A new generation per trainer start: files the engine captured for an earlier one are never read.
             before = read_json(folder / WANT) or {}
             write_json(folder / WANT, {"generation": int(before.get("generation", -1)) + 1, "plan": plan.fingerprint,
-                                       "start": plan.ordinal(cursor.epoch, cursor.seq), "cache_tokens": cache_tokens})
+                                       "start": plan.ordinal(cursor.epoch, cursor.seq), "cache_tokens": cache_tokens,
+                                       "end": None if steps is None else stream.end_after(steps)})
         barrier()
         generation = int(read_json(folder / WANT)["generation"])
-        reader = SpoolReader(folder, plan, config.extract.storage, watch, generation, cache_tokens,
-                             main=rank == 0, single=world == 1)
-        return OnlineStream(reader, config.train.tokens_per_batch, cursor)
+        stream.reader = SpoolReader(folder, plan, config.extract.storage, watch, generation, cache_tokens,
+                                    main=rank == 0, single=world == 1)
+        return stream
 
     total = plan.train_tokens + val_tokens
     return TrainingData(
