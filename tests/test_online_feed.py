@@ -5,6 +5,7 @@ only what it has not trained, the epoch cache spares the engine, an engine failu
 engine side, and a short training through the library keeps no hidden states but the validation's."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftline.config import PipelineConfig
+from draftline.config import PipelineConfig, ServerSettings
 from draftline.drafter.data import Cursor
 from draftline.errors import ConfigError, EngineError
 from draftline.online import engine as engine_side
@@ -65,12 +66,17 @@ class FakeClient:
         self.requested: list[str] = []
         self.pool = ThreadPoolExecutor(max_workers=workers)
 
-    fail_after: int | None = None  # requests answered before the stand-in dies
+    fail_after: int | None = None  # requests answered before the stand-in fails for good
+    die_once_after: int | None = None  # requests answered before the first stand-in server dies (a restart helps)
+    died: list[bool] = []
 
     def request(self, key: str, token_ids: list[int]) -> None:
         time.sleep(self.delay_s)
         if self.fail_after is not None and len(self.requested) >= self.fail_after:
             raise EngineError("the stand-in engine died", transient=False)
+        if self.die_once_after is not None and len(self.requested) >= self.die_once_after and not self.died:
+            self.died.append(True)
+            raise EngineError("the stand-in server stopped answering", transient=True)
         ids = torch.tensor(token_ids, dtype=torch.int64)
         aux, last = states_of(ids)
         path = self.folder / f"{key}.safetensors"
@@ -106,8 +112,12 @@ class FakeFeed(engine_side.EngineFeed):
             return made
         super().__init__(*args, client=client, **kwargs)
 
-    def _serve(self, plan, identity):
-        self.feed("http://stand-in", plan, identity)
+    def _server(self, plan, identity):
+        @contextlib.contextmanager
+        def start():
+            yield "http://stand-in"
+
+        return ServerSettings(retries=2), start
 
 
 def make_config(tmp_path: Path, **online) -> PipelineConfig:
@@ -386,3 +396,20 @@ def test_the_preflight_places_both_sides_on_the_gpus_and_refuses_what_cannot_fit
     demo = load_config(ROOT / "configs/demo.yaml", overrides={"train": {"source": "engine"}})
     assert check_placement(demo, visible=1, gpu_bytes=80 * GIB)
     assert check_placement(demo, visible=0) is None
+
+
+def test_an_engine_that_dies_mid_feed_is_restarted_and_the_training_goes_on(tmp_path, monkeypatch):
+    from draftline.online.run import train_online
+
+    config = make_config(tmp_path, buffer_tokens=100)
+    store = open_store(config.store.root)
+    write_random_traces(store, config.run)
+    monkeypatch.setattr(engine_side, "EngineFeed", FakeFeed)
+    monkeypatch.setattr(FakeClient, "die_once_after", 6, raising=False)
+    monkeypatch.setattr(FakeClient, "died", [], raising=False)
+    FakeFeed.clients.clear()
+    summary = train_online(config, store)
+    assert summary["engine"]["restarts"] == 1 and summary["steps"] == 4 and FakeClient.died
+    assert len(FakeFeed.clients) == 2  # a second server, which resumed where the trainer was
+    first, second = ([int(k.split("-o")[1][:12]) for k in c.requested] for c in FakeFeed.clients)
+    assert min(second) <= max(first) + 1

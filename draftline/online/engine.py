@@ -3,10 +3,10 @@ first (kept as shards in `<run>/hidden-val/`), then every training sequence from
 ahead as train.online.buffer_tokens allows, until the trainer is done; a server that dies mid-feed is restarted."""
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +21,7 @@ from draftline.online.spool import (ENGINE, FAILED, FEEDING, FINISHED, STOPPED, 
 from draftline.shards import finished_shard
 
 HEARTBEAT_S = 2.0
+SWEEP_EVERY_S = 2.0
 
 
 def online_server_settings(config: PipelineConfig) -> ServerSettings:
@@ -99,7 +100,9 @@ class EngineFeed:
 
     # ---------------------------------------------------------------- the server
 
-    def _serve(self, plan: OnlinePlan, identity: dict) -> None:
+    def _server(self, plan: OnlinePlan, identity: dict) -> tuple[ServerSettings, Callable]:
+        """The server's settings, checked (GPUs, architecture, context length), and how to start one: a context
+        manager that gives its base URL and stops it on leaving."""
         from draftline.engines.launch import launch
         from draftline.engines.vllm import capture_server_spec
         from draftline.extract_vllm import _max_model_len, check_architecture, check_devices, write_final_norm
@@ -112,23 +115,33 @@ class EngineFeed:
         longest = max([plan.length(t) for t in plan.val] + [plan.tokens(t) for t in plan.train])
         max_len = _max_model_len(settings, longest, target)
         layers = identity["aux"] + [num_layers(target)]
-        logs = Path(self.log_dir) if self.log_dir else Path(tempfile.mkdtemp(prefix="draftline-online-logs-"))
-        norm = write_final_norm(target, self.folder)
+        spec = capture_server_spec(settings, Path(target), layers, self.folder, max_len,
+                                   write_final_norm(target, self.folder))
+        logs = Path(self.log_dir) if self.log_dir else self.folder / "engine-logs"  # the store keeps a copy
+
+        @contextmanager
+        def start():
+            self.say(f"starting vLLM to capture layers {layers} of {target} for online training")
+            with launch(spec, settings, logs, store=self.store,
+                        log_key_prefix=f"{train_prefix(config.run)}/engine-logs") as server:
+                yield server.base_url
+
+        return settings, start
+
+    def _serve(self, plan: OnlinePlan, identity: dict) -> None:
+        settings, start = self._server(plan, identity)
         for attempt in range(settings.retries + 1):
             if (read_json(self.folder / TRAINER) or {}).get("state") in (FINISHED, FAILED):
                 self.trainer_state = read_json(self.folder / TRAINER)["state"]
                 return  # the trainer ended (or was served from a cache) before this server was needed
             served = False
             try:
-                spec = capture_server_spec(settings, Path(target), layers, self.folder, max_len, norm)
-                self.say(f"starting vLLM to capture layers {layers} of {target} for online training")
                 started = time.perf_counter()
-                with launch(spec, settings, logs, store=self.store,
-                            log_key_prefix=f"{train_prefix(config.run)}/engine-logs") as server:
+                with start() as base_url:
                     served = True
                     self.stats.setdefault("engine_start_s", round(time.perf_counter() - started, 3))
                     self.say(f"vLLM ready after {time.perf_counter() - started:.0f} s")
-                    self.feed(server.base_url, plan, identity)
+                    self.feed(base_url, plan, identity)
                     return
             except EngineError as exc:
                 # A server that served and then died is restarted (its start has its own retries); the trainer waits.
@@ -197,11 +210,17 @@ class EngineFeed:
         if self._generation is not None and trainer.get("generation") == self._generation:
             self._next = int(trainer.get("at", self._next))
         try:
+            swept = time.monotonic()
             while not self._stop.is_set():
                 trainer = read_json(self.folder / TRAINER) or {}
                 if trainer.get("state") in (FINISHED, FAILED):
                     self.trainer_state = trainer["state"]
                     return
+                if time.monotonic() - swept > SWEEP_EVERY_S and trainer.get("generation") == self._generation:
+                    # Every process has read what lies below the trainer's position: what is left there (sent
+                    # again after a restart, or read from the epoch cache instead) would only fill the buffer.
+                    sweep(self.folder, self._generation, int(trainer.get("at", 0)))
+                    swept = time.monotonic()
                 want = self._read_want(last_want)
                 if want is None:
                     time.sleep(0.01)

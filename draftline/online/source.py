@@ -83,7 +83,7 @@ class SpoolReader:
         self.keeps = EpochCache(plan, cache_tokens)
         self.waited_s = 0.0
         self._swept = time.monotonic()
-        self.status = Status(folder / TRAINER)
+        self.status = Status(folder / TRAINER, every_s=0.0)  # each step: an engine restart resumes exactly there
 
     def sequence(self, ordinal: int, trace: int) -> Sequence:
         if not self.keeps.needs_engine(ordinal):
