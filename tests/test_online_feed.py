@@ -413,3 +413,14 @@ def test_an_engine_that_dies_mid_feed_is_restarted_and_the_training_goes_on(tmp_
     assert len(FakeFeed.clients) == 2  # a second server, which resumed where the trainer was
     first, second = ([int(k.split("-o")[1][:12]) for k in c.requested] for c in FakeFeed.clients)
     assert min(second) <= max(first) + 1
+
+
+def test_a_pipeline_that_trains_online_needs_no_extraction_stage(setup):
+    from flows.deployed import STAGE_DEPLOYMENTS, deployments_needed
+
+    config, _ = setup
+    online = deployments_needed(config, "in-process", "deployments")
+    offline = deployments_needed(config.model_copy(update={"train": config.train.model_copy(update={
+        "source": "shards"})}), "in-process", "deployments")
+    assert offline == list(STAGE_DEPLOYMENTS)
+    assert online == [d for d in STAGE_DEPLOYMENTS if not d.startswith("extract-hidden-states/")]
