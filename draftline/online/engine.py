@@ -3,6 +3,7 @@ first (kept as shards in `<run>/hidden-val/`), then every training sequence from
 ahead as train.online.buffer_tokens allows, until the trainer is done; a server that dies mid-feed is restarted."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -18,10 +19,13 @@ from draftline.online.plan import EpochCache, OnlinePlan
 from draftline.online.source import hand_off_folder, online_plan, plan_identity
 from draftline.online.spool import (ENGINE, FAILED, FEEDING, FINISHED, STOPPED, TRAINER, WANT, Status, occupancy,
                                     read_json, request_key, sweep)
+from draftline.progress import progress_step
 from draftline.shards import finished_shard
 
 HEARTBEAT_S = 2.0
 SWEEP_EVERY_S = 2.0
+REPORT_EVERY_S = 30.0  # how often the engine side logs what it captured
+log = logging.getLogger("draftline.online.engine")
 
 
 def online_server_settings(config: PipelineConfig) -> ServerSettings:
@@ -210,8 +214,11 @@ class EngineFeed:
         if self._generation is not None and trainer.get("generation") == self._generation:
             self._next = int(trainer.get("at", self._next))
         try:
-            swept = time.monotonic()
+            swept = reported = time.monotonic()
             while not self._stop.is_set():
+                if time.monotonic() - reported > REPORT_EVERY_S:
+                    self._report(plan, waited)
+                    reported = time.monotonic()
                 trainer = read_json(self.folder / TRAINER) or {}
                 if trainer.get("state") in (FINISHED, FAILED):
                     self.trainer_state = trainer["state"]
@@ -264,6 +271,15 @@ class EngineFeed:
             pool.shutdown(wait=True, cancel_futures=True)
             self.stats["backpressure_s"] = round(self.stats["backpressure_s"] + waited, 3)
             self.stats["feed_s"] = round(self.stats.get("feed_s", 0.0) + time.perf_counter() - started, 3)
+
+    def _report(self, plan: OnlinePlan, waited: float) -> None:
+        """What the engine side captured so far, as a progress step towards the trainer's last sequence."""
+        end = (self._want or {}).get("end")
+        start = int((self._want or {}).get("start") or 0)
+        done, total = self._next - start, (int(end) - start if end is not None else 0)
+        log.info("engine: captured %d sequences (%d tokens), %.0f s waiting for the trainer to make room",
+                 self.stats["sequences_sent"], self.stats["tokens_sent"], self.stats["backpressure_s"] + waited,
+                 extra=progress_step("capture", min(done, total), total) if total > 0 else None)
 
     def _read_want(self, last: tuple | None) -> tuple[tuple, dict] | None:
         path = self.folder / WANT
