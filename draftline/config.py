@@ -225,9 +225,10 @@ class OnlineConfig(Strict):
     spool_dir: str | None = Field(None, description="The local folder of the hand-off (the engine writes a file per "
                                   "request, the trainer reads and deletes it); null: /dev/shm when it is writable, "
                                   "else the temp dir.")
-    epoch_cache_tokens: int = Field(0, ge=0, description="Tokens of states the trainer keeps in memory for the "
-                                    "epochs after the first; the engine computes the rest again each epoch; 0: every "
-                                    "epoch re-runs the engine.")
+    epoch_cache_tokens: int = Field(262144, ge=0, description="Tokens of states the trainer keeps in host memory "
+                                    "for the epochs after the first (the first it reads, 4 x hidden size x 2 bytes "
+                                    "each); the engine captures the rest again every epoch; 0: every epoch is "
+                                    "captured again. Several training processes keep none.")
     wait_s: float = Field(1800.0, gt=0, description="Seconds the trainer waits for the engine's next states (its "
                           "start and the validation capture included) before it fails naming the engine side.")
     engine_memory_fraction: float | None = Field(

@@ -112,6 +112,9 @@ class SpoolReader:
                      for n in STATE_NAMES)
         seq = Sequence(data["token_ids"], self.plan.trace_mask(trace), aux, last)
         if self.keeps.first.get(trace) == ordinal:
+            # Copies in this process's memory: the map would keep the deleted file's pages in /dev/shm, whose size
+            # bounds the hand-off (a container's is often small).
+            seq = Sequence(seq.input_ids.clone(), seq.loss_mask, seq.aux.clone(), seq.last.clone())
             self.cache[trace] = seq
         return seq
 
