@@ -424,3 +424,36 @@ def test_a_pipeline_that_trains_online_needs_no_extraction_stage(setup):
         "source": "shards"})}), "in-process", "deployments")
     assert offline == list(STAGE_DEPLOYMENTS)
     assert online == [d for d in STAGE_DEPLOYMENTS if not d.startswith("extract-hidden-states/")]
+
+
+@pytest.mark.prefect
+def test_the_flow_names_the_side_that_failed(prefect_server, tmp_path, monkeypatch):
+    """The train-drafter-online flow with the stand-in engine: an engine that fails fails the flow with its own error
+    (both tasks failed); a trainer that fails fails it with the trainer's, and the engine's task ends cancelled."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from draftline.drafter import train as train_lib
+    from flows.stages import train_online
+    from tests.test_online_training import _task_runs
+
+    config = make_config(tmp_path)
+    store = open_store(config.store.root)
+    write_random_traces(store, config.run)
+    monkeypatch.setattr(engine_side, "EngineFeed", FakeFeed)
+    monkeypatch.setattr(FakeClient, "fail_after", 0, raising=False)
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        with pytest.raises(EngineError, match="the stand-in engine died"):
+            train_online(config)
+    assert _task_runs(prefect_server.api_url, "train-drafter-online") == {"online-engine": "Failed",
+                                                                          "online-trainer": "Failed"}
+    monkeypatch.setattr(FakeClient, "fail_after", None, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("the trainer refuses its input")
+
+    monkeypatch.setattr(train_lib, "train_drafter", refuse)
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        with pytest.raises(ConfigError, match="the trainer refuses its input"):
+            train_online(config)
+    assert _task_runs(prefect_server.api_url, "train-drafter-online") == {"online-engine": "Cancelled",
+                                                                          "online-trainer": "Failed"}
