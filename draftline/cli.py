@@ -12,7 +12,8 @@ _STAGES = {
     "run": "run the whole pipeline as a Prefect flow (traces, extraction, training, export, evaluation)",
     "traces": "generate traces: the target answers the prompts (self-distillation)",
     "extract": "extract the target's aux and last hidden states for every trace into shards",
-    "train": "train the EAGLE-3 drafter on the extracted shards (resumes from its last checkpoint)",
+    "train": "train the EAGLE-3 drafter on the extracted shards, or online from a capturing vLLM server with "
+             "train.source engine (resumes from its last checkpoint)",
     "export": "write the trained drafter in each engine's format (vllm, sglang, speculators)",
     "eval": "evaluate the drafter in the engines and with the reference decoder; writes EvalResults",
     "report": "render the evaluation report (markdown + PNG) from stored EvalResults",

@@ -255,6 +255,33 @@ class DrafterConfig(Strict):
         "whose engine needs one attention kind for target and drafter.")
 
 
+class OnlineConfig(Strict):
+    """Online training (train.source: engine): the capturing vLLM server (extract.vllm) hands each request's hidden
+    states to the trainer through a local folder instead of writing shards."""
+
+    buffer_tokens: int = Field(65536, ge=16, description="Tokens of captured states waiting for the trainer, at most "
+                               "(requests in flight and files not yet trained on): a full buffer holds the engine's "
+                               "next requests back until training catches up.")
+    spool_dir: str | None = Field(None, description="The local folder of the hand-off (the engine writes a file per "
+                                  "request, the trainer reads and deletes it); null: /dev/shm when it is writable, "
+                                  "else the temp dir.")
+    epoch_cache_tokens: int = Field(262144, ge=0, description="Tokens of states the trainer keeps in host memory "
+                                    "for the epochs after the first (the first it reads, 4 x hidden size x 2 bytes "
+                                    "each); the engine captures the rest again every epoch; 0: every epoch is "
+                                    "captured again. Several training processes keep none.")
+    wait_s: float = Field(1800.0, gt=0, description="Seconds the trainer waits for the engine's next states (its "
+                          "start and the validation capture included) before it fails naming the engine side.")
+    engine_memory_fraction: float | None = Field(
+        None, gt=0.0, lt=1.0, description="With the engine and the trainer on one GPU: the engine's share of its "
+        "memory (vLLM --gpu-memory-utilization), the trainer takes the rest; preflight checks that both fit; null: "
+        "extract.vllm's own flags decide.")
+    engine_devices: list[int] | None = Field(None, description="GPU indices the engine runs on (its "
+                                             "CUDA_VISIBLE_DEVICES); null: every GPU the worker sees.")
+    trainer_devices: list[int] | None = Field(None, description="GPU indices the trainer runs on (its "
+                                              "CUDA_VISIBLE_DEVICES), one process each up to train.processes; null: "
+                                              "every GPU the worker sees.")
+
+
 class TrainConfig(Strict):
     """Drafter training with training-time test (TTT)."""
 
@@ -301,6 +328,12 @@ class TrainConfig(Strict):
     log_every: int = Field(10, ge=1, description="Log loss, accuracy, tokens/s and ETA every this many steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store, the newest; older ones are "
                                   "deleted.")
+    source: Literal["shards", "engine"] = Field(
+        "shards", description="What training reads: shards, the extraction stage's hidden-state shards; engine, a "
+        "capturing vLLM server (extract.vllm) started beside the trainer, whose states go straight to training and "
+        "are never stored (only the validation's, captured first).")
+    online: OnlineConfig = Field(OnlineConfig(), description="Online training (source: engine): the hand-off between "
+                                 "the engine and the trainer.")
     processes: int = Field(1, description="Training processes on the worker, one per GPU; more than one runs torchrun "
                            "(DDP: nccl on GPUs, gloo on CPU). The global batch stays tokens_per_batch, so a run "
                            "resumes with any count.")

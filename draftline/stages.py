@@ -93,7 +93,12 @@ def finish_extraction(config: PipelineConfig, store: Store, num_shards: int) -> 
 
 def train(config: PipelineConfig, store: Store, on_line: Callable[[str], None] | None = None) -> dict:
     """Train the drafter in this process, or with train.processes > 1 as torchrun ranks whose output lines go to
-    `on_line`; either way a rerun resumes from the last checkpoint in the store."""
+    `on_line`; either way a rerun resumes from the last checkpoint in the store. With train.source engine a capturing
+    vLLM server runs beside the trainer and feeds it (draftline.online)."""
+    if config.train.source == "engine":
+        from draftline.online.run import train_online
+
+        return train_online(config, store, on_line)
     if config.train.processes > 1:
         from draftline.drafter.torchrun import train_with_torchrun
 
@@ -102,6 +107,43 @@ def train(config: PipelineConfig, store: Store, on_line: Callable[[str], None] |
 
     return train_lib.train_drafter(store, config.run, config.target.path, config.drafter, config.train,
                                    replay_answer_tokens=config.eval.max_new_tokens)
+
+
+# Online training as the flows run it: the engine side and the trainer as two tasks of one flow.
+
+def online_prepare(config: PipelineConfig) -> None:
+    """Clear the hand-off folder of an earlier session before either side of online training starts."""
+    from draftline.online.run import prepare
+
+    prepare(config)
+
+
+def online_engine(config: PipelineConfig, store: Store, say: Callable[[str], None] | None = None) -> dict:
+    """The engine side of online training until the trainer is done; "trainer" in the result is its final state."""
+    from draftline.online.run import run_engine
+
+    return run_engine(config, store, say)
+
+
+def online_trainer(config: PipelineConfig, store: Store, on_line: Callable[[str], None] | None = None) -> dict:
+    """The trainer side of online training, fed by online_engine running at the same time."""
+    from draftline.online.run import run_trainer
+
+    return run_trainer(config, store, on_line)
+
+
+def online_trainer_ended(config: PipelineConfig, completed: bool) -> None:
+    """Tell the engine side of online training that the trainer has ended (completed or not), whatever it said."""
+    from draftline.online.run import trainer_ended
+
+    trainer_ended(config, completed)
+
+
+def online_clean_up(config: PipelineConfig) -> None:
+    """Remove online training's hand-off folder once both sides are done."""
+    from draftline.online.run import clean_up
+
+    clean_up(config)
 
 
 def stage_gpus(config: PipelineConfig, stage: str) -> int:
@@ -116,6 +158,14 @@ def stage_gpus(config: PipelineConfig, stage: str) -> int:
     if stage == "extract":
         return devices_needed(config.extract.vllm) if config.extract.backend == "vllm" else 1
     if stage == "train":
+        if config.train.source == "engine":  # the capturing engine runs beside the trainer on the same worker
+            online = config.train.online
+            if online.engine_devices is not None or online.trainer_devices is not None:
+                from draftline.online.placement import place
+
+                placed = place(config, 1 + max((online.engine_devices or []) + (online.trainer_devices or [])))
+                return len(set(placed.engine) | set(placed.trainer))
+            return max(devices_needed(config.extract.vllm), config.train.processes)
         return config.train.processes
     if stage == "reference":
         return 1

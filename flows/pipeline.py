@@ -57,9 +57,11 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
         with timed_stage("traces", times):
             traces = stage_flows.generate_traces(config)
         lease.check()
-        with timed_stage("extraction", times):
-            hidden_manifest = stage_flows.extract_hidden_states(config)
-        lease.check()
+        hidden_manifest = ""  # online training (train.source: engine) captures its states while it trains: no shards
+        if config.train.source == "shards":
+            with timed_stage("extraction", times):
+                hidden_manifest = stage_flows.extract_hidden_states(config)
+            lease.check()
         with timed_stage("training and export", times):
             drafter = stage_flows.train_drafter(config, hidden_manifest)
         lease.check()
