@@ -250,7 +250,8 @@ class TrainConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where training runs; auto: a GPU when one is visible (each torchrun process its own), "
         "else the CPU.")
-    warm_start: str | None = Field(None, description="A drafter directory in the SGLang/EAGLE format whose weights "
+    warm_start: str | None = Field(None, description="A drafter directory (draftline's export, the EAGLE/SpecForge "
+                                   "layout, the speculators format or an MLA head) whose weights "
                                    "start the training (its heads and MLP width unless drafter: sets them); null: "
                                    "from scratch.")
     warm_start_remap_vocab: bool = Field(False, description="A warm start with another draft vocabulary: copy the "
