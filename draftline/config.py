@@ -327,6 +327,12 @@ class EngineConfig(ServerSettings):
 class ReferenceConfig(Strict):
     """The engine-independent reference decoder used for parity."""
 
+    enabled: bool | Literal["auto"] = Field(
+        "auto", description="Run the reference decoder: true, false, or auto: skip it, in one sentence, when the target "
+        "does not fit the reference device's memory in float32 (Kimi-K2.5 on one GPU). Without it parity compares the "
+        "engines with the training's offline estimate where the drafter has one, and the report says which basis it "
+        "used.")
+
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=MAX_K, description="k of the reference decoder, one of "
                                         "the engines' num_speculative_tokens: parity compares like with like.")
     max_prompts: int | None = Field(None, ge=1, description="Decode only the first this many eval prompts; null: "

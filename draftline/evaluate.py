@@ -206,7 +206,8 @@ def refuse_misread_export(cfg: EngineConfig, target_dir: str | Path, drafter_dir
 
 def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path, prompts_path: str | Path,
                     eval_cfg: EvalConfig, store, run: str, reference: Any = None,
-                    log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None) -> EvalResult:
+                    log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None,
+                    baselines: dict[str, ServerRuns] | None = None) -> EvalResult:
     """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency; result JSON in the store.
 
     An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
@@ -214,7 +215,9 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     acceptance summary on the same prompts and k), parity is filled in; compute the reference on the trained
     checkpoint itself, not on this engine's export, or an export bug (wrong aux-layer ids) hides in both.
     `trained_aux_layer_ids` (vLLM convention, from the training record) is what the export and the engine's log are
-    checked against; without it, the export's own lineage.
+    checked against; without it, the export's own lineage. `baselines` (engine -> its baseline server's runs) lets
+    the evaluations of several drafters on the same prompts and settings share one baseline server: the first
+    measures it, the others reuse it.
     """
     target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), Path(prompts_path)
     adapter = adapter_for(cfg.engine)
@@ -238,7 +241,11 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         result.hardware = facts["gpu"]
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"draftline-{cfg.engine}-logs-"))
     try:
-        base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, prefix)
+        base = (baselines or {}).get(cfg.engine)
+        if base is None:
+            base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, prefix)
+            if baselines is not None:
+                baselines[cfg.engine] = base
         spec = measure(adapter, cfg, target_dir, drafter_dir, prompts, eval_cfg, logs, store, prefix)
     except EngineError as exc:
         failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0],

@@ -135,13 +135,20 @@ def convert_drafter(source, fmt: str, out_dir, target_dir=None, aux_layer_ids=No
         raise ConfigError(f"{out} already exists and is not empty; give the converted drafter a new folder")
     target_dir = target_dir or source_target(source)
     read = read_drafter(source, target_dir, aux_layer_ids=aux_layer_ids, convention=convention)
-    target = check_target(read.model, target_dir)
-    read.model.config.target_num_layers = target["num_layers"]
-    record = {**{k: read.lineage[k] for k in KEPT_LINEAGE if k in read.lineage}, "target": target,
-              "source": str(source), "source_layout": read.layout, "aux_layer_ids_source": read.ids_source,
-              "code_version": _code_version(), **(lineage or {})}
+    record = conversion_lineage(read, str(source), target_dir, lineage)
     return write_format(read.model, fmt, out, target_dir, record, num_speculative_tokens,
                         include_embeddings=read.has_embeddings, dtype=read.dtype)
+
+
+def conversion_lineage(read, source: str, target_dir, extra: dict | None = None) -> dict:
+    """The draftline.json record of a drafter read from `source` (readers.ReadDrafter) and written again: what its
+    own draftline.json said of its training, the target, the source and its layout, and where the ids came from.
+    Sets the head's target layer count on the way."""
+    target = check_target(read.model, target_dir)
+    read.model.config.target_num_layers = target["num_layers"]
+    return {**{k: read.lineage[k] for k in KEPT_LINEAGE if k in read.lineage}, "target": target, "source": source,
+            "source_layout": read.layout, "aux_layer_ids_source": read.ids_source, "code_version": _code_version(),
+            **(extra or {})}
 
 
 def source_target(source) -> str:

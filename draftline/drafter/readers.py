@@ -11,10 +11,12 @@ none is refused, never served with an engine's default layers.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -298,6 +300,28 @@ def _check_d2t(d2t: torch.Tensor, path: Path, target_dir, target_cfg: dict) -> N
 
 
 # ---- files --------------------------------------------------------------------------------------------------------
+@contextmanager
+def local_copy(location: str) -> Iterator[Path]:
+    """The drafter folder at `location` on this machine: a local path as it is, an s3:// folder copied into a
+    temporary one for the block."""
+    if not str(location).startswith("s3://"):
+        yield Path(location)
+        return
+    from draftline.store import open_store
+
+    store = open_store(str(location))
+    keys = [k for k in store.list("") if not k.endswith("manifest.json")]
+    if not keys:
+        raise ConfigError(f"drafter {location}: nothing stored there; pass the S3 folder that holds the drafter's "
+                          "config.json and weights")
+    with tempfile.TemporaryDirectory(prefix="draftline-drafter-") as tmp:
+        for key in keys:
+            dest = Path(tmp, key)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            store.get_file(key, dest)
+        yield Path(tmp)
+
+
 def _read_json(path: Path, fix: str) -> dict:
     if not path.is_file():
         raise ConfigError(f"drafter {path.parent}: no {path.name}; {fix}")
