@@ -169,7 +169,8 @@ def _new_result(cfg: EngineConfig, adapter: EngineAdapter, target_dir: Path, dra
         lineage = json.loads((drafter_dir / "draftline.json").read_text())
     return EvalResult(
         run=run, engine=cfg.engine, engine_version=adapter.version(), status="ok", hardware=describe_hardware(),
-        target=_served_name(target_dir), target_path=str(target_dir), drafter=drafter_dir.resolve().name,
+        target=_served_name(target_dir), target_path=str(target_dir),
+        drafter=lineage.get("evaluated_as") or drafter_dir.resolve().name,  # a given drafter's name, not its format's
         drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=prompts_path.name,
         prompt_set_sha256=_sha256(prompts_path), num_prompts=num_prompts,
         sampling={"temperature": eval_cfg.temperature, "max_new_tokens": eval_cfg.max_new_tokens},

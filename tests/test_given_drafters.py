@@ -199,3 +199,29 @@ def test_without_a_reference_or_an_estimate_parity_is_not_measured_and_the_repor
     out = stages.report(cfg, store, [eval_result_key(cfg.run, "vllm")], key)
     assert EvalResult.model_validate_json(store.get_bytes(eval_result_key(cfg.run, "vllm"))).parity is None
     assert "the drafter has no training estimate at k=3 either, so parity is not measured" in out["markdown"]
+
+
+def test_the_comparison_page_gives_each_engines_difference_with_its_spread(tmp_path):
+    from draftline.comparison import Compared, write_comparison
+    from draftline.parity import with_parity
+
+    reference = {"mean_acceptance_length": 1.5, "per_position_acceptance": [0.3, 0.15, 0.05]}
+    a = with_parity(_engine_result("r/a", {}), reference, 0.8)
+    b = _engine_result("r/b", {})
+    weaker = b.acceptance.model_copy(update={"mean_acceptance_length": 1.4})
+    point = b.points[0].model_copy(update={"acceptance": weaker, "speedup": 1.1, "speedup_min": 1.0,
+                                           "speedup_max": 1.15, "acceptance_runs": [weaker, weaker]})
+    b = with_parity(b.model_copy(update={"acceptance": weaker, "points": [point]}),
+                    {**reference, "mean_acceptance_length": 1.42}, 0.8)
+    store = open_store(str(tmp_path / "runs"))
+    out = write_comparison([Compared("a", "/m/a", "the EAGLE layout", [a], reference),
+                            Compared("b", "/m/b", "the speculators format", [b], {**reference,
+                                                                                  "mean_acceptance_length": 1.42})],
+                           store, "r/comparison", "The same everything.")
+    assert out["verdicts"] == ["b against a: b accepts 20% fewer tokens than a in vLLM; parity holds for both"]
+    page = store.get_bytes("r/comparison/report.md").decode()
+    assert "| reference decoder | 0.500 | 0.420 | -0.080 | -16% | | |" in page
+    assert "| vllm 0.32.0 | 0.500 | 0.400 | -0.100 | -20% | 1.00 | 0.95 |" in page
+    assert "| vllm 0.32.0 | 1 | 1.20x | 1.10x (1.00-1.15) | -0.10 |" in page
+    assert "- **b**: /m/b, the speculators format." in page
+    assert json.loads(store.get_bytes("r/comparison/comparison.json"))["pairs"][0]["a"] == "a"
