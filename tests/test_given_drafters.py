@@ -225,3 +225,19 @@ def test_the_comparison_page_gives_each_engines_difference_with_its_spread(tmp_p
     assert "| vllm 0.32.0 | 1 | 1.20x | 1.10x (1.00-1.15) | -0.10 |" in page
     assert "- **b**: /m/b, the speculators format." in page
     assert json.loads(store.get_bytes("r/comparison/comparison.json"))["pairs"][0]["a"] == "a"
+
+
+@pytest.mark.s3
+def test_a_drafter_in_s3_is_read_like_a_folder(export, tmp_path, s3_uri, capsys):
+    specforge = rename_into_eagle_layout(export, tmp_path / "sf", layer_prefix="layers.0.", ids_convention="sglang")
+    store = open_store(s3_uri)
+    for f in specforge.iterdir():
+        store.put_file(f"published/sf/{f.name}", f)
+    source = f"{s3_uri}/published/sf"
+    assert main(["convert", source, "--to", "vllm", str(tmp_path / "out"), "--target", str(DEMO_LLAMA)]) == 0
+    lineage = json.loads((tmp_path / "out" / "draftline.json").read_text())
+    assert lineage["source"] == source and lineage["aux_layer_ids_vllm"] == [2, 4, 5]
+    assert "inferred: ids only in eagle_config" in lineage["aux_layer_ids_source"]
+    assert main(["convert", f"{s3_uri}/nothing", "--to", "vllm", str(tmp_path / "none"),
+                 "--target", str(DEMO_LLAMA)]) == 2
+    assert "nothing: nothing stored there; pass the S3 folder" in capsys.readouterr().err
