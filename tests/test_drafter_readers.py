@@ -143,7 +143,8 @@ def test_convert_writes_a_public_drafter_with_the_ids_explicit_in_each_engines_c
                                        convention="sglang")
         lineage = json.loads((written[fmt] / "draftline.json").read_text())
         assert lineage["source_layout"] == "eagle" and lineage["aux_layer_ids_vllm"] == TRAINED_IDS
-        assert "aux-layer ids [1, 3, 4] as given (--aux-layer-ids, sglang convention)" in lineage["aux_layer_ids_source"]
+        said = lineage["aux_layer_ids_source"]
+        assert "aux-layer ids [1, 3, 4] as given (--aux-layer-ids, sglang convention)" in said
         # The weights are the export's, without the embeddings the source did not ship (engines take the target's).
         theirs, ours = tensors_of(exports[fmt]), tensors_of(written[fmt])
         assert set(theirs) - set(ours) == {"embed_tokens.weight"}
@@ -224,8 +225,9 @@ def test_bad_drafters_are_one_sentence_naming_the_file_and_the_fix(exports, tmp_
     with pytest.raises(ConfigError, match=r"whole/config.json: architectures \['LlamaForCausalLM'\] is not an EAGLE-3 "
                                           r"drafter; pass a folder whose config.json names LlamaForCausalLMEagle3"):
         read_drafter(edit(copy("whole"), architectures=["LlamaForCausalLM"]), DEMO_LLAMA)
-    with pytest.raises(ConfigError, match=r"vocab/config.json: vocab_size 8192 but the target .* has 4096, so its token "
-                                          r"ids would name other tokens; use a drafter made for this target's tokenizer"):
+    with pytest.raises(ConfigError, match=r"vocab/config.json: vocab_size 8192 but the target .* has 4096, so its "
+                                          r"token ids would name other tokens; use a drafter made for this target's "
+                                          r"tokenizer"):
         read_drafter(edit(copy("vocab"), vocab_size=8192), DEMO_LLAMA)
     with pytest.raises(ConfigError, match=r"wide/config.json: target_hidden_size 512 .* but the target .* has "
                                           r"hidden_size 256; evaluate the drafter with the target it was trained for"):

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_LLAMA = REPO / "assets" / "demo-llama"
 
 
-# ---- the verdict ------------------------------------------------------------------------------------------------------
+# ---- the verdict ---------------------------------------------------------------------------------------------------
 def fig(engine="vLLM", accepted=0.50, spread=0.0, parity=1.0, threshold=0.8, status="ok", reason=None):
     if status != "ok":
         return DrafterFigures(engine=engine, status=status, reason=reason)
@@ -77,7 +77,7 @@ def test_labels_and_the_default_run_name_each_drafter():
     assert default_run(["/m/a", "/m/b"]) == "compare-a-vs-b"
 
 
-# ---- the command line: convert, and eval --drafter's refusals before anything starts -----------------------------------
+# ---- the command line: convert, and eval --drafter's refusals before anything starts -------------------------------
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
     """draftline's vLLM export of an untrained drafter for demo-llama (ids 2, 4, 5)."""
@@ -142,7 +142,7 @@ def test_eval_drafter_refuses_a_bad_drafter_in_one_sentence_before_anything_star
         main(["eval", str(config), "--drafter", str(good), "--aux-layer-ids", "2;4;5"])
 
 
-# ---- eval.reference.enabled --------------------------------------------------------------------------------------------
+# ---- eval.reference.enabled ----------------------------------------------------------------------------------------
 def _metrics(c: int, tps: float) -> RunMetrics:
     return RunMetrics(concurrency=c, requests=4, output_tokens=int(tps * 2), duration_s=2.0, output_tokens_per_s=tps,
                       requests_per_s=2.0, latency_mean_s=0.5, latency_p50_s=0.5, latency_p90_s=0.6, ttft_mean_s=0.05,

@@ -209,7 +209,8 @@ def resolve_aux_ids(raw: dict, layout: str, lineage: dict, cfg_path: Path, targe
         return ResolvedIds(ids, said, bool(named), f"aux-layer ids {given} from --aux-layer-ids")
     if named:
         if convention is not None:
-            conv, how = user_convention(convention, target_cfg), f"read in the {convention} convention as given (--convention)"
+            conv = user_convention(convention, target_cfg)
+            how = f"read in the {convention} convention as given (--convention)"
         else:
             conv, how = infer_convention(raw, layout, lineage, cfg_path, target_cfg)
         ids = _checked_ids(named, conv, str(cfg_path))
@@ -283,9 +284,9 @@ def check_fits_target(cfg, ids: AuxLayerIds, ids_claim: str, cfg_path: Path, tar
     layers = num_layers(target_cfg)
     bad = outside(ids.as_list(), layers)
     if bad:
-        raise ConfigError(f"{cfg_path.parent}: {ids_claim} name layers {ids.as_list()} (vLLM convention) but the target "
-                          f"{target_dir} has {layers} layers, so {bad} are out of range; pass the layers the drafter "
-                          f"was trained on with {IDS_FLAGS}, or use a drafter made for this target")
+        raise ConfigError(f"{cfg_path.parent}: {ids_claim} name layers {ids.as_list()} (vLLM convention) but the "
+                          f"target {target_dir} has {layers} layers, so {bad} are out of range; pass the layers the "
+                          f"drafter was trained on with {IDS_FLAGS}, or use a drafter made for this target")
 
 
 def _check_d2t(d2t: torch.Tensor, path: Path, target_dir, target_cfg: dict) -> None:
