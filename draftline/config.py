@@ -313,7 +313,8 @@ class TrainConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where training runs; auto: a GPU when one is visible (each torchrun process its own), "
         "else the CPU.")
-    warm_start: str | None = Field(None, description="A drafter directory in the SGLang/EAGLE format whose weights "
+    warm_start: str | None = Field(None, description="A drafter directory (draftline's export, the EAGLE/SpecForge "
+                                   "layout, the speculators format or an MLA head) whose weights "
                                    "start the training (its heads and MLP width unless drafter: sets them); null: "
                                    "from scratch.")
     warm_start_remap_vocab: bool = Field(False, description="A warm start with another draft vocabulary: copy the "
@@ -394,6 +395,12 @@ class EngineConfig(ServerSettings):
 
 class ReferenceConfig(Strict):
     """The engine-independent reference decoder used for parity."""
+
+    enabled: bool | Literal["auto"] = Field(
+        "auto", description="Run the reference decoder: true, false, or auto: skip it, in one sentence, when the target "
+        "does not fit the reference device's memory in float32 (Kimi-K2.5 on one GPU). Without it parity compares the "
+        "engines with the training's offline estimate where the drafter has one, and the report says which basis it "
+        "used.")
 
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=MAX_K, description="k of the reference decoder, one of "
                                         "the engines' num_speculative_tokens: parity compares like with like.")

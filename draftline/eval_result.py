@@ -111,6 +111,8 @@ class Parity(BaseModel):
     engine_per_position: list[float] | None = None
     reference_per_position: list[float] | None = None
     power: ParityPower | None = None
+    # What the engine was compared with: the reference decoder, or where it did not run the training's estimate.
+    basis: str = "reference decoder"
 
 
 class EvalResult(BaseModel):

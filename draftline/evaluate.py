@@ -168,7 +168,8 @@ def _new_result(cfg: EngineConfig, adapter: EngineAdapter, target_dir: Path, dra
         lineage = json.loads((drafter_dir / "draftline.json").read_text())
     return EvalResult(
         run=run, engine=cfg.engine, engine_version=adapter.version(), status="ok", hardware=describe_hardware(),
-        target=_served_name(target_dir), target_path=str(target_dir), drafter=drafter_dir.resolve().name,
+        target=_served_name(target_dir), target_path=str(target_dir),
+        drafter=lineage.get("evaluated_as") or drafter_dir.resolve().name,  # a given drafter's name, not its format's
         drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=source_name(prompts_path),
         prompt_set_sha256=source_sha256(prompts_path), num_prompts=num_prompts,
         chat_template={"rendered_by": adapter.rendering(template or ChatTemplate()),
@@ -208,7 +209,8 @@ def refuse_misread_export(cfg: EngineConfig, target_dir: str | Path, drafter_dir
 def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path, prompts_path: str | Path,
                     eval_cfg: EvalConfig, store, run: str, reference: Any = None,
                     log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None,
-                    template: ChatTemplate | None = None) -> EvalResult:
+                    template: ChatTemplate | None = None,
+                    baselines: dict[str, ServerRuns] | None = None) -> EvalResult:
     """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency; result JSON in the store.
 
     An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
@@ -218,6 +220,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     `trained_aux_layer_ids` (vLLM convention, from the training record) is what the export and the engine's log are
     checked against; without it, the export's own lineage. `template`: the chat template and kwargs of the chat
     prompts (traces.chat_template and chat_template_kwargs, so that the engines render what the traces did).
+    `baselines` (engine -> its baseline server's runs) lets the evaluations of several drafters on the same prompts
+    and settings share one baseline server: the first measures it, the others reuse it.
     """
     target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), str(prompts_path)
     adapter = adapter_for(cfg.engine)
@@ -241,7 +245,11 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
         result.hardware = facts["gpu"]
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"draftline-{cfg.engine}-logs-"))
     try:
-        base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, prefix, template)
+        base = (baselines or {}).get(cfg.engine)
+        if base is None:
+            base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, prefix, template)
+            if baselines is not None:
+                baselines[cfg.engine] = base
         spec = measure(adapter, cfg, target_dir, drafter_dir, prompts, eval_cfg, logs, store, prefix, template)
     except EngineError as exc:
         failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0],

@@ -102,9 +102,10 @@ def measurement_sentence(results: list[EvalResult]) -> str:
 
 
 def report_markdown(results: list[EvalResult], training: dict | None = None, run: str | None = None,
-                    traces: dict | None = None) -> str:
+                    traces: dict | None = None, parity_basis: str | None = None) -> str:
     """The report page; `training` is the run's training record (train/metrics.json), None when it has none;
-    `traces` the run's trace stats (traces/stats.json), None when it made no traces."""
+    `traces` the run's trace stats (traces/stats.json), None when it made no traces; `parity_basis` the sentence on
+    what parity compared the engines with, when not the reference decoder."""
     run = run or next((r.run for r in results), None)
     lines = ["# Drafter evaluation", ""]
     when = max((r.finished_at or "" for r in results), default="")
@@ -155,8 +156,10 @@ def report_markdown(results: list[EvalResult], training: dict | None = None, run
     lines += rendering_markdown(results, traces)
     lines += ["", "## Acceptance by draft position and parity with the reference decoder", "",
               "Parity compares accepted draft tokens per verification step (acceptance length minus the bonus "
-              "token) of the engine with draftline's reference decoder on the same prompts, drafter and k.", "",
-              "| engine | version | hardware | target | drafter | prompt set | mean acceptance length | "
+              "token) of the engine with draftline's reference decoder on the same prompts, drafter and k.", ""]
+    if parity_basis:
+        lines += [f"**Parity basis.** {parity_basis}", ""]
+    lines += ["| engine | version | hardware | target | drafter | prompt set | mean acceptance length | "
               "per-position acceptance | reference length | parity | verdict |",
               "|" + "---|" * 11]
     for r in results:
@@ -474,9 +477,9 @@ def read_training(store, run: str) -> dict | None:
     return json.loads(store.get_bytes(key))
 
 
-def write_report(results: list[EvalResult], store, run: str) -> dict[str, str]:
+def write_report(results: list[EvalResult], store, run: str, parity_basis: str | None = None) -> dict[str, str]:
     """report.md, the PNG plots (training curves when the run has a training record) and results.json under
-    `<run>/eval/report/`; returns {file name: store key}."""
+    `<run>/eval/report/`; returns {file name: store key}. `parity_basis`: as report_markdown takes it."""
     if not results:
         raise ConfigError("no evaluation results to report; run at least one engine first")
     prefix = report_prefix(run)
@@ -485,7 +488,7 @@ def write_report(results: list[EvalResult], store, run: str) -> dict[str, str]:
     keys = {}
     with tempfile.TemporaryDirectory(prefix="draftline-report-") as tmp:
         tmp = Path(tmp)
-        (tmp / "report.md").write_text(report_markdown(results, training, run, traces))
+        (tmp / "report.md").write_text(report_markdown(results, training, run, traces, parity_basis=parity_basis))
         (tmp / "results.json").write_text(json.dumps([r.model_dump(mode="json") for r in results], indent=2))
         plot_acceptance(results, tmp / "acceptance_by_position.png")
         plot_throughput(results, tmp / "throughput_speedup.png")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -216,15 +217,17 @@ def _engine_format(engine: str) -> str:
     return {"vllm": "vllm", "sglang": "sglang"}[engine]
 
 
-def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str], store: Store) -> str:
-    """One engine's baseline and EAGLE-3 runs on the eval prompts; returns the store key of its EvalResult."""
+def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str], store: Store,
+                    baselines: dict | None = None) -> str:
+    """One engine's baseline and EAGLE-3 runs on the eval prompts; returns the store key of its EvalResult.
+    `baselines`: shared by the evaluations of several drafters (draftline.evaluate.evaluate_engine)."""
     from draftline import evaluate as eval_lib
 
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
     eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
                              config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports),
-                             template=ChatTemplate.of(config.traces))
+                             template=ChatTemplate.of(config.traces), baselines=baselines)
     return engine_result_key(config, engine)
 
 
@@ -291,16 +294,9 @@ def _lineage_training_record(store: Store, exports: dict[str, str]) -> tuple[str
                 continue
         except ConfigError:  # an export outside this store (a path, not a key): its lineage is not read here
             continue
-        uri = json.loads(store.get_bytes(lineage_key)).get("training_metrics")
-        if not uri:
-            continue
-        folder, _, name = uri.rstrip("/").rpartition("/")
-        try:
-            source = open_store(folder)
-            if source.exists(name):
-                return uri, source.get_bytes(name)
-        except (ConfigError, OSError):  # moved, or a store this worker has no credentials for
-            continue
+        found = _record_at(json.loads(store.get_bytes(lineage_key)).get("training_metrics"))
+        if found:
+            return found
     return None
 
 
@@ -310,8 +306,15 @@ def engine_result_key(config: PipelineConfig, engine: EngineConfig) -> str:
 
 
 def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> str:
-    """The reference decoder's acceptance on the same eval prompts and k; returns the store key of its JSON."""
-    from draftline.reference import reference_acceptance
+    """The reference decoder's acceptance on the same eval prompts and k; returns the store key of its JSON, which
+    holds {"status": "skipped", "reason": ...} when eval.reference.enabled turns it off for this target."""
+    from draftline.reference import reference_acceptance, skip_reason
+
+    skipped = skip_reason(config.target.path, config.eval.reference.enabled, config.eval.reference.device)
+    if skipped:
+        logging.getLogger(__name__).info(skipped)
+        store.put_bytes(reference_key(config), (json.dumps({"status": "skipped", "reason": skipped}) + "\n").encode())
+        return reference_key(config)
 
     # The trained checkpoint, not an export: an export bug must show as a parity gap, not cancel out in both.
     trained = trained_drafter_prefix(config.run)
@@ -347,20 +350,61 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
     # None when every engine was refused before serving: nothing was left for the reference decoder to compare.
     reference_summary = json.loads(store.get_bytes(reference_key)) if reference_key else None
     engines = {e.engine: e for e in config.eval.engines}
-    results = []
-    for key in result_keys:
-        if not store.exists(key):  # an evaluation that failed before it could write its row
-            continue
-        result = EvalResult.model_validate_json(store.get_bytes(key))
-        if result.status == "ok" and result.acceptance is not None and reference_summary is not None:
-            result = with_parity(result, reference_summary, config.eval.parity_threshold,
-                                 engines.get(result.engine))
-            store.put_bytes(key, (result.model_dump_json(indent=2) + "\n").encode())
-        results.append(result)
-    keys = report_lib.write_report(results, store, config.run)
-    rows = summary_rows(results, reference_summary)
+    results = [EvalResult.model_validate_json(store.get_bytes(key)) for key in result_keys
+               if store.exists(key)]  # an evaluation that failed before it could write its row has none
+    basis, basis_said = parity_basis(config, store, reference_summary, results)
+    for i, (key, result) in enumerate(zip([k for k in result_keys if store.exists(k)], results)):
+        if result.status == "ok" and result.acceptance is not None and basis is not None:
+            results[i] = with_parity(result, basis, config.eval.parity_threshold, engines.get(result.engine))
+            store.put_bytes(key, (results[i].model_dump_json(indent=2) + "\n").encode())
+    keys = report_lib.write_report(results, store, config.run, basis_said)
+    rows = summary_rows(results, reference_summary, basis_said)
     return {"rows": rows, "markdown": store.get_bytes(keys["report.md"]).decode(), "report_key": keys["report.md"],
             "keys": keys, "result_keys": result_keys, "reference_key": reference_key}
+
+
+def parity_basis(config: PipelineConfig, store: Store, reference_summary: dict | None, results: list
+                 ) -> tuple[dict | None, str | None]:
+    """(the figures parity compares the engines with, a sentence naming them when they are not the reference
+    decoder's): the reference decoder's summary; where it was skipped, the training's offline estimate at the
+    reference's k from the run's training record or the one the drafter's lineage names; else (None, why)."""
+    if reference_summary is None or reference_summary.get("status") != "skipped":
+        return reference_summary, None
+    from draftline.regression import offline_estimate
+
+    record = _training_record_of(config, store, results)
+    estimate, kind = offline_estimate(record[1] if record else None, config.eval.reference_k)
+    if estimate is None:
+        return None, (f"{reference_summary['reason']}; the drafter has no training estimate at k="
+                      f"{config.eval.reference_k} either, so parity is not measured")
+    what = "replayed estimate" if kind == "replayed" else "per-step estimate"
+    return ({"mean_acceptance_length": estimate, "basis": f"training's {what}"},
+            f"{reference_summary['reason']}; parity compares the engines with the training's {what} of acceptance "
+            f"length at k={config.eval.reference_k}, {estimate:.3f} (from {record[0]}), instead")
+
+
+def _training_record_of(config: PipelineConfig, store: Store, results: list) -> tuple[str, bytes] | None:
+    """(uri, bytes) of the run's training record, else of the one an evaluated drafter's lineage names."""
+    key = training_record_key(config.run)
+    if store.exists(key):
+        return store.uri(key), store.get_bytes(key)
+    for result in results:
+        found = _record_at((result.drafter_lineage or {}).get("training_metrics"))
+        if found:
+            return found
+    return None
+
+
+def _record_at(uri: str | None) -> tuple[str, bytes] | None:
+    """(uri, bytes) of a training record named by its URI, when this worker can read it."""
+    if not uri:
+        return None
+    folder, _, name = uri.rstrip("/").rpartition("/")
+    try:
+        source = open_store(folder)
+        return (uri, source.get_bytes(name)) if source.exists(name) else None
+    except (ConfigError, OSError):  # moved, or a store this worker has no credentials for
+        return None
 
 
 def _shift_note(reference_summary: dict) -> str:
@@ -369,9 +413,13 @@ def _shift_note(reference_summary: dict) -> str:
     return f"; the drafter keeps {' and '.join(kept)} of its accepted tokens" if kept else ""
 
 
-def summary_rows(results: list, reference_summary: dict | None) -> list[dict[str, Any]]:
+def summary_rows(results: list, reference_summary: dict | None, basis_said: str | None = None
+                 ) -> list[dict[str, Any]]:
     """One row per engine and concurrency, plus the reference decoder: the pipeline's final table."""
-    if reference_summary is None:
+    if reference_summary is not None and reference_summary.get("status") == "skipped":
+        rows = [{"engine": "reference decoder (torch)", "status": "skipped", "concurrency": None,
+                 "acceptance_length": None, "speedup": None, "parity": None, "note": basis_said}]
+    elif reference_summary is None:
         rows = [{"engine": "reference decoder (torch)", "status": "not run", "concurrency": None,
                  "acceptance_length": None, "speedup": None, "parity": None,
                  "note": "every engine's export was refused before serving, so there was nothing to compare"}]
