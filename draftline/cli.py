@@ -271,8 +271,9 @@ def _convert(args) -> int:
 
 
 def _evaluate_given(args) -> int:
-    from draftline import given_drafters, stages
+    from draftline import given_drafters
     from draftline.progress import terminal_progress
+    from draftline.run_summary import print_summary
     from draftline.store import open_store
 
     cfg = load_with_overrides(args.config, args.store, args.run or given_drafters.default_run(args.drafters),
@@ -281,7 +282,7 @@ def _evaluate_given(args) -> int:
         out = given_drafters.evaluate_drafters(cfg, args.drafters, args.aux_layer_ids, args.convention)
     for d in out["drafters"]:
         print(f"{d.label}: {d.source}, {d.read_said}")
-        stages.print_summary(d.config, out["reports"][d.label])
+        print_summary(d.config, out["reports"][d.label])
     if out["comparison"]:
         for line in out["comparison"]["verdicts"]:
             print(f"verdict: {line}")
