@@ -170,9 +170,22 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
 
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
-    eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
-                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports))
+    result = eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
+                                      config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports))
+    if result.schedule is not None and exports.get(fmt) == export_prefix(config.run, fmt):
+        publish_serve_folder(store, exports[fmt], result.schedule, drafter_dir)
     return engine_result_key(config, engine)
+
+
+def publish_serve_folder(store: Store, export: str, schedule, drafter_dir: Path) -> list[str]:
+    """The schedule and what to pass the engine, in the export's serve/ folder and manifest (this run's own export
+    only: a production drafter evaluated by the nightly is never written to); returns the keys written."""
+    from draftline.schedule import SERVE_FOLDER, serve_files
+
+    entries = [store.put_bytes(f"{export}/{SERVE_FOLDER}/{name}", text.encode())
+               for name, text in serve_files(schedule, str(Path(drafter_dir).resolve())).items()]
+    store.update_manifest(export, entries)
+    return [e.key for e in entries]
 
 
 def misread_exports(config: PipelineConfig, exports: dict[str, str], store: Store) -> dict[str, ConfigError]:
@@ -305,8 +318,11 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
         results.append(result)
     keys = report_lib.write_report(results, store, config.run)
     rows = summary_rows(results, reference_summary)
+    from draftline.schedule_report import summary_lines
+
     return {"rows": rows, "markdown": store.get_bytes(keys["report.md"]).decode(), "report_key": keys["report.md"],
-            "keys": keys, "result_keys": result_keys, "reference_key": reference_key}
+            "keys": keys, "result_keys": result_keys, "reference_key": reference_key,
+            "schedules": summary_lines(results)}
 
 
 def _shift_note(reference_summary: dict) -> str:
@@ -366,6 +382,8 @@ def print_summary(config: PipelineConfig, report: dict[str, Any], elapsed_s: flo
         table.add_row(*("" if row[c] is None else str(row[c]) for c in
                         ("engine", "status", "concurrency", "acceptance_length", "speedup", "parity", "note")))
     console.print(table)
+    for line in report.get("schedules") or []:
+        console.print(line, soft_wrap=True, markup=False)
     store = open_store(config.store.root)
     console.print(f"artifacts: {store.uri(config.run)}")
     console.print(f"report:    {store.uri(report['report_key'])}")

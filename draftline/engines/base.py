@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from draftline.config import EngineConfig
 from draftline.engines.client import Prompt, RequestResult, Requester
 from draftline.engines.launch import ServerSpec
+from draftline.schedule import Schedule
 
 
 class Acceptance(BaseModel):
@@ -40,9 +41,10 @@ class EngineAdapter(ABC):
         """The installed engine version, or None when the engine is not installed here."""
 
     @abstractmethod
-    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str
-                    ) -> ServerSpec:
-        """The supervised server: baseline when drafter_dir is None, else EAGLE-3 with that drafter."""
+    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
+                    schedule: Schedule | None = None) -> ServerSpec:
+        """The supervised server: baseline when drafter_dir is None, else EAGLE-3 with that drafter, drafting
+        cfg.num_speculative_tokens per step, or by load as `schedule` says (draftline.schedule)."""
 
     @abstractmethod
     def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float) -> Requester:

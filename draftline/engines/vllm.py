@@ -18,6 +18,7 @@ from draftline.engines.client import OpenAIRequester, RequestResult, Requester
 from draftline.engines.launch import ServerSpec, checkpoint_size
 from draftline.engines.registry import engine_version
 from draftline.errors import EngineError
+from draftline.schedule import Schedule, vllm_speculative_config
 
 # Prometheus counter names (FACTS.md). Offline `LLM.get_metrics()` reports the same names without `_total`.
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -99,11 +100,14 @@ def server_argv(cfg: ServerSettings, target_dir: Path, served_name: str, port: i
 
 
 def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,
-            python: str | None = None) -> list[str]:
-    """The evaluation's server: the target alone (baseline) or with the EAGLE-3 drafter."""
+            python: str | None = None, schedule: Schedule | None = None) -> list[str]:
+    """The evaluation's server: the target alone (baseline) or with the EAGLE-3 drafter, at a fixed k or by load as
+    `schedule` says (the --speculative-config its export's serve/ folder carries)."""
     argv = server_argv(cfg, target_dir, served_name, port, cfg.max_model_len, python)
     if drafter_dir is not None:
-        argv += ["--speculative-config", json.dumps(speculative_config(cfg, drafter_dir))]
+        config = (vllm_speculative_config(schedule, str(drafter_dir)) if schedule is not None
+                  else speculative_config(cfg, drafter_dir))
+        argv += ["--speculative-config", json.dumps(config)]
     return argv + cfg.server_args(speculative=drafter_dir is not None)
 
 
@@ -166,13 +170,13 @@ class VllmAdapter(EngineAdapter):
     def version(self) -> str | None:
         return installed_version()
 
-    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str
-                    ) -> ServerSpec:
-        mode = "eagle3" if drafter_dir is not None else "baseline"
+    def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
+                    schedule: Schedule | None = None) -> ServerSpec:
+        mode = "baseline" if drafter_dir is None else "schedule" if schedule is not None else "eagle3"
         env = _cpu_kv_env()
         return ServerSpec(
             name=f"vllm-{mode}",
-            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port),
+            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port, schedule=schedule),
             first_request=_first_completion(served_name),
             health_path="/health", env=env,
             checkpoint_bytes=checkpoint_size(target_dir, drafter_dir),
