@@ -325,3 +325,45 @@ def _write(folder: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         (folder / name).write_text(text)
     return folder
+
+
+# ---------------------------------------------------------------------------------------------- the nightly
+
+
+def test_the_nightly_records_the_schedule_and_fails_with_its_own_cause_when_it_is_slower_than_no_speculation(
+        tmp_path):
+    from draftline.config import RegressionConfig
+    from draftline.regression import History, comparison_markdown, judge_all, record
+    from draftline.schedule import Verification
+    from draftline.store import open_store
+    from tests.test_regression import eval_result
+
+    points = sweep({0: {1: [100, 102], 4: [300, 306]}, 3: {1: [140, 150], 4: [250, 260]}})
+    schedule = derive_schedule(points, "vllm")
+    held = schedule.model_copy(update={"verification": Verification(source="server", points=[
+        SweepPoint(k=3, concurrency=1, tokens_per_s=146, runs=[144, 148]),
+        SweepPoint(k=0, concurrency=4, tokens_per_s=299, runs=[296, 302])])})
+    held.comparisons = compare(held, points)
+    history = History(open_store(str(tmp_path / "store")), "history")
+    cfg = RegressionConfig()
+    night = eval_result().model_copy(update={"sweep": points, "schedule": held})
+    verdict = judge_all([night], history, cfg, lineage="demo", drafter="d", target="t")
+    assert verdict.engines[0].status == "baseline" and not verdict.regressed
+    record(verdict, [night], history)
+    [rec] = history.records("t", "vllm", "demo")
+    assert rec.figures.schedule == [(1, 1, 3), (2, 4, 0)] and len(rec.figures.schedule_comparisons) == 2
+    assert "vllm schedule by load (recorded): k=3 at batch size 1" in comparison_markdown(verdict, cfg)
+    # The schedule's k=0 range ran slower than the k=0 server beyond the spread: the night fails, saying so.
+    slow = schedule.model_copy(update={"verification": Verification(source="server", points=[
+        SweepPoint(k=3, concurrency=1, tokens_per_s=146, runs=[144, 148]),
+        SweepPoint(k=0, concurrency=4, tokens_per_s=260, runs=[255, 265])])})
+    slow.comparisons = compare(slow, points)
+    verdict = judge_all([night.model_copy(update={"schedule": slow})], history, cfg, lineage="demo", drafter="d",
+                        target="t")
+    engine = verdict.engines[0]
+    assert verdict.regressed and [c.kind for c in engine.causes] == ["schedule-below-baseline"]
+    assert engine.causes[0].explanation.startswith(
+        "the verified schedule (k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above) served at concurrency 4 "
+        "(k=0) 0.86x no speculation's tokens per second, 0.88x at its fastest repeat")
+    assert verdict.event_payload()["engines"]["vllm"]["schedule"] == [[1, 1, 3], [2, 4, 0]]
+    assert "the schedule by load is slower than no speculation" in verdict.message()
