@@ -45,6 +45,30 @@ def _how_verified(s: Schedule) -> str:
     return f"Verified on the sweep's servers: {v.why_sweep}."
 
 
+def applied_sentence(r: EvalResult) -> str | None:
+    """What the schedule server's own log and counters say about the schedule it ran: the ranges it took and the
+    draft tokens it proposed per step at each load (k where every step drafted k)."""
+    s = r.schedule
+    if s.verification is None or s.verification.source != "server":
+        return None
+    name = ENGINE_NAMES.get(r.engine, r.engine)
+    parts = []
+    logged = (r.server_log_facts.get("schedule") or {}).get("speculative_schedule")
+    if logged is not None:
+        same = [tuple(x) for x in logged] == [tuple(x) for x in s.ranges]
+        parts.append(f"{name}'s log shows it started with the schedule {logged}"
+                     + ("" if same else f", not the derived {[list(x) for x in s.ranges]}"))
+    drafted = [(p.concurrency, p.k, p.draft_tokens_per_draft) for p in s.verification.points
+               if p.draft_tokens_per_draft is not None]
+    if drafted:
+        parts.append("its counters show " + ", ".join(
+            f"{d:.2f} draft tokens per step at concurrency {c} (the schedule's k there: {k})" for c, k, d in drafted))
+    if not parts:
+        return None
+    return "; ".join(parts) + (". A load's batch shrinks as its requests finish, so a point also drafts at the k of "
+                               "smaller batch sizes.")
+
+
 def _table(r: EvalResult) -> list[str]:
     s = r.schedule
     ks = [k for k in sweep_ks(r.sweep) if k > 0]
@@ -93,6 +117,9 @@ def schedule_markdown(results: list[EvalResult], run: str | None = None) -> list
                   f"{r.label()}. {_how_verified(s)}"]
         if s.repeats < 2:
             lines[-1] += " One measured repeat per point: there is no spread, so only exact ties go to the smaller k."
+        applied = applied_sentence(r)
+        if applied:
+            lines[-1] += " " + applied[0].upper() + applied[1:]
         if s.support_note:
             lines += ["", f"**{s.support_note}**"]
         lines += [""] + _table(r)

