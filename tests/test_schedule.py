@@ -367,3 +367,32 @@ def test_the_nightly_records_the_schedule_and_fails_with_its_own_cause_when_it_i
         "(k=0) 0.86x no speculation's tokens per second, 0.88x at its fastest repeat")
     assert verdict.event_payload()["engines"]["vllm"]["schedule"] == [[1, 1, 3], [2, 4, 0]]
     assert "the schedule by load is slower than no speculation" in verdict.message()
+
+
+# ---------------------------------------------------------------------------------------------- CPU libraries
+
+
+def test_vllm_on_a_cpu_gets_tcmalloc_then_intel_openmp_preloaded_once_and_nothing_where_none_is_found(
+        tmp_path, monkeypatch):
+    from draftline.engines import cpu_preload, vllm
+
+    prefix = tmp_path / "venv"
+    (prefix / "lib").mkdir(parents=True)
+    (prefix / "lib" / "libiomp5.so").write_bytes(b"")
+    assert cpu_preload.find_iomp(str(prefix / "bin" / "python")) == prefix / "lib" / "libiomp5.so"
+    monkeypatch.setattr(cpu_preload, "find_tcmalloc", lambda: Path("/usr/lib/x/libtcmalloc_minimal.so.4"))
+    monkeypatch.setattr(cpu_preload, "find_iomp", lambda python=None: prefix / "lib" / "libiomp5.so")
+    value, added = cpu_preload.cpu_preload("/opt/libother.so")
+    assert value == f"/usr/lib/x/libtcmalloc_minimal.so.4:{prefix}/lib/libiomp5.so:/opt/libother.so"
+    assert cpu_preload.cpu_preload("/a/libtcmalloc.so:/b/libiomp5.so") == ("/a/libtcmalloc.so:/b/libiomp5.so", [])
+    monkeypatch.setattr(vllm, "on_cpu", lambda: True)
+    spec = vllm.VllmAdapter().server_spec(EngineConfig(engine="vllm"), tmp_path, None, "t")
+    assert spec.env["LD_PRELOAD"].startswith("/usr/lib/x/libtcmalloc_minimal.so.4:")
+    off = vllm.VllmAdapter().server_spec(EngineConfig(engine="vllm", preload_cpu_libraries=False), tmp_path, None, "t")
+    assert "LD_PRELOAD" not in off.env
+    # An engine in an environment of its own, or nothing found: the worker's LD_PRELOAD as it is.
+    own = EngineConfig(engine="vllm", python="/opt/engine/bin/python")
+    assert "LD_PRELOAD" not in vllm.VllmAdapter().server_spec(own, tmp_path, None, "t").env
+    monkeypatch.setattr(cpu_preload, "find_tcmalloc", lambda: None)
+    monkeypatch.setattr(cpu_preload, "find_iomp", lambda python=None: None)
+    assert cpu_preload.preload_env(None, {}) == {}
