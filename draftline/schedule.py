@@ -289,15 +289,16 @@ def sglang_speculative_args(k: int, drafter: str) -> list[str]:
 
 def sglang_launch_commands(schedule: Schedule, target: str, drafter: str, server_args: list[str],
                            adaptive_config_path: str) -> list[tuple[str, str]]:
-    """(when to use it, `python -m sglang.launch_server ...`) lines: one line with the adaptive config where the
-    version serves a schedule (or the schedule is one setting), else one fixed line per measured load."""
+    """(when to use it, `python -m sglang.launch_server ...`) lines: one line with the adaptive config unless the
+    version is known not to serve a schedule (one line too for a schedule of one setting), else one fixed line per
+    measured load."""
     def line(k: int, extra: list[str] = ()) -> str:
         return shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, *server_args,
                            *sglang_speculative_args(k, drafter), *extra])
 
     if schedule.uniform:
         return [("every load", line(schedule.max_k))]
-    if schedule.supported:
+    if schedule.supported is not False:
         return [("every load (adaptive)", line(schedule.max_k, ["--speculative-adaptive",
                                                                   "--speculative-adaptive-config",
                                                                   adaptive_config_path]))]
