@@ -396,3 +396,17 @@ def test_vllm_on_a_cpu_gets_tcmalloc_then_intel_openmp_preloaded_once_and_nothin
     monkeypatch.setattr(cpu_preload, "find_tcmalloc", lambda: None)
     monkeypatch.setattr(cpu_preload, "find_iomp", lambda python=None: None)
     assert cpu_preload.preload_env(None, {}) == {}
+
+
+def test_the_run_summary_prints_each_schedule_its_verification_and_the_line_to_serve_it(tmp_path, capsys):
+    from draftline.config_loading import load_config
+    from draftline.schedule_report import summary_lines
+    from draftline.stages import print_summary
+
+    config = load_config(REPO / "configs" / "demo.yaml", overrides={"store": {"root": str(tmp_path / "runs")}})
+    report = {"rows": [], "report_key": "demo/eval/report/report.md", "schedules": summary_lines([_result(tmp_path)])}
+    print_summary(config, report)
+    out = capsys.readouterr().out
+    assert "vLLM schedule: k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above; verified (served on its own " \
+           "server): 1.42x at concurrency 1 (best fixed k=3: 1.44x), 1.01x at concurrency 4" in out.replace("\n", " ")
+    assert "serve (every load): vllm serve " in out
