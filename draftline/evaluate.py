@@ -213,7 +213,8 @@ def refuse_misread_export(cfg: EngineConfig, target_dir: str | Path, drafter_dir
 def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path, prompts_path: str | Path,
                     eval_cfg: EvalConfig, store, run: str, reference: Any = None,
                     log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None) -> EvalResult:
-    """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency; result JSON in the store.
+    """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency, any further k of its sweep,
+    and the schedule by load derived from them (draftline.sweep); result JSON in the store.
 
     An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
     gives a "failed" result in the store and raises EngineError. With `reference` (draftline.reference's
