@@ -194,7 +194,7 @@ def schedule_figure(results: list[EvalResult]):
                      wrap=True)
     context = textwrap.fill("Speedup by k and load: " + "; ".join(dict.fromkeys(
         f"run {r.run!r}, target {r.target}, {r.drafter_label(export=False)}, prompts {r.prompt_set}, {r.hardware}"
-        for r in shown)), 110)
+        for r in shown)), 90)
     fig.suptitle(f"{context}\nbars: min-max over the repeats", fontsize=9)
     legend = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
     handles, labels = list(legend.values()), list(legend)
