@@ -84,6 +84,15 @@ class Verification(BaseModel):
     why_sweep: str | None = None  # for source "sweep": why no server of its own was started
 
 
+class Rejected(BaseModel):
+    """A derived schedule that its own server measured slower than no speculation, and what that server served."""
+
+    ranges: list[tuple[int, int, int]]
+    description: str
+    verification: Verification
+    comparisons: list[Comparison]
+
+
 class Schedule(BaseModel):
     """k by batch size for one engine, derived from its sweep, with how it was verified."""
 
@@ -98,6 +107,9 @@ class Schedule(BaseModel):
     supported: bool | None = None  # whether the engine version serves a per-load schedule (None: not asked)
     # What to run: (when, command line), with the settings the evaluation measured (serve_commands).
     commands: list[tuple[str, str]] = []
+    # The schedule derived first, when its own server served it slower than no speculation somewhere: this one, the
+    # best single setting of the sweep, replaced it.
+    rejected: Rejected | None = None
 
     @property
     def max_k(self) -> int:
@@ -187,6 +199,28 @@ def derive_schedule(points: list[SweepPoint], engine: str) -> Schedule:
     choices = [choose(options) for options in grouped.values()]
     repeats = min(max(1, len(p.runs)) for p in points)
     return Schedule(engine=engine, choices=choices, ranges=ranges_of(choices), repeats=repeats)
+
+
+def best_uniform(points: list[SweepPoint], engine: str) -> Schedule:
+    """The best single k of the sweep: of the k never slower than no speculation beyond the spread at any point
+    (k=0 always), the one with the highest mean speedup, the smaller k on a tie."""
+    grouped = _by_concurrency(points)
+
+    def speedups(k: int) -> list[float] | None:
+        out = []
+        for options in grouped.values():
+            p, base = options.get(k), options[0]
+            if p is None or (p.high < base.low and p.tokens_per_s < base.tokens_per_s):
+                return None
+            out.append(p.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
+        return out
+
+    scored = [(sum(v) / len(v), -k) for k in sweep_ks(points) if (v := speedups(k)) is not None]
+    k = -max(scored)[1]
+    choices = [choose(options).model_copy(update={"k": k, "speedup": speedups(k)[i]})
+               for i, options in enumerate(grouped.values())]
+    repeats = min(max(1, len(p.runs)) for p in points)
+    return Schedule(engine=engine, choices=choices, ranges=[(1, max(grouped), k)], repeats=repeats)
 
 
 # ---------------------------------------------------------------------------------------------- verification
@@ -380,6 +414,10 @@ def schedule_summary(schedule: Schedule) -> str:
     """One line for a terminal: the schedule and what its verification measured."""
     name = ENGINE_NAMES.get(schedule.engine, schedule.engine)
     text = f"{name} schedule: {schedule.describe()}"
+    if schedule.rejected is not None:
+        text += (f" (replacing the derived {schedule.rejected.description}, which its own server served at "
+                 + ", ".join(f"{c.speedup:.2f}x at concurrency {c.concurrency}" for c in schedule.rejected.comparisons)
+                 + ")")
     if schedule.comparisons:
         how = "served on its own server" if schedule.verification.source == "server" else "the sweep's servers"
         text += ("; verified (" + how + "): " + ", ".join(

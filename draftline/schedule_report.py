@@ -49,17 +49,19 @@ def applied_sentence(r: EvalResult) -> str | None:
     """What the schedule server's own log and counters say about the schedule it ran: the ranges it took and the
     draft tokens it proposed per step at each load (k where every step drafted k)."""
     s = r.schedule
-    if s.verification is None or s.verification.source != "server":
+    if (s.verification is None or s.verification.source != "server") and s.rejected is None:
         return None
     name = ENGINE_NAMES.get(r.engine, r.engine)
     parts = []
     logged = (r.server_log_facts.get("schedule") or {}).get("speculative_schedule")
     if logged is not None:
-        same = [tuple(x) for x in logged] == [tuple(x) for x in s.ranges]
-        parts.append(f"{name}'s log shows it started with the schedule {logged}"
-                     + ("" if same else f", not the derived {[list(x) for x in s.ranges]}"))
-    drafted = [(p.concurrency, p.k, p.draft_tokens_per_draft) for p in s.verification.points
-               if p.draft_tokens_per_draft is not None]
+        ranges = s.rejected.ranges if s.rejected is not None else s.ranges
+        same = [tuple(x) for x in logged] == [tuple(x) for x in ranges]
+        parts.append(f"{name}'s log shows its schedule server started with {logged}"
+                     + ("" if same else f", not the derived {[list(x) for x in ranges]}"))
+    served = s.rejected.verification if s.rejected is not None else s.verification
+    drafted = [(p.concurrency, p.k, p.draft_tokens_per_draft) for p in served.points
+               if p.draft_tokens_per_draft is not None and served.source == "server"]
     if drafted:
         parts.append("its counters show " + ", ".join(
             f"{d:.2f} draft tokens per step at concurrency {c} (the schedule's k there: {k})" for c, k, d in drafted))
@@ -120,6 +122,14 @@ def schedule_markdown(results: list[EvalResult], run: str | None = None) -> list
         applied = applied_sentence(r)
         if applied:
             lines[-1] += " " + applied[0].upper() + applied[1:]
+        if s.rejected is not None:
+            lines += ["", f"**The derived schedule ({s.rejected.description}) served slower than no speculation on its "
+                      "own server**: " + ", ".join(
+                          f"{_x(c.speedup)} ({_x(c.speedup_min)}-{_x(c.speedup_max)}) at concurrency {c.concurrency} "
+                          f"(k={c.k})" for c in s.rejected.comparisons)
+                      + f". {ENGINE_NAMES.get(r.engine, r.engine)} still runs the drafter at each step of a k=0 range "
+                      "(to keep its cache in step), so such a range is not the target alone. The table and the lines "
+                      "below are the best single setting of the sweep, which replaced it."]
         if s.support_note:
             lines += ["", f"**{s.support_note}**"]
         lines += [""] + _table(r)
@@ -182,6 +192,10 @@ def schedule_figure(results: list[EvalResult]):
             for c in comps:
                 ax.annotate(f"{c.speedup:.2f} (k={c.k})", (c.concurrency, c.speedup), textcoords="offset points",
                             xytext=(0, -13), ha="center", fontsize=7)
+        if r.schedule.rejected is not None:
+            rejected = r.schedule.rejected.comparisons
+            ax.plot([c.concurrency for c in rejected], [c.speedup for c in rejected], "+:", color="grey", ms=10,
+                    label="derived schedule on its own server (replaced)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(cs, [str(c) for c in cs])
         ax.minorticks_off()

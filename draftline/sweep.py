@@ -4,6 +4,7 @@ The evaluation's own two servers (k=0, the target alone, and k=num_speculative_t
 config's sweep_k adds one server per further k, each reused across the concurrency points. The schedule
 (draftline.schedule) is then served on a server of its own and measured at every point, unless it is one setting
 everywhere (the sweep's server of that k already served exactly it) or the engine version cannot switch k by load.
+A schedule its own server serves slower than no speculation somewhere is replaced by the sweep's best single setting.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Any, Callable, Protocol
 from draftline.config import EngineConfig
 from draftline.errors import EngineError
 from draftline.schedule import (
-    ENGINE_NAMES, Schedule, SweepPoint, Verification, compare, derive_schedule, serve_args, serve_commands,
-    unsupported_note, verification_from_sweep,
+    ENGINE_NAMES, Rejected, Schedule, SweepPoint, Verification, best_uniform, compare, derive_schedule, falls_below,
+    serve_args, serve_commands, unsupported_note, verification_from_sweep,
 )
 
 
@@ -68,10 +69,7 @@ def schedule_of(servers: dict[int, Runs], cfg: EngineConfig, serve: Serve, targe
     points = [p for k, runs in sorted(servers.items()) for p in points_of(k, runs)]
     schedule = derive_schedule(points, cfg.engine)
     schedule.supported = serves_schedule
-    args = serve_args(cfg.engine, cfg.tensor_parallel_size, cfg.max_model_len, cfg.dtype,
-                      cfg.server_args(speculative=True))
-    schedule.commands = serve_commands(schedule, str(Path(target_dir).resolve()), str(Path(drafter_dir).resolve()),
-                                       args)
+    schedule.commands = commands_of(schedule, cfg, target_dir, drafter_dir)
     name = ENGINE_NAMES.get(cfg.engine, cfg.engine)
     runs = None
     if schedule.uniform:
@@ -97,4 +95,34 @@ def schedule_of(servers: dict[int, Runs], cfg: EngineConfig, serve: Serve, targe
             measured = [p.model_copy(update={"k": schedule.k_at(p.concurrency)}) for p in points_of(0, runs)]
             schedule.verification = Verification(source="server", points=measured)
     schedule.comparisons = compare(schedule, points)
+    if any(falls_below(c, 0.0) for c in schedule.comparisons):
+        schedule = replaced(schedule, points, cfg, target_dir, drafter_dir)
     return points, schedule, runs
+
+
+def replaced(schedule: Schedule, points: list[SweepPoint], cfg: EngineConfig, target_dir: Path, drafter_dir: Path
+             ) -> Schedule:
+    """The best single setting of the sweep in place of a schedule its own server served slower than no speculation
+    somewhere (in vLLM a k=0 range still runs the drafter each step, to keep its cache in step)."""
+    best = best_uniform(points, cfg.engine)
+    slower = [c for c in schedule.comparisons if falls_below(c, 0.0)]
+    k = best.max_k
+    setting = "no speculation" if k == 0 else f"k={k}"
+    why = ("the derived schedule (" + schedule.describe() + ") served " + ", ".join(
+        f"{c.speedup:.2f}x at concurrency {c.concurrency}" for c in slower) + " of no speculation's tokens per second "
+        f"on its own server, so the best single setting of the sweep replaces it: {setting} at every load, which the "
+        f"sweep's own server of k={k} served")
+    best.supported, best.support_note = schedule.supported, schedule.support_note
+    best.verification = verification_from_sweep(best, points, why)
+    best.comparisons = compare(best, points)
+    best.rejected = Rejected(ranges=schedule.ranges, description=schedule.describe(),
+                             verification=schedule.verification, comparisons=schedule.comparisons)
+    best.commands = commands_of(best, cfg, target_dir, drafter_dir)
+    return best
+
+
+def commands_of(schedule: Schedule, cfg: EngineConfig, target_dir: Path, drafter_dir: Path) -> list[tuple[str, str]]:
+    """The lines to serve the schedule with the settings this evaluation measured."""
+    args = serve_args(cfg.engine, cfg.tensor_parallel_size, cfg.max_model_len, cfg.dtype,
+                      cfg.server_args(speculative=True))
+    return serve_commands(schedule, str(Path(target_dir).resolve()), str(Path(drafter_dir).resolve()), args)

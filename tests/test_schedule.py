@@ -13,7 +13,8 @@ from draftline.config import EngineConfig
 from draftline.errors import ConfigError, EngineError
 from draftline.schedule import (
     NOT_RUN_ON_SGLANG, SweepPoint, compare, derive_schedule, falls_below, min_ratio_to_best_fixed, min_speedup,
-    ranges_of, serve_commands, serve_files, sglang_adaptive_config, verification_from_sweep, vllm_speculative_config,
+    ranges_of, schedule_summary, serve_commands, serve_files, sglang_adaptive_config, verification_from_sweep,
+    vllm_speculative_config,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -410,3 +411,44 @@ def test_the_run_summary_prints_each_schedule_its_verification_and_the_line_to_s
     assert "vLLM schedule: k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above; verified (served on its own " \
            "server): 1.42x at concurrency 1 (best fixed k=3: 1.44x), 1.01x at concurrency 4" in out.replace("\n", " ")
     assert "serve (every load): vllm serve " in out
+
+
+def test_a_schedule_its_own_server_serves_slower_than_no_speculation_is_replaced_by_the_best_single_setting(tmp_path):
+    """vLLM runs the drafter at every step of a k=0 range (to keep its cache in step): on a 2-core CPU such a range
+    served 0.62x of a server without the drafter. What was served is kept; the export carries the best single k."""
+    from draftline.config import RegressionConfig
+    from draftline.regression import History, judge_all
+    from draftline.schedule import best_uniform
+    from draftline.store import open_store
+    from draftline.sweep import schedule_of
+    from tests.test_regression import eval_result
+
+    cfg = EngineConfig(engine="vllm", num_speculative_tokens=3, concurrency=[1, 4])
+    servers = {0: _runs({1: [375, 380], 4: [560, 575]}), 3: _runs({1: [398, 400], 4: [540, 545]}, 3.0)}
+
+    def serve(drafter, engine_cfg, schedule, label):
+        return _runs({1: [230, 232], 4: [550, 556]}, 3.0)
+
+    points, s, runs = schedule_of(servers, cfg, serve, tmp_path, tmp_path, "0.32.0", True)
+    assert runs is not None and s.rejected.ranges == [(1, 1, 3), (2, 4, 0)]
+    assert s.rejected.verification.source == "server" and s.rejected.comparisons[0].speedup == pytest.approx(232 / 380)
+    # k=3 is below no speculation at 4 beyond the spread: the best single setting is no speculation.
+    assert s.ranges == [(1, 4, 0)] and s.verification.source == "sweep"
+    assert s.verification.why_sweep.startswith(
+        "the derived schedule (k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above) served 0.61x at "
+        "concurrency 1, 0.97x at concurrency 4 of no speculation's tokens per second on its own server, so the best "
+        "single setting of the sweep replaces it: no speculation at every load")
+    assert "--speculative-config" not in s.commands[0][1]
+    assert "(replacing the derived k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above, which its own server " \
+           "served at 0.61x at concurrency 1, 0.97x at concurrency 4)" in schedule_summary(s)
+    # A k within the spread of no speculation everywhere, and faster somewhere, is the best single setting.
+    assert best_uniform(sweep({0: {1: [100, 110], 4: [300, 320]}, 3: {1: [140, 150], 4: [295, 305]}}),
+                        "vllm").ranges == [(1, 4, 3)]
+    # The nightly fails on what the schedule's own server served, and says what the export carries instead.
+    night = eval_result().model_copy(update={"sweep": points, "schedule": s})
+    verdict = judge_all([night], History(open_store(str(tmp_path / "store")), "h"), RegressionConfig(),
+                        lineage="demo", drafter="d", target="t")
+    [cause] = verdict.engines[0].causes
+    assert cause.kind == "schedule-below-baseline"
+    assert cause.explanation.endswith("; the evaluation replaced it with off (k=0) at batch sizes 1-4 and above, which "
+                                      "the export carries")

@@ -73,6 +73,9 @@ class Figures(BaseModel):
     schedule: list[tuple[int, int, int]] | None = None
     schedule_description: str | None = None
     schedule_comparisons: list[Comparison] = []
+    # A derived schedule its own server served slower than no speculation, which the one above replaced.
+    schedule_rejected: str | None = None
+    schedule_rejected_comparisons: list[Comparison] = []
 
 
 def lineage_name(lineage: dict[str, Any] | None, fallback: str) -> str:
@@ -148,6 +151,9 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
         schedule=list(result.schedule.ranges) if result.schedule else None,
         schedule_description=result.schedule.describe() if result.schedule else None,
         schedule_comparisons=list(result.schedule.comparisons) if result.schedule else [],
+        schedule_rejected=result.schedule.rejected.description if result.schedule and result.schedule.rejected else None,
+        schedule_rejected_comparisons=(list(result.schedule.rejected.comparisons)
+                                       if result.schedule and result.schedule.rejected else []),
     )
 
 

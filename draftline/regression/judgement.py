@@ -265,16 +265,26 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
 
 
 def schedule_shortfall(current: Figures, cfg: RegressionConfig) -> str | None:
-    """Where the verified schedule by load served fewer tokens per second than no speculation, beyond the measured
-    spread and cfg.max_schedule_shortfall, in one sentence; None where it held at every point."""
-    slower = [c for c in current.schedule_comparisons if falls_below(c, cfg.max_schedule_shortfall)]
-    if not slower:
+    """Where a schedule by load served on its own server gave fewer tokens per second than no speculation, beyond the
+    measured spread and cfg.max_schedule_shortfall, in one sentence: the evaluation's schedule, or the derived one it
+    replaced; None where both held at every point."""
+    def slower(description: str | None, comparisons: list) -> str | None:
+        below = [c for c in comparisons if falls_below(c, cfg.max_schedule_shortfall)]
+        if not below:
+            return None
+        return f"the verified schedule ({description}) served " + "; ".join(
+            f"at concurrency {c.concurrency} (k={c.k}) {c.speedup:.2f}x no speculation's tokens per second, "
+            f"{c.speedup_max:.2f}x at its fastest repeat" for c in below)
+
+    final = slower(current.schedule_description, current.schedule_comparisons)
+    derived = slower(current.schedule_rejected, current.schedule_rejected_comparisons)
+    if not final and not derived:
         return None
-    where = "; ".join(f"at concurrency {c.concurrency} (k={c.k}) {c.speedup:.2f}x no speculation's tokens per second, "
-                      f"{c.speedup_max:.2f}x at its fastest repeat" for c in slower)
-    return (f"the verified schedule ({current.schedule_description}) served {where}, more than the allowed "
-            f"-{cfg.max_schedule_shortfall:.0%} below no speculation and beyond the measured spread; serve without "
-            "speculation at that load or derive the schedule again")
+    text = " and ".join(x for x in (derived, final) if x) + (
+        f", more than the allowed -{cfg.max_schedule_shortfall:.0%} below no speculation and beyond the measured spread")
+    if derived and not final:
+        return text + f"; the evaluation replaced it with {current.schedule_description}, which the export carries"
+    return text + "; serve without speculation at that load or derive the schedule again"
 
 
 def classify(verdict: EngineVerdict) -> list[Cause]:
