@@ -380,6 +380,13 @@ class EngineConfig(ServerSettings):
                                               "e.g. SGLang's --disable-overlap-schedule.")
     require_gpu: bool = Field(False, description="Refuse to start without a visible CUDA GPU (tensor_parallel_size "
                               "of them, new enough for the engine); false: no such check.")
+    sweep_k: list[int] | None = Field(None, description="The values of k the evaluation serves, one server each, "
+                                      "measured at every concurrency point; 0 (no speculation) must be among them, "
+                                      "and num_speculative_tokens is always added. The schedule by load takes the "
+                                      "fastest per point; null: 0 and num_speculative_tokens (two servers).")
+    preload_cpu_libraries: bool = Field(True, description="vLLM on a CPU: preload tcmalloc and Intel OpenMP "
+                                        "(LD_PRELOAD) where they are installed, as vLLM's CPU installation guide "
+                                        "asks; false: the worker's LD_PRELOAD as it is.")
 
     def server_args(self, speculative: bool) -> list[str]:
         """The arguments added to an engine server's own: extra_args, then for EAGLE-3 speculative_extra_args."""
@@ -391,6 +398,23 @@ class EngineConfig(ServerSettings):
         if not v or any(c < 1 for c in v):
             raise ValueError(f"{v} must be a non-empty list of positive integers, e.g. [1, 8, 32]")
         return v
+
+    @field_validator("sweep_k")
+    @classmethod
+    def _sweep_with_zero(cls, v):
+        if v is None:
+            return v
+        if 0 not in v:
+            raise ValueError("it lacks 0 (no speculation), which every k of the sweep is measured against; add 0, "
+                             "e.g. [0, 1, 3]")
+        if any(k < 0 or k > MAX_K for k in v) or len(set(v)) != len(v):
+            raise ValueError(f"each k must be a distinct number from 0 to {MAX_K}, e.g. [0, 1, 3]")
+        return sorted(v)
+
+    @property
+    def ks(self) -> list[int]:
+        """Every k the evaluation serves: 0, num_speculative_tokens and sweep_k."""
+        return sorted(set(self.sweep_k or []) | {0, self.num_speculative_tokens})
 
 
 class ReferenceConfig(Strict):
@@ -507,6 +531,10 @@ class RegressionConfig(Strict):
                                          "mean acceptance length over the training's offline estimate (same drafter "
                                          "and k): validation no longer predicts what the engine accepts.")
     median_window: int = Field(7, ge=1, description="The rolling median takes the last this many good runs.")
+    max_schedule_shortfall: float = Field(0.05, ge=0.0, le=1.0, description="A night fails when the verified "
+                                          "schedule by load is slower than no speculation at a concurrency point "
+                                          "beyond the measured spread and by more than this share of its tokens per "
+                                          "second.")
 
     @field_validator("parity_floor")
     @classmethod
@@ -550,6 +578,16 @@ class PipelineConfig(Strict):
         if not _RUN_NAME.match(v):
             raise ValueError(f"{v!r} is not a usable run name; use letters, digits, '.', '_' or '-' (at most 128)")
         return v
+
+    @model_validator(mode="after")
+    def _sweep_within_training(self):
+        for i, engine in enumerate(self.eval.engines):
+            deeper = [k for k in engine.sweep_k or [] if k > self.train.ttt_steps]
+            if deeper:
+                raise ValueError(f"eval.engines[{i}].sweep_k={engine.sweep_k} has k={deeper[0]}, deeper than the "
+                                 f"drafter is trained for (train.ttt_steps={self.train.ttt_steps}); drop it or raise "
+                                 "train.ttt_steps")
+        return self
 
     @model_validator(mode="after")
     def _mla_formats(self):

@@ -10,6 +10,7 @@ from draftline.errors import ConfigError
 from draftline.eval_result import EvalResult, timestamp
 from draftline.layout import report_prefix, trace_stats_key, training_record_key
 from draftline.parity import logged_aux_layers
+from draftline.schedule_report import SCHEDULE_PLOT, plot_schedule, schedule_markdown
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -195,6 +196,7 @@ def report_markdown(results: list[EvalResult], training: dict | None = None, run
             lines += ["", f"### The engine's warnings that bear on these numbers: {r.label()}", "",
                       f"{r.engine} logged these while serving (first sentence of each, once per server):", ""]
             lines += [f"- {w.text} ({_servers(w.servers)})" for w in r.engine_warnings]
+    lines += schedule_markdown(results, run)
     lines += training_markdown(training, run)
     said = estimate_sentence(training, results)
     if said:
@@ -231,10 +233,12 @@ def rendering_markdown(results: list[EvalResult], traces: dict | None) -> list[s
 
 
 def _servers(servers: list[str]) -> str:
-    names = {"baseline": "baseline server", "eagle3": "EAGLE-3 server"}
-    if set(servers) == set(names):
+    names = {"baseline": "baseline", "eagle3": "EAGLE-3", "schedule": "schedule"}
+    if set(servers) == {"baseline", "eagle3"}:
         return "both servers"
-    return " and ".join(names.get(s, s) for s in servers)
+    said = [names.get(s, s) for s in servers]
+    joined = said[0] if len(said) == 1 else ", ".join(said[:-1]) + " and " + said[-1]
+    return f"{joined} server" + ("s" if len(said) > 1 else "")
 
 
 TRAINING_PLOT = "training_curves.png"
@@ -493,6 +497,8 @@ def write_report(results: list[EvalResult], store, run: str, parity_basis: str |
         plot_acceptance(results, tmp / "acceptance_by_position.png")
         plot_throughput(results, tmp / "throughput_speedup.png")
         names = ["report.md", "results.json", "acceptance_by_position.png", "throughput_speedup.png"]
+        if plot_schedule(results, tmp / SCHEDULE_PLOT):
+            names.append(SCHEDULE_PLOT)
         if training is not None and (training.get("history") or {}).get("train"):
             _save(training_figure(training, run), tmp / TRAINING_PLOT)
             names.append(TRAINING_PLOT)

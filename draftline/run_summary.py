@@ -87,6 +87,8 @@ def _render_summary(console, config: PipelineConfig, report: dict[str, Any], ela
         table.add_row(*("" if row[c] is None else str(row[c]) for c in
                         ("engine", "status", "concurrency", "acceptance_length", "speedup", "parity", "note")))
     console.print(table)
+    for line in report.get("schedules") or []:
+        console.print(line, soft_wrap=True, markup=False)
     store = open_store(config.store.root)
     console.print(f"artifacts: {store.uri(config.run)}")
     console.print(f"report:    {store.uri(report['report_key'])}")

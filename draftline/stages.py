@@ -225,10 +225,23 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
 
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
-    eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
-                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports),
-                             template=ChatTemplate.of(config.traces), baselines=baselines)
+    result = eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
+                                      config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports),
+                                      template=ChatTemplate.of(config.traces), baselines=baselines)
+    if result.schedule is not None and exports.get(fmt) == export_prefix(config.run, fmt):
+        publish_serve_folder(store, exports[fmt], result.schedule, drafter_dir)
     return engine_result_key(config, engine)
+
+
+def publish_serve_folder(store: Store, export: str, schedule, drafter_dir: Path) -> list[str]:
+    """The schedule and what to pass the engine, in the export's serve/ folder and manifest (this run's own export
+    only: a production drafter evaluated by the nightly is never written to); returns the keys written."""
+    from draftline.schedule import SERVE_FOLDER, serve_files
+
+    entries = [store.put_bytes(f"{export}/{SERVE_FOLDER}/{name}", text.encode())
+               for name, text in serve_files(schedule, str(Path(drafter_dir).resolve())).items()]
+    store.update_manifest(export, entries)
+    return [e.key for e in entries]
 
 
 def misread_exports(config: PipelineConfig, exports: dict[str, str], store: Store) -> dict[str, ConfigError]:
@@ -359,8 +372,11 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
             store.put_bytes(key, (results[i].model_dump_json(indent=2) + "\n").encode())
     keys = report_lib.write_report(results, store, config.run, basis_said)
     rows = summary_rows(results, reference_summary, basis_said)
+    from draftline.schedule_report import summary_lines
+
     return {"rows": rows, "markdown": store.get_bytes(keys["report.md"]).decode(), "report_key": keys["report.md"],
-            "keys": keys, "result_keys": result_keys, "reference_key": reference_key}
+            "keys": keys, "result_keys": result_keys, "reference_key": reference_key,
+            "schedules": summary_lines(results)}
 
 
 def parity_basis(config: PipelineConfig, store: Store, reference_summary: dict | None, results: list

