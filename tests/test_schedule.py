@@ -224,9 +224,10 @@ def test_engine_command_lines_carry_the_schedule(tmp_path):
     argv = vllm.command(cfg, tmp_path / "t", tmp_path / "d", "t", 8000, python="py", schedule=s)
     config = json.loads(argv[argv.index("--speculative-config") + 1])
     assert config["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4, 0]]
-    spec = vllm.VllmAdapter().server_spec(cfg, tmp_path / "t", tmp_path / "d", "t", s)
+    spec = vllm.VllmAdapter().server_spec(cfg, tmp_path / "t", tmp_path / "d", "t", schedule=s)
     assert spec.name == "vllm-schedule"
-    sg = sglang.SglangAdapter().server_spec(EngineConfig(engine="sglang"), tmp_path / "t", tmp_path / "d", "t", s)
+    sg = sglang.SglangAdapter().server_spec(EngineConfig(engine="sglang"), tmp_path / "t", tmp_path / "d", "t",
+                                             schedule=s)
     argv = sg.command(8000)
     path = Path(argv[argv.index("--speculative-adaptive-config") + 1])
     assert "--speculative-adaptive" in argv and json.loads(path.read_text()) == sglang_adaptive_config(s)
@@ -402,7 +403,7 @@ def test_vllm_on_a_cpu_gets_tcmalloc_then_intel_openmp_preloaded_once_and_nothin
 def test_the_run_summary_prints_each_schedule_its_verification_and_the_line_to_serve_it(tmp_path, capsys):
     from draftline.config_loading import load_config
     from draftline.schedule_report import summary_lines
-    from draftline.stages import print_summary
+    from draftline.run_summary import print_summary
 
     config = load_config(REPO / "configs" / "demo.yaml", overrides={"store": {"root": str(tmp_path / "runs")}})
     report = {"rows": [], "report_key": "demo/eval/report/report.md", "schedules": summary_lines([_result(tmp_path)])}
