@@ -225,12 +225,21 @@ def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[
 
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
-    result = eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
-                                      config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports),
-                                      template=ChatTemplate.of(config.traces), baselines=baselines)
-    if result.schedule is not None and exports.get(fmt) == export_prefix(config.run, fmt):
-        publish_serve_folder(store, exports[fmt], result.schedule, drafter_dir)
+    # The schedule goes into the export's serve/ folder at the report, not here: an evaluation worker's identity
+    # writes only evaluations (infra/s3_policy.py).
+    eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
+                             config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports),
+                             template=ChatTemplate.of(config.traces), baselines=baselines)
     return engine_result_key(config, engine)
+
+
+def publish_own_schedule(config: PipelineConfig, store: Store, result: EvalResult) -> list[str]:
+    """The serve/ folder of an engine's schedule, in this run's own export of that engine's format when the run has
+    one (a production drafter evaluated by the nightly is never written to); returns the keys written."""
+    export = export_prefix(config.run, _engine_format(result.engine))
+    if result.status != "ok" or result.schedule is None or store.read_manifest(export) is None:
+        return []
+    return publish_serve_folder(store, export, result.schedule, Path(result.drafter_path))
 
 
 def publish_serve_folder(store: Store, export: str, schedule, drafter_dir: Path) -> list[str]:
@@ -370,6 +379,8 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
         if result.status == "ok" and result.acceptance is not None and basis is not None:
             results[i] = with_parity(result, basis, config.eval.parity_threshold, engines.get(result.engine))
             store.put_bytes(key, (results[i].model_dump_json(indent=2) + "\n").encode())
+    for result in results:
+        publish_own_schedule(config, store, result)
     keys = report_lib.write_report(results, store, config.run, basis_said)
     rows = summary_rows(results, reference_summary, basis_said)
     from draftline.schedule_report import summary_lines

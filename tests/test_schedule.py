@@ -322,6 +322,21 @@ def test_the_runs_own_export_carries_the_schedule_in_its_serve_folder_and_keeps_
     assert export is not None
 
 
+def test_the_report_step_writes_the_serve_folder_into_the_runs_own_export_only(tmp_path):
+    # The evaluation workers' identity writes only evaluations, so the serve/ folder is written at the report.
+    from draftline.config_loading import load_config
+    from draftline.stages import publish_own_schedule
+    from draftline.store import open_store
+
+    config = load_config(REPO / "configs" / "demo.yaml", overrides={"run": "r", "store": {"root": str(tmp_path / "s")}})
+    store = open_store(config.store.root)
+    r = _result(tmp_path)
+    assert publish_own_schedule(config, store, r) == []  # no export of its own (a nightly's production drafter)
+    store.put_dir("r/export/vllm", _write(tmp_path / "export", {"config.json": "{}"}))
+    assert "r/export/vllm/serve/schedule.json" in publish_own_schedule(config, store, r)
+    assert publish_own_schedule(config, store, r.model_copy(update={"schedule": None})) == []
+
+
 def _write(folder: Path, files: dict[str, str]) -> Path:
     folder.mkdir(parents=True)
     for name, text in files.items():
