@@ -101,8 +101,11 @@ _FINAL_TABLE_RUNS: set[str] = set()
 
 
 def final_table_logged(flow_run_id: str) -> None:
-    """The flow run has logged its final table, which stays its log's last line."""
+    """The flow run has logged its final table, which stays its log's last line. The lines logged so far are sent to
+    the API now, before the run turns Completed: a worker stopped as soon as it sees that state (a pod scaled down, a
+    test's teardown) would otherwise take the last batch, the table, with it."""
     _FINAL_TABLE_RUNS.add(str(flow_run_id))
+    APILogHandler().flush()
 
 
 class _DraftlineErrorsWithoutTraceback(logging.Filter):

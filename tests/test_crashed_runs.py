@@ -8,7 +8,6 @@ Traces and extraction are stand-ins (tests/finished_stages.py) over a store that
 engine is SGLang, which reports itself skipped on a machine without a GPU: the time goes to the crash and the retry."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -54,18 +53,6 @@ def _config(store_root: Path, target_dir: Path) -> dict:
     }
 
 
-def _read(server, fn):
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    async def go():
-        async with get_client() as client:
-            return await fn(client)
-
-    with temporary_settings({PREFECT_API_URL: server.api_url}):
-        return asyncio.run(go())
-
-
 @pytest.fixture
 def deployed(prefect_server, tmp_path):
     """The shipped crash automation, as it is, and the pipeline with its stage deployments on this module's pools
@@ -92,7 +79,7 @@ def deployed(prefect_server, tmp_path):
             for automation in await client.read_automations_by_name(spec["automations"][0]["name"]):
                 await client.delete_automation(automation.id)
 
-        _read(prefect_server, delete)
+        prefect_server.read(delete)
 
 
 def _processes_of(run_id: str) -> list[int]:
@@ -110,14 +97,14 @@ def _processes_of(run_id: str) -> list[int]:
 def _until(server, run_id, done, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while True:
-        run = _read(server, lambda c: c.read_flow_run(run_id))
+        run = server.read(lambda c: c.read_flow_run(run_id))
         if done(run.state) or time.monotonic() > deadline:
             return run
         time.sleep(2)
 
 
 def _runs_named(server, prefix: str) -> list:
-    return [r for r in _read(server, lambda c: c.read_flow_runs()) if r.name.startswith(prefix)]
+    return [r for r in server.read(lambda c: c.read_flow_runs()) if r.name.startswith(prefix)]
 
 
 def _log_lines(server, run_id, min_level: int = 0, last: bool = False) -> list[str]:
@@ -125,18 +112,10 @@ def _log_lines(server, run_id, min_level: int = 0, last: bool = False) -> list[s
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
     from prefect.client.schemas.sorting import LogSort
 
-    logs = _read(server, lambda c: c.read_logs(
+    logs = server.read(lambda c: c.read_logs(
         log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]), level=LogFilterLevel(ge_=min_level)),
         sort=LogSort.TIMESTAMP_DESC if last else LogSort.TIMESTAMP_ASC))
     return [log.message for log in logs]
-
-
-def _wait_for_worker(server, pool: str, deadline_s: float = 120) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not any(str(w.status.value).upper() == "ONLINE"
-                  for w in _read(server, lambda c: c.read_workers_for_work_pool(pool))):
-        assert time.monotonic() < deadline, f"the {pool} worker never came online"
-        time.sleep(2)
 
 
 def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishes_the_pipeline(
@@ -156,15 +135,15 @@ def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishe
     train = deployed.start_worker(PREFIX + "gpu-train", tmp_path / "worker-train1.log")
     second = None
     try:
-        _wait_for_worker(deployed, PREFIX + "cpu")
-        _wait_for_worker(deployed, PREFIX + "gpu-train")
+        deployed.wait_for_worker(PREFIX + "cpu")
+        deployed.wait_for_worker(PREFIX + "gpu-train")
         out = deployed.cli("deployment", "run", "pipeline/pipeline", "--params", json.dumps(params))
         pipeline_id = re.search(r"UUID:\s*([0-9a-f-]{36})", out.stdout + out.stderr).group(1)
         latest = "tiny/train/checkpoints/latest.json"
         deadline = time.monotonic() + 300
         while not store.exists(latest):
             assert time.monotonic() < deadline, "training wrote no checkpoint"
-            assert not _read(deployed, lambda c: c.read_flow_run(pipeline_id)).state.is_final(), "the pipeline ended"
+            assert not deployed.read(lambda c: c.read_flow_run(pipeline_id)).state.is_final(), "the pipeline ended"
             time.sleep(0.05)
         # A machine or pod that dies takes the worker and the flow run's processes at once: none of them can report.
         training = next(r for r in _runs_named(deployed, "tiny-train-drafter"))
@@ -182,7 +161,7 @@ def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishe
 
         # Nothing reports the death: the automation sees the heartbeats stop.
         _until(deployed, training.id, lambda s: s.is_final(), CRASHED_WITHIN_S + 60)
-        states = _read(deployed, lambda c: c.read_flow_run_states(training.id))
+        states = deployed.read(lambda c: c.read_flow_run_states(training.id))
         crashed = next((s for s in states if s.is_crashed()), None)
         assert crashed is not None, [f"{s.name}: {s.message}" for s in states]
         crashed_after = (crashed.timestamp - killed_at).total_seconds()
@@ -193,14 +172,14 @@ def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishe
         run = _until(deployed, pipeline_id, lambda s: s.is_final(), 120)
         retry = f"prefect flow-run retry {pipeline_id}"
         assert run.state.is_failed() and f"`{retry}`" in run.state.message, run.state.message
-        training = _read(deployed, lambda c: c.read_flow_run(training.id))
+        training = deployed.read(lambda c: c.read_flow_run(training.id))
         assert training.state.is_crashed() and f"`{retry}`" in training.state.message, training.state.message
         # --watch shows the run's log: the failure's first line is the cause, in one sentence.
         first_error = _log_lines(deployed, pipeline_id, min_level=40)[0]
         assert first_error.startswith("the train-drafter/train-drafter run tiny-train-drafter crashed: No heartbeat"
                                       ) and "\n" not in first_error and retry in first_error, first_error
 
-        _wait_for_worker(deployed, PREFIX + "gpu-train")
+        deployed.wait_for_worker(PREFIX + "gpu-train")
         deployed.cli(*retry.split()[1:])
         run = _until(deployed, pipeline_id, lambda s: s.is_final(), 600)
         assert run.state.is_completed(), f"{run.state.name}: {run.state.message}"
@@ -222,7 +201,7 @@ def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishe
     assert next(r for r in children if r.name == "tiny-train-drafter").id == training.id
     assert all(r.state.is_completed() for r in children), [(r.name, r.state.name) for r in children]
     # Every run under the pipeline, its evaluate subflow too, is one the crash automation watches.
-    below = _read(deployed, lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(
+    below = deployed.read(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[pipeline_id]))))
     assert len(below) >= 4 and all("draftline" in r.tags for r in below), [(r.name, r.tags) for r in below]
     # The log ends with the final table, as `draftline run` does (the API handler ships the last lines in batches).

@@ -5,7 +5,6 @@ waits forever for a child run that no worker takes. No stage does any work here:
 each test ends before the first stage would run, so the module takes a couple of minutes."""
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -58,17 +57,6 @@ def _client(server):
     return temporary_settings({PREFECT_API_URL: server.api_url})
 
 
-def _read(server, fn):
-    from prefect.client.orchestration import get_client
-
-    async def go():
-        async with get_client() as client:
-            return await fn(client)
-
-    with _client(server):
-        return asyncio.run(go())
-
-
 def _run(server, *params: str, timeout: float = 300) -> tuple[object, float]:
     """`prefect deployment run pipeline/pipeline --watch` with these --param arguments; the ended flow run."""
     started = time.monotonic()
@@ -78,22 +66,14 @@ def _run(server, *params: str, timeout: float = 300) -> tuple[object, float]:
     elapsed = time.monotonic() - started
     out = res.stdout + res.stderr
     run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
-    run = _read(server, lambda c: c.read_flow_run(run_id))
+    run = server.read(lambda c: c.read_flow_run(run_id))
     assert res.returncode != 0 and run.state.is_failed(), f"the pipeline run should have failed:\n{out[-3000:]}"
     return run, elapsed
 
 
-def _wait_for_worker(server, pool: str, deadline_s: float = 120) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not any(str(w.status.value).upper() == "ONLINE"
-                  for w in _read(server, lambda c: c.read_workers_for_work_pool(pool))):
-        assert time.monotonic() < deadline, f"the {pool} worker never came online"
-        time.sleep(2)
-
-
 def test_bad_overrides_are_refused_at_submission_naming_the_field(server):
     """The deployment's parameter schema is strict: `prefect deployment run` itself refuses, no flow run is made."""
-    before = len(_read(server, lambda c: c.read_flow_runs()))
+    before = len(server.read(lambda c: c.read_flow_runs()))
     for override, named in (('{"train": {"max_stepz": 20}}', "'max_stepz' was unexpected"),
                             ('{"train": {"learning_rate": "fast"}}', "overrides.train.learning_rate"),
                             ('{"store": {"root": "s3:/typo"}}', "overrides.store.root"),
@@ -101,11 +81,11 @@ def test_bad_overrides_are_refused_at_submission_naming_the_field(server):
         res = server.cli("deployment", "run", "pipeline/pipeline", "--param", f"overrides={override}", check=False)
         out = res.stdout + res.stderr
         assert res.returncode != 0 and "Validation failed" in out and named in out, out[-2000:]
-    assert len(_read(server, lambda c: c.read_flow_runs())) == before, "a refused submission created a flow run"
+    assert len(server.read(lambda c: c.read_flow_runs())) == before, "a refused submission created a flow run"
 
 
 def test_pools_without_a_live_worker_fail_the_run_before_anything_starts_naming_the_command(server):
-    _wait_for_worker(server, PREFIX + "cpu")
+    server.wait_for_worker(PREFIX + "cpu")
     run, elapsed = _run(server, 'overrides={"run": "t32-no-workers"}')
     message = run.state.message
     # One sentence per pool, each with the command that fixes it; the pipeline's own pool has its worker.
@@ -113,7 +93,7 @@ def test_pools_without_a_live_worker_fail_the_run_before_anything_starts_naming_
         assert (f"work pool {PREFIX}{pool} has no live worker" in message
                 and f"`prefect worker start --pool {PREFIX}{pool}`" in message), message
     assert f"{PREFIX}cpu " not in message
-    children = _read(server, lambda c: c.read_flow_runs())
+    children = server.read(lambda c: c.read_flow_runs())
     assert not [r for r in children if r.name.startswith("t32-no-workers-")], "a child run was started"
     print(f"failed after {elapsed:.0f} s")
 
@@ -121,7 +101,7 @@ def test_pools_without_a_live_worker_fail_the_run_before_anything_starts_naming_
 def test_wrong_inputs_fail_an_in_process_run_before_any_stage_naming_each_field(server):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    _wait_for_worker(server, PREFIX + "cpu")
+    server.wait_for_worker(PREFIX + "cpu")
     overrides = {"run": "t32-inputs-here", "target": {"path": "/nonexistent/target"},
                  "eval": {"prompts": "assets/prompts/none.jsonl"}}
     run, _ = _run(server, f"overrides={json.dumps(overrides)}", 'engine_runs="in-process"', 'stage_runs="in-process"')
@@ -130,7 +110,7 @@ def test_wrong_inputs_fail_an_in_process_run_before_any_stage_naming_each_field(
                   "set eval.prompts to a .jsonl, .json or .parquet file"):
         assert named in message, message
     # Its only task is the check: no stage's subflow (each has a task run in its parent) began.
-    tasks = _read(server, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
+    tasks = server.read(lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
     assert [t.name.rsplit("-", 1)[0] for t in tasks] == ["check-inputs"], [t.name for t in tasks]
 
 
@@ -139,7 +119,7 @@ def _start_workers(server, pools) -> None:
         if pool not in server.workers:
             server.workers[pool] = server.start_worker(PREFIX + pool, server.tmp / f"worker-{pool}.log")
     for pool in pools:
-        _wait_for_worker(server, PREFIX + pool)
+        server.wait_for_worker(PREFIX + pool)
 
 
 def test_an_input_missing_on_a_stage_worker_fails_that_stage_naming_the_field(server):
@@ -154,7 +134,7 @@ def test_an_input_missing_on_a_stage_worker_fails_that_stage_naming_the_field(se
     assert ("the generate-traces/generate-traces run t32-inputs-there-generate-traces ended Failed" in message
             and "the traces stage cannot start" in message
             and "point target.path at a transformers checkpoint directory" in message), message
-    later = _read(server, lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(
+    later = server.read(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(
         name=FlowRunFilterName(any_=["t32-inputs-there-extract-hidden-states"]))))
     assert not later, "extraction started after the traces stage refused its inputs"
 
@@ -172,7 +152,7 @@ def test_a_child_run_no_worker_takes_is_cancelled_after_the_configured_time(serv
     assert ("waited 15 s (child_runs.start_timeout_s) without a worker of work pool t32-gpu-vllm taking it"
             in message and "`prefect worker start --pool t32-gpu-vllm`" in message), message
 
-    child = _read(server, lambda c: c.read_flow_runs(
+    child = server.read(lambda c: c.read_flow_runs(
         flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["t32-timeout-generate-traces"]))))
     assert len(child) == 1 and child[0].state.is_cancelled(), child
     # The child got the whole config: configs/demo.yaml with the override merged in, not the override alone.
@@ -181,10 +161,9 @@ def test_a_child_run_no_worker_takes_is_cancelled_after_the_configured_time(serv
     assert config["train"]["max_steps"] == 7 and config["train"]["learning_rate"] == demo["train"]["learning_rate"]
     assert [e["engine"] for e in config["eval"]["engines"]] == [e["engine"] for e in demo["eval"]["engines"]]
     # Linked to the pipeline run through a task of it named after what it ran.
-    parent_task = _read(server, lambda c: c.read_task_run(child[0].parent_task_run_id))
+    parent_task = server.read(lambda c: c.read_task_run(child[0].parent_task_run_id))
     assert parent_task.flow_run_id == run.id and parent_task.name == "generate-traces on t32-gpu-vllm"
     assert parent_task.state.is_failed()
-
 
 
 def test_a_stage_run_that_has_not_ended_is_waited_for_not_started_twice(server):
@@ -210,7 +189,7 @@ def test_a_stage_run_that_has_not_ended_is_waited_for_not_started_twice(server):
     def parent(parameters: dict):
         return run_on_pool("generate-traces/generate-traces", parameters, 1, ChildRunsConfig(timeout_s=5), name)
 
-    left = _read(server, leave_a_child)
+    left = server.read(leave_a_child)
     other = {"config": {**params["config"], "train": {**params["config"]["train"], "max_steps": 3}}}
     with _client(server):
         with pytest.raises(StageRunFailed, match=r"has not ended and runs another config of this run name; .*"
@@ -218,7 +197,7 @@ def test_a_stage_run_that_has_not_ended_is_waited_for_not_started_twice(server):
             parent(other)
         with pytest.raises(StageRunFailed, match=r"did not finish within 5 s \(child_runs.timeout_s\)"):
             parent(params)
-    children = _read(server, lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))))
+    children = server.read(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))))
     assert [c.id for c in children] == [left.id], children  # no second traces run was started
     assert children[0].state.name in ("Cancelling", "Cancelled"), children[0].state
 
@@ -232,7 +211,7 @@ def test_a_run_name_another_live_run_holds_is_refused_before_any_stage_naming_th
     from draftline.run_lock import RunLease
     from draftline.store import open_store
 
-    _wait_for_worker(server, PREFIX + "cpu")
+    server.wait_for_worker(PREFIX + "cpu")
     root = server.tmp / "taken-store"
     store = open_store(str(root))
     holder = "0b5c1d2e-0000-4000-8000-00000000abcd"
@@ -246,7 +225,7 @@ def test_a_run_name_another_live_run_holds_is_refused_before_any_stage_naming_th
     message = run.state.message
     assert (f"the run name 't32-taken' is taken: flow run {holder}" in message
             and f"`prefect flow-run cancel {holder}`" in message), message
-    tasks = _read(server, lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
+    tasks = server.read(lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))))
     assert [t.name.rsplit("-", 1)[0] for t in tasks] == ["check-inputs"], [t.name for t in tasks]
     assert store.get_bytes(run_lease_key("t32-taken")) == lease
     assert store.list("t32-taken") == sorted([run_lease_key("t32-taken"), training_record_key("t32-taken")])
@@ -281,10 +260,10 @@ def test_a_retried_parent_takes_its_child_back_and_tags_one_of_another_config_su
     with _client(server):
         failures = parent()
     assert len(failures) == 3 and all("(child_runs.start_timeout_s)" in f for f in failures), failures
-    children = sorted(_read(server, lambda c: c.read_flow_runs(
+    children = sorted(server.read(lambda c: c.read_flow_runs(
         flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))), key=lambda r: r.created)
     assert [c.parameters["config"]["train"]["max_steps"] for c in children] == [demo["train"]["max_steps"], 3]
     first, replacement = children
-    scheduled = [s for s in _read(server, lambda c: c.read_flow_run_states(first.id)) if s.is_scheduled()]
+    scheduled = [s for s in server.read(lambda c: c.read_flow_run_states(first.id)) if s.is_scheduled()]
     assert len(scheduled) == 2, "the second call did not retry the first child in place"
     assert SUPERSEDED_TAG in first.tags and SUPERSEDED_TAG not in replacement.tags, (first.tags, replacement.tags)
