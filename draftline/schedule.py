@@ -128,13 +128,19 @@ class Schedule(BaseModel):
         return self.ranges[-1][2]
 
     def describe(self) -> str:
-        """"k=3 at batch size 1, off (k=0) at 2-4 and above"."""
+        """"k=3 at batch size 1, off (k=0) at batch sizes 2 and above", or "k=3 at every batch size"."""
+        def setting(k: int) -> str:
+            return "off (k=0)" if k == 0 else f"k={k}"
+
+        if self.uniform:
+            return f"{setting(self.ranges[0][2])} at every batch size"
         parts = []
         for i, (start, end, k) in enumerate(self.ranges):
-            sizes = f"batch size {start}" if start == end else f"batch sizes {start}-{end}"
-            if i == len(self.ranges) - 1:
-                sizes += " and above"
-            parts.append(f"{'off (k=0)' if k == 0 else f'k={k}'} at {sizes}")
+            if i == len(self.ranges) - 1:  # the engines carry the last range's k beyond its end
+                sizes = f"batch sizes {start} and above"
+            else:
+                sizes = f"batch size {start}" if start == end else f"batch sizes {start}-{end}"
+            parts.append(f"{setting(k)} at {sizes}")
         return ", ".join(parts)
 
 

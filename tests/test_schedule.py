@@ -63,7 +63,7 @@ def test_ranges_start_at_one_take_the_smaller_k_between_points_and_merge_equal_n
     assert ranges_of(choices([(1, 0)])) == [(1, 1, 0)]
     s = derive_schedule(sweep({0: {1: [100], 4: [300]}, 3: {1: [150], 4: [200]}}), "vllm")
     assert s.ranges == [(1, 1, 3), (2, 4, 0)] and s.k_at(1) == 3 and s.k_at(3) == 0 and s.k_at(64) == 0
-    assert s.describe() == "k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above"
+    assert s.describe() == "k=3 at batch size 1, off (k=0) at batch sizes 2 and above"
     assert s.repeats == 1
 
 
@@ -281,7 +281,7 @@ def test_report_has_the_sweep_picture_the_schedule_table_and_the_serve_line(tmp_
     md = report_markdown([r])
     section = md.split("## Speculation by load")[1].split("\n## ")[0]
     assert "![speedup by k and concurrency](schedule_sweep.png)" in section
-    assert "### vLLM 0.32.0: k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above" in section
+    assert "### vLLM 0.32.0: k=3 at batch size 1, off (k=0) at batch sizes 2 and above" in section
     assert "Verified by serving: a server of its own was started with the schedule" in section
     # The fake servers' median is their faster repeat of two.
     assert "| 1 | 101.0 | 1.21x | 1.44x (chosen) | 3 | 143.0 | 1.42x (1.40x-1.43x) | 0.99 (k=3) |" in section
@@ -289,7 +289,7 @@ def test_report_has_the_sweep_picture_the_schedule_table_and_the_serve_line(tmp_
     assert "vllm serve " in section and "num_speculative_tokens_per_batch_size" in section
     assert "r/export/vllm/serve/" in section
     lines = summary_lines([r])
-    assert lines[0].startswith("vLLM schedule: k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above; "
+    assert lines[0].startswith("vLLM schedule: k=3 at batch size 1, off (k=0) at batch sizes 2 and above; "
                                "verified (served on its own server): 1.42x at concurrency 1")
     assert lines[-1].startswith("  serve (every load): vllm serve ")
     store = open_store(str(tmp_path / "store"))
@@ -380,7 +380,7 @@ def test_the_nightly_records_the_schedule_and_fails_with_its_own_cause_when_it_i
     engine = verdict.engines[0]
     assert verdict.regressed and [c.kind for c in engine.causes] == ["schedule-below-baseline"]
     assert engine.causes[0].explanation.startswith(
-        "the verified schedule (k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above) served at concurrency 4 "
+        "the verified schedule (k=3 at batch size 1, off (k=0) at batch sizes 2 and above) served at concurrency 4 "
         "(k=0) 0.86x no speculation's tokens per second, 0.88x at its fastest repeat")
     assert verdict.event_payload()["engines"]["vllm"]["schedule"] == [[1, 1, 3], [2, 4, 0]]
     assert "the schedule by load is slower than no speculation" in verdict.message()
@@ -424,7 +424,7 @@ def test_the_run_summary_prints_each_schedule_its_verification_and_the_line_to_s
     report = {"rows": [], "report_key": "demo/eval/report/report.md", "schedules": summary_lines([_result(tmp_path)])}
     print_summary(config, report)
     out = capsys.readouterr().out
-    assert "vLLM schedule: k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above; verified (served on its own " \
+    assert "vLLM schedule: k=3 at batch size 1, off (k=0) at batch sizes 2 and above; verified (served on its own " \
            "server): 1.42x at concurrency 1 (best fixed k=3: 1.44x), 1.01x at concurrency 4" in out.replace("\n", " ")
     assert "serve (every load): vllm serve " in out
 
@@ -451,11 +451,11 @@ def test_a_schedule_its_own_server_serves_slower_than_no_speculation_is_replaced
     # k=3 is below no speculation at 4 beyond the spread: the best single setting is no speculation.
     assert s.ranges == [(1, 4, 0)] and s.verification.source == "sweep"
     assert s.verification.why_sweep.startswith(
-        "the derived schedule (k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above) served 0.61x at "
+        "the derived schedule (k=3 at batch size 1, off (k=0) at batch sizes 2 and above) served 0.61x at "
         "concurrency 1, 0.97x at concurrency 4 of no speculation's tokens per second on its own server, so the best "
         "single setting of the sweep replaces it: no speculation at every load")
     assert "--speculative-config" not in s.commands[0][1]
-    assert "(replacing the derived k=3 at batch size 1, off (k=0) at batch sizes 2-4 and above, which its own server " \
+    assert "(replacing the derived k=3 at batch size 1, off (k=0) at batch sizes 2 and above, which its own server " \
            "served at 0.61x at concurrency 1, 0.97x at concurrency 4)" in schedule_summary(s)
     # A k within the spread of no speculation everywhere, and faster somewhere, is the best single setting.
     assert best_uniform(sweep({0: {1: [100, 110], 4: [300, 320]}, 3: {1: [140, 150], 4: [295, 305]}}),
@@ -466,5 +466,5 @@ def test_a_schedule_its_own_server_serves_slower_than_no_speculation_is_replaced
                         lineage="demo", drafter="d", target="t")
     [cause] = verdict.engines[0].causes
     assert cause.kind == "schedule-below-baseline"
-    assert cause.explanation.endswith("; the evaluation replaced it with off (k=0) at batch sizes 1-4 and above, which "
+    assert cause.explanation.endswith("; the evaluation replaced it with off (k=0) at every batch size, which "
                                       "the export carries")
