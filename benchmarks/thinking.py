@@ -59,7 +59,8 @@ def variant_config(base, name: str, thinking: bool, endpoint: str | None, args):
 
 def in_thinking_mode(config):
     """The same config with prompts rendered in thinking mode: how both drafters are evaluated."""
-    return config.model_copy(update={"traces": config.traces.model_copy(update={"chat_template_kwargs": THINKING_MODE})})
+    traces = config.traces.model_copy(update={"chat_template_kwargs": THINKING_MODE})
+    return config.model_copy(update={"traces": traces})
 
 
 def trace_facts(store, run: str, close_id: int) -> dict:
@@ -194,7 +195,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'drafter trained':<18} {'thinking share':>14} {'reference tau':>14} {'vLLM tau':>9}")
     for name, r in runs.items():
-        print(f"{name:<18} {r['trained_on']['thinking_share']:>14.2f} {r['reference']['mean_acceptance_length']:>14.3f} "
+        share, ref_tau = r["trained_on"]["thinking_share"], r["reference"]["mean_acceptance_length"]
+        print(f"{name:<18} {share:>14.2f} {ref_tau:>14.3f} "
               f"{r['vllm']['mean_acceptance_length'] or float('nan'):>9.3f}")
     print(f"tau_ratio: reference {result['tau_ratio']:.3f}, vLLM {result['vllm']['tau_ratio'] or float('nan'):.3f}")
     print(f"wrote {args.out}")

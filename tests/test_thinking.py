@@ -119,8 +119,8 @@ def test_a_turns_split_off_reasoning_is_trained_on_before_its_content_in_order(t
     assert t["loss_mask"] == [0] * n + [1] * (len(t["input_ids"]) - n)
     if opened:  # the template's own rendering of the whole turn (which reads reasoning_content) is the same sequence
         user = rows[0]["messages"][0]
-        whole = tok.apply_chat_template([user, {"role": "assistant", "content": CONTENT, "reasoning_content": REASONING}],
-                                        tokenize=False).removesuffix("\n")
+        turn = {"role": "assistant", "content": CONTENT, "reasoning_content": REASONING}
+        whole = tok.apply_chat_template([user, turn], tokenize=False).removesuffix("\n")
         assert t["input_ids"] == tok(whole, add_special_tokens=False)["input_ids"]
 
 
