@@ -66,32 +66,59 @@ def test_the_thinking_tokens_are_whole_tokens_that_survive_a_decode_without_spec
     assert tok.decode(ids, skip_special_tokens=True) == "<think>x</think>    y"
 
 
-def test_demo_thinking_thinks_then_answers_on_held_out_prompts_and_answers_directly_with_thinking_off():
-    """transformers, greedy: with the template's default the answer is a thinking block that names the function,
-    `</think>`, then an indented body; with thinking: false the template closes the block and the body follows."""
-    import torch
-
-    from draftline.chat_template import ChatTemplate
-    from draftline.target import load_target
-    from draftline.traces import encode_prompt
-
-    model, tok = load_target(THINKING, "float32", "cpu")
-    close = tok.convert_tokens_to_ids(thinking.THINK_CLOSE)
+def test_demo_thinking_thinks_then_answers_on_held_out_prompts_and_answers_directly_with_thinking_off(tmp_path):
+    """The transformers backend's greedy traces (fp32): with the template's default each answer is a thinking block
+    that names the function, `</think>`, then an indented body; with thinking: false the template closes the block
+    and the body follows at once."""
+    tok = _tokenizer(THINKING)
+    opened, close = tok.convert_tokens_to_ids(list(thinking.THINK_TOKENS))
     prompts = _eval_prompts(4)
-    for kwargs in ({}, {"thinking": False}):
-        for p in prompts:
-            ids = encode_prompt(tok, p, True, ChatTemplate(None, kwargs))
-            with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=0)
-            answer = out[0, len(ids):].tolist()
-            name = p["id"].rsplit(".", 1)[-1].rsplit(":", 1)[-1]
-            if kwargs:
-                assert ids[-2:] == tok.convert_tokens_to_ids(list(thinking.THINK_TOKENS)) and close not in answer
+    names = {p["id"]: p["id"].rsplit(":", 1)[-1].rsplit(".", 1)[-1] for p in prompts}
+    named = 0
+    for mode in (True, False):
+        cfg = TracesConfig(prompts=str(_write(tmp_path / "eval.jsonl", prompts)), max_new_tokens=64, device="cpu",
+                           chat_template_kwargs={"thinking": mode})
+        store = open_store(str(tmp_path / f"thinking-{mode}"))
+        generate_traces(cfg, THINKING, store, "g", dtype="float32")
+        traces = list(iter_traces(store, "g"))
+        assert len(traces) == len(prompts)
+        for t in traces:
+            n = t["loss_mask"].index(1)
+            answer = t["input_ids"][n:]
+            if not mode:
+                assert t["input_ids"][n - 2:n] == [opened, close] and close not in answer
                 assert tok.decode(answer).startswith("    ")
-            else:
-                assert close in answer, tok.decode(answer)
-                block, body = tok.decode(answer[:answer.index(close)]), tok.decode(answer[answer.index(close) + 1:])
-                assert block.startswith(f"The user wants the body of {name}.") and body.startswith("    "), block
+                continue
+            assert t["input_ids"][n - 1] == opened and close in answer, tok.decode(answer)
+            block, body = tok.decode(answer[:answer.index(close)]), tok.decode(answer[answer.index(close) + 1:])
+            assert block.startswith("The user wants the body of ") and body.startswith("    "), block
+            named += block.startswith(f"The user wants the body of {names[t['prompt_id']]}.")
+    assert named >= 3  # the function's name copied from the prompt (62% of the 64 eval prompts, assets/README.md)
+
+
+def test_a_conversations_thinking_answers_are_one_trace_each_prompt_continuing_the_last(tmp_path):
+    """turns: all on demo-thinking (transformers): each answer is thinking, `</think>` and a body under the loss, and
+    the template writes an earlier answer's inline thinking back as the model wrote it, so the conversation is one
+    sequence: every later prompt continues the earlier prompt and answer."""
+    rows = [{"id": "c", "messages": [{"role": "user", "content": p["messages"][0]["content"]} for p in _eval_prompts(2)]}]
+    rows[0]["messages"].insert(1, {"role": "assistant", "content": "NO"})
+    cfg = TracesConfig(prompts=str(_write(tmp_path / "chats.jsonl", rows)), turns="all", max_new_tokens=64,
+                       max_total_tokens=1024, device="cpu")
+    store = open_store(str(tmp_path / "store"))
+    stats = generate_traces(cfg, THINKING, store, "c", dtype="float32")
+    [t] = list(iter_traces(store, "c"))
+    tok = _tokenizer(THINKING)
+    opened, close = tok.convert_tokens_to_ids(list(thinking.THINK_TOKENS))
+    runs, start = [], None
+    for i, m in enumerate(t["loss_mask"] + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    assert stats["answers"] == 2 and len(runs) == 2
+    for a, b in runs:
+        assert t["input_ids"][a - 1] == opened and close in t["input_ids"][a:b]
 
 
 # ---------------------------------------------------------------- a dataset's split-off reasoning
