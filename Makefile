@@ -11,6 +11,7 @@ venv:
 	@scripts/setup-venv.sh
 
 demo: venv
+	@scripts/setup-system.sh demo
 	$(VENV)/python -m flows.pipeline configs/demo.yaml
 
 # Two xdist workers: most tests wait on one busy core (tests/conftest.py says how modules are kept together).

@@ -8,13 +8,17 @@ from typing import Any
 from draftline.errors import ConfigError, report_failure
 from draftline.starter import ENGINES
 
+FORMATS = ("vllm", "sglang", "speculators")  # draftline.drafter.export's, without importing torch to parse arguments
+
 _STAGES = {
     "run": "run the whole pipeline as a Prefect flow (traces, extraction, training, export, evaluation)",
     "traces": "generate traces: the target answers the prompts (self-distillation)",
     "extract": "extract the target's aux and last hidden states for every trace into shards",
-    "train": "train the EAGLE-3 drafter on the extracted shards (resumes from its last checkpoint)",
+    "train": "train the EAGLE-3 drafter on the extracted shards, or online from a capturing vLLM server with "
+             "train.source engine (resumes from its last checkpoint)",
     "export": "write the trained drafter in each engine's format (vllm, sglang, speculators)",
-    "eval": "evaluate the drafter in the engines and with the reference decoder; writes EvalResults",
+    "eval": "evaluate the run's drafter, or drafters given with --drafter, in the engines and with the reference "
+            "decoder; writes EvalResults",
     "report": "render the evaluation report (markdown + PNG) from stored EvalResults",
 }
 
@@ -34,7 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--store", help="override store.root: a local folder or s3://bucket/prefix")
         p.add_argument("--run", help="override the run name (artifacts go to <store>/<run>/<stage>/)")
         _add_set(p)
+        if name == "eval":
+            p.add_argument("--drafter", action="append", default=[], dest="drafters", metavar="PATH_OR_URI",
+                           help="evaluate this drafter instead of the run's own exports: a folder or s3:// URI in any "
+                                "layout draftline reads (its export, EAGLE/SpecForge, speculators, an MLA head); "
+                                "repeat to compare drafters, each later one against the first. Writes its own run "
+                                "(--run, default eval-NAME or compare-A-vs-B) and no regression history")
+            _add_ids(p)
     _add_plan(sub)
+    conv = sub.add_parser("convert", help="write a drafter of any layout in one engine's format",
+                          description="write a drafter of any layout draftline reads (its own exports, the "
+                                      "EAGLE/SpecForge layout, the speculators format, an MLA head) in one engine's "
+                                      "format, the aux-layer ids explicit in that engine's convention and a "
+                                      "draftline.json saying where they came from")
+    conv.add_argument("source", metavar="SRC", help="the drafter: a folder or s3:// URI")
+    conv.add_argument("--to", required=True, choices=FORMATS, dest="fmt", help="the format to write")
+    conv.add_argument("out", metavar="OUT", help="the folder to write, which must be new or empty")
+    conv.add_argument("--target", metavar="PATH", help="the target's checkpoint folder (its config.json is read); "
+                                                       "default: the one the drafter's draftline.json names")
+    _add_ids(conv)
     cfg = sub.add_parser("config", help="write and check pipeline configs", description="write and check pipeline configs")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     v = cfg_sub.add_parser("validate", help="validate a pipeline config and print it with defaults filled in",
@@ -113,6 +135,22 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
                         help="override one field of the config, e.g. train.max_steps=100 or "
                              "eval.engines.0.concurrency=[1,8] (the value is read as YAML; numbers index lists); "
                              "repeatable")
+
+
+def _add_ids(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--aux-layer-ids", metavar="I,J,K", type=_layer_ids,
+                        help="the three target layers the drafter was trained on, comma-separated, in --convention; "
+                             "they come before the drafter's own (needed where its config names none)")
+    parser.add_argument("--convention", choices=("vllm", "sglang"),
+                        help="how the ids are written: vllm (id k = the input of layer k) or sglang (id k = the output "
+                             "of layer k); alone, how to read the drafter's own ids")
+
+
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated layer ids, e.g. 2,4,5") from None
 
 
 def parse_setting(text: str) -> tuple[list[str], Any]:
@@ -217,7 +255,47 @@ def _init(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    import json
+
+    from draftline.drafter.export import convert_drafter
+    from draftline.drafter.readers import local_copy
+
+    with local_copy(args.source) as folder:
+        out = convert_drafter(folder, args.fmt, args.out, args.target, args.aux_layer_ids, args.convention,
+                              lineage={"source": args.source})
+    lineage = json.loads((out / "draftline.json").read_text())
+    print(f"{out}: the {args.fmt} format of {args.source} ({lineage['source_layout']} layout), aux-layer ids "
+          f"{lineage['aux_layer_ids']} in the {lineage['convention']} convention; {lineage['aux_layer_ids_source']}")
+    return 0
+
+
+def _evaluate_given(args) -> int:
+    from draftline import given_drafters
+    from draftline.progress import terminal_progress
+    from draftline.run_summary import print_summary
+    from draftline.store import open_store
+
+    cfg = load_with_overrides(args.config, args.store, args.run or given_drafters.default_run(args.drafters),
+                              args.settings)
+    with terminal_progress():
+        out = given_drafters.evaluate_drafters(cfg, args.drafters, args.aux_layer_ids, args.convention)
+    for d in out["drafters"]:
+        print(f"{d.label}: {d.source}, {d.read_said}")
+        print_summary(d.config, out["reports"][d.label])
+    if out["comparison"]:
+        for line in out["comparison"]["verdicts"]:
+            print(f"verdict: {line}")
+        print(f"comparison: {open_store(cfg.store.root).uri(out['comparison']['keys']['report.md'])}")
+    return 0
+
+
 def _run_stage(args) -> int:
+    if args.command == "eval" and args.drafters:
+        return _evaluate_given(args)
+    if args.command == "eval" and (args.aux_layer_ids or args.convention):
+        raise ConfigError("--aux-layer-ids and --convention describe a drafter given with --drafter; the run's own "
+                          "exports carry their ids")
     cfg = load_with_overrides(args.config, args.store, args.run, args.settings)
     from draftline import stages
     from draftline.progress import terminal_progress
@@ -237,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "config":
             return _init(args) if args.config_command == "init" else _validate(args)
+        if args.command == "convert":
+            return _convert(args)
         return _run_stage(args)
     except Exception as exc:  # noqa: BLE001 - every failure becomes its sentence and exit code
         return report_failure(exc, bad_input=isinstance(exc, ConfigError))

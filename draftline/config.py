@@ -269,6 +269,33 @@ class DrafterConfig(Strict):
         "whose engine needs one attention kind for target and drafter.")
 
 
+class OnlineConfig(Strict):
+    """Online training (train.source: engine): the capturing vLLM server (extract.vllm) hands each request's hidden
+    states to the trainer through a local folder instead of writing shards."""
+
+    buffer_tokens: int = Field(65536, ge=16, description="Tokens of captured states waiting for the trainer, at most "
+                               "(requests in flight and files not yet trained on): a full buffer holds the engine's "
+                               "next requests back until training catches up.")
+    spool_dir: str | None = Field(None, description="The local folder of the hand-off (the engine writes a file per "
+                                  "request, the trainer reads and deletes it); null: /dev/shm when it is writable, "
+                                  "else the temp dir.")
+    epoch_cache_tokens: int = Field(262144, ge=0, description="Tokens of states the trainer keeps in host memory "
+                                    "for the epochs after the first (the first it reads, 4 x hidden size x 2 bytes "
+                                    "each); the engine captures the rest again every epoch; 0: every epoch is "
+                                    "captured again. Several training processes keep none.")
+    wait_s: float = Field(1800.0, gt=0, description="Seconds the trainer waits for the engine's next states (its "
+                          "start and the validation capture included) before it fails naming the engine side.")
+    engine_memory_fraction: float | None = Field(
+        None, gt=0.0, lt=1.0, description="With the engine and the trainer on one GPU: the engine's share of its "
+        "memory (vLLM --gpu-memory-utilization), the trainer takes the rest; preflight checks that both fit; null: "
+        "extract.vllm's own flags decide.")
+    engine_devices: list[int] | None = Field(None, description="GPU indices the engine runs on (its "
+                                             "CUDA_VISIBLE_DEVICES); null: every GPU the worker sees.")
+    trainer_devices: list[int] | None = Field(None, description="GPU indices the trainer runs on (its "
+                                              "CUDA_VISIBLE_DEVICES), one process each up to train.processes; null: "
+                                              "every GPU the worker sees.")
+
+
 class TrainConfig(Strict):
     """Drafter training with training-time test (TTT)."""
 
@@ -300,7 +327,8 @@ class TrainConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where training runs; auto: a GPU when one is visible (each torchrun process its own), "
         "else the CPU.")
-    warm_start: str | None = Field(None, description="A drafter directory in the SGLang/EAGLE format whose weights "
+    warm_start: str | None = Field(None, description="A drafter directory (draftline's export, the EAGLE/SpecForge "
+                                   "layout, the speculators format or an MLA head) whose weights "
                                    "start the training (its heads and MLP width unless drafter: sets them); null: "
                                    "from scratch.")
     warm_start_remap_vocab: bool = Field(False, description="A warm start with another draft vocabulary: copy the "
@@ -315,6 +343,12 @@ class TrainConfig(Strict):
     log_every: int = Field(10, ge=1, description="Log loss, accuracy, tokens/s and ETA every this many steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store, the newest; older ones are "
                                   "deleted.")
+    source: Literal["shards", "engine"] = Field(
+        "shards", description="What training reads: shards, the extraction stage's hidden-state shards; engine, a "
+        "capturing vLLM server (extract.vllm) started beside the trainer, whose states go straight to training and "
+        "are never stored (only the validation's, captured first).")
+    online: OnlineConfig = Field(OnlineConfig(), description="Online training (source: engine): the hand-off between "
+                                 "the engine and the trainer.")
     processes: int = Field(1, description="Training processes on the worker, one per GPU; more than one runs torchrun "
                            "(DDP: nccl on GPUs, gloo on CPU). The global batch stays tokens_per_batch, so a run "
                            "resumes with any count.")
@@ -360,6 +394,13 @@ class EngineConfig(ServerSettings):
                                               "e.g. SGLang's --disable-overlap-schedule.")
     require_gpu: bool = Field(False, description="Refuse to start without a visible CUDA GPU (tensor_parallel_size "
                               "of them, new enough for the engine); false: no such check.")
+    sweep_k: list[int] | None = Field(None, description="The values of k the evaluation serves, one server each, "
+                                      "measured at every concurrency point; 0 (no speculation) must be among them, "
+                                      "and num_speculative_tokens is always added. The schedule by load takes the "
+                                      "fastest per point; null: 0 and num_speculative_tokens (two servers).")
+    preload_cpu_libraries: bool = Field(True, description="vLLM on a CPU: preload tcmalloc and Intel OpenMP "
+                                        "(LD_PRELOAD) where they are installed, as vLLM's CPU installation guide "
+                                        "asks; false: the worker's LD_PRELOAD as it is.")
 
     def server_args(self, speculative: bool) -> list[str]:
         """The arguments added to an engine server's own: extra_args, then for EAGLE-3 speculative_extra_args."""
@@ -372,9 +413,32 @@ class EngineConfig(ServerSettings):
             raise ValueError(f"{v} must be a non-empty list of positive integers, e.g. [1, 8, 32]")
         return v
 
+    @field_validator("sweep_k")
+    @classmethod
+    def _sweep_with_zero(cls, v):
+        if v is None:
+            return v
+        if 0 not in v:
+            raise ValueError("it lacks 0 (no speculation), which every k of the sweep is measured against; add 0, "
+                             "e.g. [0, 1, 3]")
+        if any(k < 0 or k > MAX_K for k in v) or len(set(v)) != len(v):
+            raise ValueError(f"each k must be a distinct number from 0 to {MAX_K}, e.g. [0, 1, 3]")
+        return sorted(v)
+
+    @property
+    def ks(self) -> list[int]:
+        """Every k the evaluation serves: 0, num_speculative_tokens and sweep_k."""
+        return sorted(set(self.sweep_k or []) | {0, self.num_speculative_tokens})
+
 
 class ReferenceConfig(Strict):
     """The engine-independent reference decoder used for parity."""
+
+    enabled: bool | Literal["auto"] = Field(
+        "auto", description="Run the reference decoder: true, false, or auto: skip it, in one sentence, when the target "
+        "does not fit the reference device's memory in float32 (Kimi-K2.5 on one GPU). Without it parity compares the "
+        "engines with the training's offline estimate where the drafter has one, and the report says which basis it "
+        "used.")
 
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=MAX_K, description="k of the reference decoder, one of "
                                         "the engines' num_speculative_tokens: parity compares like with like.")
@@ -481,6 +545,10 @@ class RegressionConfig(Strict):
                                          "mean acceptance length over the training's offline estimate (same drafter "
                                          "and k): validation no longer predicts what the engine accepts.")
     median_window: int = Field(7, ge=1, description="The rolling median takes the last this many good runs.")
+    max_schedule_shortfall: float = Field(0.05, ge=0.0, le=1.0, description="A night fails when the verified "
+                                          "schedule by load is slower than no speculation at a concurrency point "
+                                          "beyond the measured spread and by more than this share of its tokens per "
+                                          "second.")
 
     @field_validator("parity_floor")
     @classmethod
@@ -524,6 +592,16 @@ class PipelineConfig(Strict):
         if not _RUN_NAME.match(v):
             raise ValueError(f"{v!r} is not a usable run name; use letters, digits, '.', '_' or '-' (at most 128)")
         return v
+
+    @model_validator(mode="after")
+    def _sweep_within_training(self):
+        for i, engine in enumerate(self.eval.engines):
+            deeper = [k for k in engine.sweep_k or [] if k > self.train.ttt_steps]
+            if deeper:
+                raise ValueError(f"eval.engines[{i}].sweep_k={engine.sweep_k} has k={deeper[0]}, deeper than the "
+                                 f"drafter is trained for (train.ttt_steps={self.train.ttt_steps}); drop it or raise "
+                                 "train.ttt_steps")
+        return self
 
     @model_validator(mode="after")
     def _mla_formats(self):

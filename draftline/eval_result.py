@@ -8,6 +8,7 @@ from pydantic import BaseModel
 
 from draftline.engines.base import Acceptance
 from draftline.engines.client import RunMetrics, summarize_repeats
+from draftline.schedule import Schedule, SweepPoint
 
 SCHEMA = "draftline-eval/1"
 
@@ -111,6 +112,8 @@ class Parity(BaseModel):
     engine_per_position: list[float] | None = None
     reference_per_position: list[float] | None = None
     power: ParityPower | None = None
+    # What the engine was compared with: the reference decoder, or where it did not run the training's estimate.
+    basis: str = "reference decoder"
 
 
 class EvalResult(BaseModel):
@@ -151,6 +154,10 @@ class EvalResult(BaseModel):
     server_log_facts: dict[str, dict[str, Any]] = {}
     # The warnings among them that bear on the figures, once each, with the servers that logged them.
     engine_warnings: list[EngineWarning] = []
+    # Every k the evaluation served (0: the target alone) at every concurrency (draftline.schedule), and the schedule
+    # by load derived from them with its verification; empty and None in results written before the sweep.
+    sweep: list[SweepPoint] = []
+    schedule: Schedule | None = None
     started_at: str | None = None
     finished_at: str | None = None
 

@@ -1,6 +1,7 @@
 """Serves the target with and without the drafter in one engine, measures both, and compares acceptance with the reference."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -22,6 +23,8 @@ from draftline.errors import ConfigError, EngineError
 from draftline.eval_result import ConcurrencyPoint, EngineWarning, EvalResult, timestamp
 from draftline.layout import eval_prefix, eval_result_key
 from draftline.parity import AUX_IDS_FAULT, with_parity
+from draftline.schedule import Schedule
+from draftline.sweep import label_of, schedule_of, serve_further_ks
 
 
 # ---------------------------------------------------------------------------------------------- facts
@@ -111,13 +114,17 @@ class ServerRuns(NamedTuple):
 
 def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None,
             prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, prefix: str | None,
-            template: ChatTemplate | None = None) -> ServerRuns:
-    """Start one server (baseline or EAGLE-3), run every configured concurrency against it (one warm-up wave, then
-    `cfg.repeats` measured runs of the same requests), keep the engine's raw answers
-    (`prefix`/responses/<server>.json), stop it, and read its log. `template`: the chat template and kwargs the
-    chat prompts are rendered with (traces.chat_template and chat_template_kwargs)."""
+            template: ChatTemplate | None = None, schedule: Schedule | None = None,
+            label: str | None = None) -> ServerRuns:
+    """Start one server (baseline, EAGLE-3, or EAGLE-3 by load as `schedule` says), run every configured concurrency
+    against it (one warm-up wave, then `cfg.repeats` measured runs of the same requests), keep the engine's raw
+    answers (`prefix`/responses/<server>.json), stop it, and read its log. `template`: the chat template and kwargs
+    the chat prompts are rendered with (traces.chat_template and chat_template_kwargs); `label` names the server
+    ("eagle3-k5")."""
     served = _served_name(target_dir)
-    spec = adapter.server_spec(cfg, target_dir, drafter_dir, served, template)
+    spec = adapter.server_spec(cfg, target_dir, drafter_dir, served, template=template, schedule=schedule)
+    if label:
+        spec = dataclasses.replace(spec, name=f"{adapter.name}-{label}")
     requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature, template)
     out, repeats, repeat_acceptance = [], [], []
     log_prefix = f"{prefix}/logs" if prefix else None
@@ -168,7 +175,8 @@ def _new_result(cfg: EngineConfig, adapter: EngineAdapter, target_dir: Path, dra
         lineage = json.loads((drafter_dir / "draftline.json").read_text())
     return EvalResult(
         run=run, engine=cfg.engine, engine_version=adapter.version(), status="ok", hardware=describe_hardware(),
-        target=_served_name(target_dir), target_path=str(target_dir), drafter=drafter_dir.resolve().name,
+        target=_served_name(target_dir), target_path=str(target_dir),
+        drafter=lineage.get("evaluated_as") or drafter_dir.resolve().name,  # a given drafter's name, not its format's
         drafter_path=str(drafter_dir), drafter_lineage=lineage, prompt_set=source_name(prompts_path),
         prompt_set_sha256=source_sha256(prompts_path), num_prompts=num_prompts,
         chat_template={"rendered_by": adapter.rendering(template or ChatTemplate()),
@@ -208,8 +216,10 @@ def refuse_misread_export(cfg: EngineConfig, target_dir: str | Path, drafter_dir
 def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path, prompts_path: str | Path,
                     eval_cfg: EvalConfig, store, run: str, reference: Any = None,
                     log_dir: str | Path | None = None, trained_aux_layer_ids: list[int] | None = None,
-                    template: ChatTemplate | None = None) -> EvalResult:
-    """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency; result JSON in the store.
+                    template: ChatTemplate | None = None,
+                    baselines: dict[str, ServerRuns] | None = None) -> EvalResult:
+    """Baseline and EAGLE-3 runs of one engine on the same prompts at each concurrency, any further k of its sweep,
+    and the schedule by load derived from them (draftline.sweep); result JSON in the store.
 
     An engine not installed here gives a "skipped" result; a server that cannot be started after its retries
     gives a "failed" result in the store and raises EngineError. With `reference` (draftline.reference's
@@ -218,6 +228,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     `trained_aux_layer_ids` (vLLM convention, from the training record) is what the export and the engine's log are
     checked against; without it, the export's own lineage. `template`: the chat template and kwargs of the chat
     prompts (traces.chat_template and chat_template_kwargs, so that the engines render what the traces did).
+    `baselines` (engine -> its baseline server's runs) lets the evaluations of several drafters on the same prompts
+    and settings share one baseline server: the first measures it, the others reuse it.
     """
     target_dir, drafter_dir, prompts_path = Path(target_dir), Path(drafter_dir), str(prompts_path)
     adapter = adapter_for(cfg.engine)
@@ -240,9 +252,21 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     if facts["gpu"]:
         result.hardware = facts["gpu"]
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"draftline-{cfg.engine}-logs-"))
-    try:
-        base = measure(adapter, cfg, target_dir, None, prompts, eval_cfg, logs, store, prefix, template)
-        spec = measure(adapter, cfg, target_dir, drafter_dir, prompts, eval_cfg, logs, store, prefix, template)
+
+    def serve(drafter: Path | None, engine_cfg: EngineConfig, schedule: Schedule | None, label: str) -> ServerRuns:
+        return measure(adapter, engine_cfg, target_dir, drafter, prompts, eval_cfg, logs, store, prefix, template,
+                       schedule, label)
+
+    try:  # the sweep: the target alone, the configured k, then any further k; then the schedule derived from them
+        base = (baselines or {}).get(cfg.engine)
+        if base is None:
+            base = serve(None, cfg, None, label_of(0, cfg))
+            if baselines is not None:
+                baselines[cfg.engine] = base
+        spec = serve(drafter_dir, cfg, None, label_of(cfg.num_speculative_tokens, cfg))
+        servers = {0: base, cfg.num_speculative_tokens: spec, **serve_further_ks(serve, cfg, drafter_dir)}
+        result.sweep, result.schedule, scheduled = schedule_of(servers, cfg, serve, target_dir, drafter_dir,
+                                                               result.engine_version, facts.get("serves_schedule"))
     except EngineError as exc:
         failed = result.model_copy(update={"status": "failed", "reason": str(exc).split("\n")[0],
                                            "finished_at": timestamp()})
@@ -256,8 +280,8 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
             _identical_share(b_results, s_results) if eval_cfg.temperature == 0 else None, s_accepted))
     result.points = points
     result.acceptance = combine_acceptance([p.acceptance for p in points])
-    result.server_log_facts = {mode: facts for mode, facts in (("baseline", base.log_facts), ("eagle3", spec.log_facts))
-                               if facts}
+    named = {label_of(k, cfg): runs for k, runs in servers.items()} | ({"schedule": scheduled} if scheduled else {})
+    result.server_log_facts = {label: runs.log_facts for label, runs in named.items() if runs.log_facts}
     result.engine_warnings = engine_warnings(result.server_log_facts)
     result.finished_at = timestamp()
     if reference is not None:

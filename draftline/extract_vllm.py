@@ -134,10 +134,9 @@ class SpoolClient:
     def submit(self, key: str, token_ids: list[int]) -> Future:
         return self.pool.submit(self.capture, key, token_ids)
 
-    def capture(self, key: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
-        """The shard rows of `token_ids` as vLLM computed them (aux [n, 3h], the normed last state [n, h], and
-        their scales for fp8-e4m3), as views of the spooled file, which is already removed."""
-        from draftline.engines.vllm_capture import KEY_PARAM, STORAGE_PARAM, error_path, spool_path
+    def request(self, key: str, token_ids: list[int]) -> None:
+        """One capture request; returns once vLLM has answered it (its connector writes the file just after)."""
+        from draftline.engines.capture_keys import KEY_PARAM, STORAGE_PARAM
 
         body = {"model": self.served_name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
                 "kv_transfer_params": {KEY_PARAM: key, STORAGE_PARAM: self.storage}}
@@ -145,10 +144,17 @@ class SpoolClient:
             resp = self.http.post(f"{self.base_url}/v1/completions", json=body)
         except httpx.HTTPError as exc:  # the server died or hung mid-stage: a restart may get further
             raise EngineError(f"vLLM stopped answering capture request {key} ({type(exc).__name__}: {exc}); "
-                              "finished shards are kept and a rerun resumes after them", transient=True) from exc
+                              "finished work is kept and a rerun resumes after it", transient=True) from exc
         if resp.status_code != 200:
             raise EngineError(f"vLLM refused capture request {key} with HTTP {resp.status_code}: {resp.text[:300]}",
                               transient=resp.status_code >= 500)
+
+    def capture(self, key: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The shard rows of `token_ids` as vLLM computed them (aux [n, 3h], the normed last state [n, h], and
+        their scales for fp8-e4m3), as views of the spooled file, which is already removed."""
+        from draftline.engines.capture_keys import error_path, spool_path
+
+        self.request(key, token_ids)
         path = spool_path(str(self.spool_dir), key)
         deadline = time.monotonic() + self.wait_s
         while not os.path.exists(path):

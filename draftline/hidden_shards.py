@@ -208,7 +208,7 @@ def load_shard_traces(store, plan: ShardPlan, entries) -> list[dict]:
 
 
 def write_hidden_shard(store, run: str, plan: ShardPlan, spec: str, source, traces: list[dict],
-                       host: HostShard) -> dict:
+                       host: HostShard, stage: str = STAGE) -> dict:
     """Write one shard (contract D) into the store straight from the host buffers, then its completion record.
 
     `source` (a HiddenStateExtractor or the vLLM backend's capture) names the layers, target and backend."""
@@ -228,7 +228,7 @@ def write_hidden_shard(store, run: str, plan: ShardPlan, spec: str, source, trac
     info = {"tokens": int(ids.numel()), "sequences": len(order), "loss_tokens": int(mask.sum()),
             "aux_layer_ids": source.aux_layer_ids, "convention": VLLM, "target_fingerprint": source.fingerprint,
             "backend": source.backend, "storage": host.storage}
-    publish_shard(store, run, STAGE, plan.index, SUFFIX, spec, info, chunks=safetensors_chunks(tensors, meta))
+    publish_shard(store, run, stage, plan.index, SUFFIX, spec, info, chunks=safetensors_chunks(tensors, meta))
     return info
 
 
@@ -239,6 +239,6 @@ def check_traces(traces: list[dict], plan: ShardPlan) -> None:
                               "loss_mask values; regenerate the traces")
 
 
-def finalize_hidden_states(store, run: str, num_shards: int) -> None:
-    """Write `<run>/hidden/manifest.json` from every shard's completion record."""
-    write_stage_manifest(store, run, STAGE, shard_records(store, run, STAGE, num_shards))
+def finalize_hidden_states(store, run: str, num_shards: int, stage: str = STAGE) -> None:
+    """Write `<run>/hidden/manifest.json` (`<run>/<stage>/`) from every shard's completion record."""
+    write_stage_manifest(store, run, stage, shard_records(store, run, stage, num_shards))

@@ -123,8 +123,8 @@ def _chat_template(config: PipelineConfig) -> str:
 
 def _warm_start(path: str) -> str:
     if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"train.warm_start {path} has no config.json; point it at a drafter directory in the "
-                          "SGLang/EAGLE format")
+        raise ConfigError(f"train.warm_start {path} has no config.json; point it at a drafter directory (the "
+                          "EAGLE/SpecForge layout, the speculators format or a draftline export)")
     return f"train.warm_start {path}: a drafter directory (its weights are read by the training stage)"
 
 

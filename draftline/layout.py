@@ -3,6 +3,8 @@ from __future__ import annotations
 
 TRACES_STAGE = "traces"
 HIDDEN_STAGE = "hidden"
+# Online training keeps only its validation's hidden states, captured first so that every estimate reads the same.
+HELD_OUT_STAGE = "hidden-val"
 TRAIN_STAGE = "train"
 EXPORT_STAGE = "export"
 EVAL_STAGE = "eval"
@@ -53,6 +55,11 @@ def hidden_plan_key(run: str) -> str:
 def hidden_logs_prefix(run: str) -> str:
     """`<run>/hidden/logs`: the capturing vLLM server's logs."""
     return f"{hidden_prefix(run)}/logs"
+
+
+def held_out_prefix(run: str) -> str:
+    """`<run>/hidden-val`: online training's validation hidden states (shards and manifest), the only states it keeps."""
+    return stage_prefix(run, HELD_OUT_STAGE)
 
 
 def train_prefix(run: str) -> str:

@@ -23,6 +23,8 @@ MIN_REFERENCE_ACCEPTED = 0.02
 # what the drafter earns.
 PARITY_THRESHOLD_CEILING = 0.9
 PARITY_THRESHOLD_FLOOR = 0.5
+# What parity compares an engine with unless the figures say otherwise (a run without the reference decoder).
+REFERENCE_BASIS = "reference decoder"
 # When nothing was measured, or when wrong layers cost too little to see: parity still catches the faults that cost
 # far more (a missing d2t, EAGLE instead of EAGLE3, a broken capture).
 DEFAULT_PARITY_THRESHOLD = 0.8
@@ -176,6 +178,8 @@ def parity_power(reference: Any, points: list[ConcurrencyPoint], threshold: floa
 def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Parity:
     """Parity = engine accepted tokens per step / reference accepted tokens per step; below threshold: suspected."""
     ref_len, ref_pp = _reference_figures(reference)
+    basis = (reference.get("basis") if isinstance(reference, dict) else None) or REFERENCE_BASIS
+    ref_name = "the reference" if basis == REFERENCE_BASIS else f"the {basis}"
     eng_len = float(engine.mean_acceptance_length)
     ref_acc, eng_acc = ref_len - 1.0, eng_len - 1.0
     length_ratio = eng_len / ref_len
@@ -183,19 +187,19 @@ def compute_parity(engine: Acceptance, reference: Any, threshold: float) -> Pari
         return Parity(
             engine_mean_acceptance_length=eng_len, reference_mean_acceptance_length=ref_len, value=None,
             length_ratio=length_ratio, threshold=threshold, integration_suspected=False,
-            verdict=(f"parity not measurable: the reference decoder accepts {ref_acc:.3f} draft tokens per step, "
+            verdict=(f"parity not measurable: {ref_name} accepts {ref_acc:.3f} draft tokens per step, "
                      "so the drafter itself is too weak to judge the engine integration"),
-            engine_per_position=engine.per_position, reference_per_position=ref_pp,
+            engine_per_position=engine.per_position, reference_per_position=ref_pp, basis=basis,
         )
     value = eng_acc / ref_acc
     suspected = value < threshold
-    verdict = (f"integration suspected: the engine accepts {eng_acc:.3f} draft tokens per step, the reference "
+    verdict = (f"integration suspected: the engine accepts {eng_acc:.3f} draft tokens per step, {ref_name} "
                f"{ref_acc:.3f} (parity {value:.2f} < {threshold:.2f})" if suspected else
-               f"parity {value:.2f} >= {threshold:.2f}: the engine accepts what the reference accepts")
+               f"parity {value:.2f} >= {threshold:.2f}: the engine accepts what {ref_name} accepts")
     return Parity(
         engine_mean_acceptance_length=eng_len, reference_mean_acceptance_length=ref_len, value=value,
         length_ratio=length_ratio, threshold=threshold, integration_suspected=suspected, verdict=verdict,
-        engine_per_position=engine.per_position, reference_per_position=ref_pp,
+        engine_per_position=engine.per_position, reference_per_position=ref_pp, basis=basis,
     )
 
 

@@ -249,3 +249,62 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_
         aux_shifts=shifted, other_precision=other,
         chat_template=template.describe(tokenizer) if use_chat_template else None)
 
+
+
+# ---- whether to run it at all ----------------------------------------------------------------------------------------
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def float32_bytes(target_dir) -> int | None:
+    """About how many bytes the target takes in float32, the reference decoder's precision: its checkpoint's size
+    (the index's total_size, else the weight files') scaled from the dtype its config names; None when unknown."""
+    import json
+
+    root = Path(target_dir)
+    try:
+        cfg = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    index = root / "model.safetensors.index.json"
+    size = None
+    if index.is_file():
+        size = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+    if size is None:
+        files = list(root.glob("*.safetensors")) or list(root.glob("*.bin"))
+        size = sum(f.stat().st_size for f in files) or None
+    if size is None:
+        return None
+    text = cfg.get("text_config", cfg)
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype") or "bfloat16")
+    return int(size) * 4 // _DTYPE_BYTES.get(dtype.removeprefix("torch."), 2)
+
+
+def device_memory(device: str) -> int | None:
+    """Bytes the reference decoder can use on `device`: a GPU's total memory, the host's available memory."""
+    if device.startswith("cuda"):
+        index = int(device.split(":")[1]) if ":" in device else 0
+        return torch.cuda.get_device_properties(index).total_memory
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def skip_reason(target_dir, enabled: bool | str, device: str = "auto") -> str | None:
+    """Why the reference decoder does not run (eval.reference.enabled: false, or auto and a target too large for
+    the device), in one sentence; None when it runs."""
+    if enabled is False:
+        return "the reference decoder did not run (eval.reference.enabled is false)"
+    if enabled is True:
+        return None
+    need = float32_bytes(target_dir)
+    device = resolve_device(device, "eval.reference.device")
+    have = device_memory(device)
+    if need is None or have is None or need <= have:
+        return None
+    where = f"the {torch.cuda.get_device_name(0)}" if device.startswith("cuda") else "this machine's available memory"
+    return (f"the reference decoder was skipped: the target needs about {need / 1e9:,.0f} GB in float32, more than "
+            f"the {have / 1e9:,.0f} GB of {where} (eval.reference.enabled is auto; set it to true to try anyway)")

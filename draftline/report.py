@@ -10,6 +10,7 @@ from draftline.errors import ConfigError
 from draftline.eval_result import EvalResult, timestamp
 from draftline.layout import report_prefix, trace_stats_key, training_record_key
 from draftline.parity import logged_aux_layers
+from draftline.schedule_report import SCHEDULE_PLOT, plot_schedule, schedule_markdown
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -102,9 +103,10 @@ def measurement_sentence(results: list[EvalResult]) -> str:
 
 
 def report_markdown(results: list[EvalResult], training: dict | None = None, run: str | None = None,
-                    traces: dict | None = None) -> str:
+                    traces: dict | None = None, parity_basis: str | None = None) -> str:
     """The report page; `training` is the run's training record (train/metrics.json), None when it has none;
-    `traces` the run's trace stats (traces/stats.json), None when it made no traces."""
+    `traces` the run's trace stats (traces/stats.json), None when it made no traces; `parity_basis` the sentence on
+    what parity compared the engines with, when not the reference decoder."""
     run = run or next((r.run for r in results), None)
     lines = ["# Drafter evaluation", ""]
     when = max((r.finished_at or "" for r in results), default="")
@@ -155,8 +157,10 @@ def report_markdown(results: list[EvalResult], training: dict | None = None, run
     lines += rendering_markdown(results, traces)
     lines += ["", "## Acceptance by draft position and parity with the reference decoder", "",
               "Parity compares accepted draft tokens per verification step (acceptance length minus the bonus "
-              "token) of the engine with draftline's reference decoder on the same prompts, drafter and k.", "",
-              "| engine | version | hardware | target | drafter | prompt set | mean acceptance length | "
+              "token) of the engine with draftline's reference decoder on the same prompts, drafter and k.", ""]
+    if parity_basis:
+        lines += [f"**Parity basis.** {parity_basis}", ""]
+    lines += ["| engine | version | hardware | target | drafter | prompt set | mean acceptance length | "
               "per-position acceptance | reference length | parity | verdict |",
               "|" + "---|" * 11]
     for r in results:
@@ -192,6 +196,7 @@ def report_markdown(results: list[EvalResult], training: dict | None = None, run
             lines += ["", f"### The engine's warnings that bear on these numbers: {r.label()}", "",
                       f"{r.engine} logged these while serving (first sentence of each, once per server):", ""]
             lines += [f"- {w.text} ({_servers(w.servers)})" for w in r.engine_warnings]
+    lines += schedule_markdown(results, run)
     lines += training_markdown(training, run)
     said = estimate_sentence(training, results)
     if said:
@@ -228,10 +233,12 @@ def rendering_markdown(results: list[EvalResult], traces: dict | None) -> list[s
 
 
 def _servers(servers: list[str]) -> str:
-    names = {"baseline": "baseline server", "eagle3": "EAGLE-3 server"}
-    if set(servers) == set(names):
+    names = {"baseline": "baseline", "eagle3": "EAGLE-3", "schedule": "schedule"}
+    if set(servers) == {"baseline", "eagle3"}:
         return "both servers"
-    return " and ".join(names.get(s, s) for s in servers)
+    said = [names.get(s, s) for s in servers]
+    joined = said[0] if len(said) == 1 else ", ".join(said[:-1]) + " and " + said[-1]
+    return f"{joined} server" + ("s" if len(said) > 1 else "")
 
 
 TRAINING_PLOT = "training_curves.png"
@@ -474,9 +481,9 @@ def read_training(store, run: str) -> dict | None:
     return json.loads(store.get_bytes(key))
 
 
-def write_report(results: list[EvalResult], store, run: str) -> dict[str, str]:
+def write_report(results: list[EvalResult], store, run: str, parity_basis: str | None = None) -> dict[str, str]:
     """report.md, the PNG plots (training curves when the run has a training record) and results.json under
-    `<run>/eval/report/`; returns {file name: store key}."""
+    `<run>/eval/report/`; returns {file name: store key}. `parity_basis`: as report_markdown takes it."""
     if not results:
         raise ConfigError("no evaluation results to report; run at least one engine first")
     prefix = report_prefix(run)
@@ -485,11 +492,13 @@ def write_report(results: list[EvalResult], store, run: str) -> dict[str, str]:
     keys = {}
     with tempfile.TemporaryDirectory(prefix="draftline-report-") as tmp:
         tmp = Path(tmp)
-        (tmp / "report.md").write_text(report_markdown(results, training, run, traces))
+        (tmp / "report.md").write_text(report_markdown(results, training, run, traces, parity_basis=parity_basis))
         (tmp / "results.json").write_text(json.dumps([r.model_dump(mode="json") for r in results], indent=2))
         plot_acceptance(results, tmp / "acceptance_by_position.png")
         plot_throughput(results, tmp / "throughput_speedup.png")
         names = ["report.md", "results.json", "acceptance_by_position.png", "throughput_speedup.png"]
+        if plot_schedule(results, tmp / SCHEDULE_PLOT):
+            names.append(SCHEDULE_PLOT)
         if training is not None and (training.get("history") or {}).get("train"):
             _save(training_figure(training, run), tmp / TRAINING_PLOT)
             names.append(TRAINING_PLOT)

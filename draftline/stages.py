@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -10,8 +11,8 @@ from draftline.chat_template import ChatTemplate
 from draftline.config import EngineConfig, PipelineConfig
 from draftline.errors import ConfigError
 from draftline.layout import (eval_result_key, export_prefix, hidden_manifest_key, reference_result_key,
-                              regression_prefix, report_page_key, trace_stats_key, trained_drafter_prefix,
-                              training_record_key)
+                              regression_prefix, trace_stats_key, trained_drafter_prefix, training_record_key)
+from draftline.run_summary import print_summary, summary_rows
 from draftline.store import Store, open_store
 
 if TYPE_CHECKING:  # the regression package imports the evaluation's engines: only when a nightly needs it
@@ -93,7 +94,12 @@ def finish_extraction(config: PipelineConfig, store: Store, num_shards: int) -> 
 
 def train(config: PipelineConfig, store: Store, on_line: Callable[[str], None] | None = None) -> dict:
     """Train the drafter in this process, or with train.processes > 1 as torchrun ranks whose output lines go to
-    `on_line`; either way a rerun resumes from the last checkpoint in the store."""
+    `on_line`; either way a rerun resumes from the last checkpoint in the store. With train.source engine a capturing
+    vLLM server runs beside the trainer and feeds it (draftline.online)."""
+    if config.train.source == "engine":
+        from draftline.online.run import train_online
+
+        return train_online(config, store, on_line)
     if config.train.processes > 1:
         from draftline.drafter.torchrun import train_with_torchrun
 
@@ -102,6 +108,43 @@ def train(config: PipelineConfig, store: Store, on_line: Callable[[str], None] |
 
     return train_lib.train_drafter(store, config.run, config.target.path, config.drafter, config.train,
                                    replay_answer_tokens=config.eval.max_new_tokens)
+
+
+# Online training as the flows run it: the engine side and the trainer as two tasks of one flow.
+
+def online_prepare(config: PipelineConfig) -> None:
+    """Clear the hand-off folder of an earlier session before either side of online training starts."""
+    from draftline.online.run import prepare
+
+    prepare(config)
+
+
+def online_engine(config: PipelineConfig, store: Store, say: Callable[[str], None] | None = None) -> dict:
+    """The engine side of online training until the trainer is done; "trainer" in the result is its final state."""
+    from draftline.online.run import run_engine
+
+    return run_engine(config, store, say)
+
+
+def online_trainer(config: PipelineConfig, store: Store, on_line: Callable[[str], None] | None = None) -> dict:
+    """The trainer side of online training, fed by online_engine running at the same time."""
+    from draftline.online.run import run_trainer
+
+    return run_trainer(config, store, on_line)
+
+
+def online_trainer_ended(config: PipelineConfig, completed: bool) -> None:
+    """Tell the engine side of online training that the trainer has ended (completed or not), whatever it said."""
+    from draftline.online.run import trainer_ended
+
+    trainer_ended(config, completed)
+
+
+def online_clean_up(config: PipelineConfig) -> None:
+    """Remove online training's hand-off folder once both sides are done."""
+    from draftline.online.run import clean_up
+
+    clean_up(config)
 
 
 def stage_gpus(config: PipelineConfig, stage: str) -> int:
@@ -116,6 +159,14 @@ def stage_gpus(config: PipelineConfig, stage: str) -> int:
     if stage == "extract":
         return devices_needed(config.extract.vllm) if config.extract.backend == "vllm" else 1
     if stage == "train":
+        if config.train.source == "engine":  # the capturing engine runs beside the trainer on the same worker
+            online = config.train.online
+            if online.engine_devices is not None or online.trainer_devices is not None:
+                from draftline.online.placement import place
+
+                placed = place(config, 1 + max((online.engine_devices or []) + (online.trainer_devices or [])))
+                return len(set(placed.engine) | set(placed.trainer))
+            return max(devices_needed(config.extract.vllm), config.train.processes)
         return config.train.processes
     if stage == "reference":
         return 1
@@ -166,16 +217,40 @@ def _engine_format(engine: str) -> str:
     return {"vllm": "vllm", "sglang": "sglang"}[engine]
 
 
-def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str], store: Store) -> str:
-    """One engine's baseline and EAGLE-3 runs on the eval prompts; returns the store key of its EvalResult."""
+def evaluate_engine(config: PipelineConfig, engine: EngineConfig, exports: dict[str, str], store: Store,
+                    baselines: dict | None = None) -> str:
+    """One engine's baseline and EAGLE-3 runs on the eval prompts; returns the store key of its EvalResult.
+    `baselines`: shared by the evaluations of several drafters (draftline.evaluate.evaluate_engine)."""
     from draftline import evaluate as eval_lib
 
     fmt = _engine_format(engine.engine)
     drafter_dir = _drafter_dir(store, exports, fmt) if fmt in exports else Path(exports.get("vllm", "."))
+    # The schedule goes into the export's serve/ folder at the report, not here: an evaluation worker's identity
+    # writes only evaluations (infra/s3_policy.py).
     eval_lib.evaluate_engine(engine, config.target.path, drafter_dir, config.eval.prompts, config.eval, store,
                              config.run, trained_aux_layer_ids=trained_aux_layer_ids(config, store, exports),
-                             template=ChatTemplate.of(config.traces))
+                             template=ChatTemplate.of(config.traces), baselines=baselines)
     return engine_result_key(config, engine)
+
+
+def publish_own_schedule(config: PipelineConfig, store: Store, result: EvalResult) -> list[str]:
+    """The serve/ folder of an engine's schedule, in this run's own export of that engine's format when the run has
+    one (a production drafter evaluated by the nightly is never written to); returns the keys written."""
+    export = export_prefix(config.run, _engine_format(result.engine))
+    if result.status != "ok" or result.schedule is None or store.read_manifest(export) is None:
+        return []
+    return publish_serve_folder(store, export, result.schedule, Path(result.drafter_path))
+
+
+def publish_serve_folder(store: Store, export: str, schedule, drafter_dir: Path) -> list[str]:
+    """The schedule and what to pass the engine, in the export's serve/ folder and manifest (this run's own export
+    only: a production drafter evaluated by the nightly is never written to); returns the keys written."""
+    from draftline.schedule import SERVE_FOLDER, serve_files
+
+    entries = [store.put_bytes(f"{export}/{SERVE_FOLDER}/{name}", text.encode())
+               for name, text in serve_files(schedule, str(Path(drafter_dir).resolve())).items()]
+    store.update_manifest(export, entries)
+    return [e.key for e in entries]
 
 
 def misread_exports(config: PipelineConfig, exports: dict[str, str], store: Store) -> dict[str, ConfigError]:
@@ -241,16 +316,9 @@ def _lineage_training_record(store: Store, exports: dict[str, str]) -> tuple[str
                 continue
         except ConfigError:  # an export outside this store (a path, not a key): its lineage is not read here
             continue
-        uri = json.loads(store.get_bytes(lineage_key)).get("training_metrics")
-        if not uri:
-            continue
-        folder, _, name = uri.rstrip("/").rpartition("/")
-        try:
-            source = open_store(folder)
-            if source.exists(name):
-                return uri, source.get_bytes(name)
-        except (ConfigError, OSError):  # moved, or a store this worker has no credentials for
-            continue
+        found = _record_at(json.loads(store.get_bytes(lineage_key)).get("training_metrics"))
+        if found:
+            return found
     return None
 
 
@@ -260,8 +328,15 @@ def engine_result_key(config: PipelineConfig, engine: EngineConfig) -> str:
 
 
 def reference(config: PipelineConfig, exports: dict[str, str], store: Store) -> str:
-    """The reference decoder's acceptance on the same eval prompts and k; returns the store key of its JSON."""
-    from draftline.reference import reference_acceptance
+    """The reference decoder's acceptance on the same eval prompts and k; returns the store key of its JSON, which
+    holds {"status": "skipped", "reason": ...} when eval.reference.enabled turns it off for this target."""
+    from draftline.reference import reference_acceptance, skip_reason
+
+    skipped = skip_reason(config.target.path, config.eval.reference.enabled, config.eval.reference.device)
+    if skipped:
+        logging.getLogger(__name__).info(skipped)
+        store.put_bytes(reference_key(config), (json.dumps({"status": "skipped", "reason": skipped}) + "\n").encode())
+        return reference_key(config)
 
     # The trained checkpoint, not an export: an export bug must show as a parity gap, not cancel out in both.
     trained = trained_drafter_prefix(config.run)
@@ -297,112 +372,66 @@ def report(config: PipelineConfig, store: Store, result_keys: list[str], referen
     # None when every engine was refused before serving: nothing was left for the reference decoder to compare.
     reference_summary = json.loads(store.get_bytes(reference_key)) if reference_key else None
     engines = {e.engine: e for e in config.eval.engines}
-    results = []
-    for key in result_keys:
-        if not store.exists(key):  # an evaluation that failed before it could write its row
-            continue
-        result = EvalResult.model_validate_json(store.get_bytes(key))
-        if result.status == "ok" and result.acceptance is not None and reference_summary is not None:
-            result = with_parity(result, reference_summary, config.eval.parity_threshold,
-                                 engines.get(result.engine))
-            store.put_bytes(key, (result.model_dump_json(indent=2) + "\n").encode())
-        results.append(result)
-    keys = report_lib.write_report(results, store, config.run)
-    rows = summary_rows(results, reference_summary)
+    results = [EvalResult.model_validate_json(store.get_bytes(key)) for key in result_keys
+               if store.exists(key)]  # an evaluation that failed before it could write its row has none
+    basis, basis_said = parity_basis(config, store, reference_summary, results)
+    for i, (key, result) in enumerate(zip([k for k in result_keys if store.exists(k)], results)):
+        if result.status == "ok" and result.acceptance is not None and basis is not None:
+            results[i] = with_parity(result, basis, config.eval.parity_threshold, engines.get(result.engine))
+            store.put_bytes(key, (results[i].model_dump_json(indent=2) + "\n").encode())
+    for result in results:
+        publish_own_schedule(config, store, result)
+    keys = report_lib.write_report(results, store, config.run, basis_said)
+    rows = summary_rows(results, reference_summary, basis_said)
+    from draftline.schedule_report import summary_lines
+
     return {"rows": rows, "markdown": store.get_bytes(keys["report.md"]).decode(), "report_key": keys["report.md"],
-            "keys": keys, "result_keys": result_keys, "reference_key": reference_key}
+            "keys": keys, "result_keys": result_keys, "reference_key": reference_key,
+            "schedules": summary_lines(results)}
 
 
-def _shift_note(reference_summary: dict) -> str:
-    kept = [f"{r['kept_share']:.0%} with layers {tuple(r['aux_layer_ids'])}"
-            for r in reference_summary.get("aux_shift_acceptance") or [] if r.get("kept_share") is not None]
-    return f"; the drafter keeps {' and '.join(kept)} of its accepted tokens" if kept else ""
+def parity_basis(config: PipelineConfig, store: Store, reference_summary: dict | None, results: list
+                 ) -> tuple[dict | None, str | None]:
+    """(the figures parity compares the engines with, a sentence naming them when they are not the reference
+    decoder's): the reference decoder's summary; where it was skipped, the training's offline estimate at the
+    reference's k from the run's training record or the one the drafter's lineage names; else (None, why)."""
+    if reference_summary is None or reference_summary.get("status") != "skipped":
+        return reference_summary, None
+    from draftline.regression import offline_estimate
+
+    record = _training_record_of(config, store, results)
+    estimate, kind = offline_estimate(record[1] if record else None, config.eval.reference_k)
+    if estimate is None:
+        return None, (f"{reference_summary['reason']}; the drafter has no training estimate at k="
+                      f"{config.eval.reference_k} either, so parity is not measured")
+    what = "replayed estimate" if kind == "replayed" else "per-step estimate"
+    return ({"mean_acceptance_length": estimate, "basis": f"training's {what}"},
+            f"{reference_summary['reason']}; parity compares the engines with the training's {what} of acceptance "
+            f"length at k={config.eval.reference_k}, {estimate:.3f} (from {record[0]}), instead")
 
 
-def summary_rows(results: list, reference_summary: dict | None) -> list[dict[str, Any]]:
-    """One row per engine and concurrency, plus the reference decoder: the pipeline's final table."""
-    if reference_summary is None:
-        rows = [{"engine": "reference decoder (torch)", "status": "not run", "concurrency": None,
-                 "acceptance_length": None, "speedup": None, "parity": None,
-                 "note": "every engine's export was refused before serving, so there was nothing to compare"}]
-    else:
-        rows = [{"engine": "reference decoder (torch)", "status": "ok", "concurrency": 1,
-                 "acceptance_length": round(reference_summary["mean_acceptance_length"], 3),
-                 "speedup": round(reference_summary.get("speedup", float("nan")), 3),
-                 "parity": None, "note": "engine-independent ground truth" + _shift_note(reference_summary)}]
-    for r in results:
-        if r.status != "ok":
-            rows.append({"engine": r.engine, "status": r.status, "concurrency": None, "acceptance_length": None,
-                         "speedup": None, "parity": None, "note": r.reason})
-            continue
-        parity = r.parity.value if r.parity else None
-        note = r.parity.verdict if r.parity else ""
-        for p in r.points:
-            rows.append({"engine": f"{r.engine} {r.engine_version}", "status": r.status,
-                         "concurrency": p.concurrency,
-                         "acceptance_length": round(p.acceptance.mean_acceptance_length, 3) if p.acceptance else None,
-                         "speedup": round(p.speedup, 3), "parity": round(parity, 3) if parity is not None else None,
-                         "note": note})
-    return rows
+def _training_record_of(config: PipelineConfig, store: Store, results: list) -> tuple[str, bytes] | None:
+    """(uri, bytes) of the run's training record, else of the one an evaluated drafter's lineage names."""
+    key = training_record_key(config.run)
+    if store.exists(key):
+        return store.uri(key), store.get_bytes(key)
+    for result in results:
+        found = _record_at((result.drafter_lineage or {}).get("training_metrics"))
+        if found:
+            return found
+    return None
 
 
-def report_location(config: PipelineConfig) -> str | None:
-    """The store URI of the run's evaluation report, when one was written."""
-    store = open_store(config.store.root)
-    key = report_page_key(config.run)
-    return store.uri(key) if store.exists(key) else None
-
-
-def print_summary(config: PipelineConfig, report: dict[str, Any], elapsed_s: float | None = None,
-                  stage_times: list[dict] | None = None) -> None:
-    """The final table on the terminal, each stage's wall time (marking those served from cache), and where the
-    artifacts are."""
-    from rich.console import Console
-
-    console = Console()
-    if not console.is_terminal:  # piped or logged (CI, make): rich would wrap the notes at 80 columns
-        console = Console(width=140)
-    _render_summary(console, config, report, elapsed_s, stage_times)
-
-
-def summary_text(config: PipelineConfig, report: dict[str, Any], elapsed_s: float | None = None,
-                 stage_times: list[dict] | None = None) -> str:
-    """print_summary's lines as plain text: the last line of a deployed pipeline run's log."""
-    import io
-
-    from rich.console import Console
-
-    console = Console(file=io.StringIO(), width=140, color_system=None)
-    _render_summary(console, config, report, elapsed_s, stage_times)
-    return console.file.getvalue().rstrip()
-
-
-def _render_summary(console, config: PipelineConfig, report: dict[str, Any], elapsed_s: float | None,
-                    stage_times: list[dict] | None) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"draftline run {config.run!r}: target {config.target.display_name}")
-    for col in ("engine", "status", "concurrency", "acceptance_length", "speedup", "parity", "note"):
-        table.add_column(col.replace("_", " "), overflow="fold")
-    for row in report["rows"]:
-        table.add_row(*("" if row[c] is None else str(row[c]) for c in
-                        ("engine", "status", "concurrency", "acceptance_length", "speedup", "parity", "note")))
-    console.print(table)
-    store = open_store(config.store.root)
-    console.print(f"artifacts: {store.uri(config.run)}")
-    console.print(f"report:    {store.uri(report['report_key'])}")
-    if stage_times:
-        console.print("stages: " + "; ".join(_stage_time(t) for t in stage_times), soft_wrap=True)
-    if elapsed_s is not None:
-        console.print(f"pipeline finished in {elapsed_s / 60:.1f} min")
-
-
-def _stage_time(row: dict) -> str:
-    """E.g. "traces 61.2 s", or "traces 1.0 s (cached: nothing recomputed)" when Prefect served every task of it."""
-    text = f"{row['stage']} {row['wall_s']:.1f} s"
-    if row.get("cached"):
-        text += " (cached: nothing recomputed)"
-    return text
+def _record_at(uri: str | None) -> tuple[str, bytes] | None:
+    """(uri, bytes) of a training record named by its URI, when this worker can read it."""
+    if not uri:
+        return None
+    folder, _, name = uri.rstrip("/").rpartition("/")
+    try:
+        source = open_store(folder)
+        return (uri, source.get_bytes(name)) if source.exists(name) else None
+    except (ConfigError, OSError):  # moved, or a store this worker has no credentials for
+        return None
 
 
 def production_drafter(config: PipelineConfig, store: Store, drafter_uri: str) -> ProductionDrafter:

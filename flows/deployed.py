@@ -78,6 +78,8 @@ def deployments_needed(config: PipelineConfig, engine_runs: str, stage_runs: str
                        stage_deployments: tuple[str, ...] = STAGE_DEPLOYMENTS) -> list[str]:
     """Every deployment a run starts flow runs of with these run modes (the pipeline's stages, or only some)."""
     needed = list(stage_deployments) if stage_runs == "deployments" else []
+    if config.train.source == "engine":  # online training captures its states itself: no extraction stage
+        needed = [d for d in needed if not d.startswith("extract-hidden-states/")]
     if engine_runs == "deployments":
         needed += [engine_deployment(e.engine) for e in config.eval.engines]
     return needed

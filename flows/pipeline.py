@@ -18,7 +18,7 @@ from draftline.config_loading import load_config, merge_overrides, parse_config
 from draftline.errors import ConfigError, report_failure
 from draftline.overrides import PipelineOverrides, overrides_dict
 from draftline.run_lock import RunLease, RunNameTaken
-from draftline.stages import summary_text
+from draftline.run_summary import summary_text
 from flows import deployed, stages
 from flows.deployed import StageRuns
 from flows.evaluate import EngineRuns, evaluate
@@ -57,9 +57,11 @@ def pipeline(config: PipelineConfig | None = None, engine_runs: EngineRuns = "in
         with timed_stage("traces", times):
             traces = stage_flows.generate_traces(config)
         lease.check()
-        with timed_stage("extraction", times):
-            hidden_manifest = stage_flows.extract_hidden_states(config)
-        lease.check()
+        hidden_manifest = ""  # online training (train.source: engine) captures its states while it trains: no shards
+        if config.train.source == "shards":
+            with timed_stage("extraction", times):
+                hidden_manifest = stage_flows.extract_hidden_states(config)
+            lease.check()
         with timed_stage("training and export", times):
             drafter = stage_flows.train_drafter(config, hidden_manifest)
         lease.check()
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftline.cli import load_with_overrides
     from draftline.errors import DraftlineError, EngineError
     from draftline.inputs import check_inputs
-    from draftline.stages import print_summary, report_location
+    from draftline.run_summary import print_summary, report_location
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("config", nargs="?", help="pipeline config (YAML), e.g. configs/demo.yaml")

@@ -7,6 +7,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from draftline.config import PipelineConfig
 from tasks import drafter as drafter_tasks
 from tasks import extract as extract_tasks
+from tasks import online as online_tasks
 from tasks import traces as trace_tasks
 from tasks.common import artifact_key, publish_table
 from tasks.inputs import check_inputs
@@ -59,11 +60,31 @@ def extract_hidden_states(config: PipelineConfig) -> str:
     return extract_tasks.extract_manifest(config, shards)
 
 
+@flow(name="train-drafter-online", log_prints=True)
+def train_online(config: PipelineConfig) -> dict:
+    """Online training: the capturing vLLM server and the trainer at the same time, as two tasks; a failure is the
+    failed side's own error."""
+    online_tasks.prepare(config)
+    engine = online_tasks.feed_engine.submit(config)
+    trainer = online_tasks.train_from_engine.submit(config)
+    trainer.wait()
+    online_tasks.trainer_done(config, trainer.state.is_completed())
+    engine.wait()
+    online_tasks.clean_up(config)
+    if engine.state.is_failed():  # the trainer stopped because of it: the engine side's error names the cause
+        engine.result()
+    return trainer.result()
+
+
 @flow(name="train-drafter", log_prints=True)
 def train_drafter(config: PipelineConfig, hidden_manifest_uri: str = "") -> dict:
-    """Train the EAGLE-3 head and export it for every configured engine."""
+    """Train the EAGLE-3 head (on the extracted shards, or fed by an engine: train.source) and export it for every
+    configured engine."""
     check_inputs(config, "training")
-    training = drafter_tasks.train_drafter(config, hidden_manifest_uri)
+    if config.train.source == "engine":
+        training = train_online(config)
+    else:
+        training = drafter_tasks.train_drafter(config, hidden_manifest_uri)
     val = training.get("final_val") or {}
     publish_table(f"{config.run}-training", [{"steps": training.get("steps"), **{k: v for k, v in val.items()
                                                                                    if not isinstance(v, (dict, list))}}],

@@ -25,6 +25,8 @@ for png in "${plots[@]}"; do
   [ -f "$report/$png" ] || die "$report/$png does not exist; the run's report is incomplete: run its eval stage again"
 done
 
+# The sweep picture is drawn only where the run swept more than one k.
+[ -f "$report/schedule_sweep.png" ] && plots+=(schedule_sweep.png)
 mkdir -p "$docs/assets/demo" "$docs/snippets"
 for png in "${plots[@]}"; do cp "$report/$png" "$docs/assets/demo/$png"; done
 
@@ -39,7 +41,8 @@ from pathlib import Path
 from draftline.config_loading import load_config
 from draftline.eval_result import EvalResult
 from draftline.layout import report_page_key
-from draftline.stages import print_summary, summary_rows
+from draftline.run_summary import print_summary, summary_rows
+from draftline.schedule_report import summary_lines
 
 run_dir, config_path, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 config = load_config(config_path, overrides={"run": run_dir.name, "store": {"root": str(run_dir.parent)}})
@@ -48,7 +51,8 @@ reference_path = run_dir / "eval/reference/result.json"
 reference = json.loads(reference_path.read_text()) if reference_path.is_file() else None
 printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
-    print_summary(config, {"rows": summary_rows(results, reference), "report_key": report_page_key(config.run)})
+    print_summary(config, {"rows": summary_rows(results, reference), "report_key": report_page_key(config.run),
+                           "schedules": summary_lines(results)})
 # Paths as a reader's checkout has them: relative to the repository root.
 text = printed.getvalue().replace(str(Path.cwd()) + "/", "")
 text = "\n".join(line.rstrip() for line in text.strip("\n").splitlines())

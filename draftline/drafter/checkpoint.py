@@ -11,9 +11,10 @@ import torch
 from draftline.config import DrafterConfig, TrainConfig
 from draftline.errors import ConfigError
 
-# Not part of what is trained: cadence, and where (processes split each global batch, they do not change it).
+# Not part of what is trained: cadence, and where (processes split each global batch, they do not change it), and
+# how an engine hands its states over (the source itself is part of the data's identity).
 _CADENCE_FIELDS = {"val_every", "checkpoint_every", "log_every", "num_threads", "device", "keep_checkpoints",
-                   "processes"}
+                   "processes", "online", "source"}
 
 
 def run_fingerprint(drafter_cfg: DrafterConfig, cfg: TrainConfig, aux_ids, data_keys) -> str:

@@ -332,3 +332,4 @@ def collate(rows: list[list[Sequence]], aux_width: int, hidden_size: int, length
 def rank_rows(rows: list[list[Sequence]], rank: int, world_size: int) -> list[list[Sequence]]:
     """This rank's share of a global batch's rows (round-robin); a rank left without rows gets an empty one."""
     return rows[rank::world_size] or [[]]
+

@@ -163,14 +163,26 @@ def read_eagle_tensors(directory: Path, model: Eagle3Drafter,
     (embeddings from `embed_tokens`, an identity d2t, t2d from d2t); refused unless they are exactly its keys."""
     from safetensors.torch import load_file
 
-    cfg = model.config
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{directory}: no *.safetensors weights; the drafter directory is incomplete")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
-    tensors = {k.replace("layers.0.", "midlayer.").removeprefix("model."): v for k, v in tensors.items()}
+    return complete_tensors({head_key(k): v for k, v in tensors.items()}, model, directory, embed_tokens)
+
+
+def head_key(name: str) -> str:
+    """A checkpoint's tensor name as the head names it: the decoder layer is `midlayer` (vLLM and the speculators
+    format call it `layers.0`), with no `model.` prefix."""
+    return name.removeprefix("model.").replace("layers.0.", "midlayer.")
+
+
+def complete_tensors(tensors: dict[str, torch.Tensor], model: Eagle3Drafter, directory: Path,
+                     embed_tokens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """`tensors` (head keys) completed where the format lets a file leave them out (embeddings from `embed_tokens`,
+    an identity d2t, t2d from d2t); refused unless they are exactly `model`'s keys."""
+    cfg = model.config
     if "embed_tokens.weight" not in tensors:
         if embed_tokens is None:
             raise ConfigError(

@@ -7,6 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from draftline import layout
@@ -39,9 +40,10 @@ def check_target(model: Eagle3Drafter, target_dir) -> dict:
             "fingerprint": target_fingerprint(target_dir)}
 
 
-def _speculators_config(model: Eagle3Drafter, target_dir, num_speculative_tokens: int) -> dict:
+def _speculators_config(model: Eagle3Drafter, target_dir, num_speculative_tokens: int,
+                        dtype: torch.dtype = torch.bfloat16) -> dict:
     cfg = model.config
-    layer = eagle_config_json(model.config, "vllm")
+    layer = eagle_config_json(model.config, "vllm", dtype)
     for key in ("eagle_config", "eagle_aux_hidden_state_layer_ids"):  # the ids go at speculators' top level
         layer.pop(key)
     for key in ("architectures", "draft_vocab_size", "target_hidden_size"):
@@ -64,13 +66,14 @@ def _speculators_config(model: Eagle3Drafter, target_dir, num_speculative_tokens
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": str(target_dir), "architectures": target_cfg.get("architectures", [])},
         },
-        "torch_dtype": "bfloat16",
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
 def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: dict,
-                 num_speculative_tokens: int = DEFAULT_K, include_embeddings: bool = True) -> Path:
-    """One engine-format directory: config.json, model.safetensors, draftline.json."""
+                 num_speculative_tokens: int = DEFAULT_K, include_embeddings: bool = True,
+                 dtype: torch.dtype = torch.bfloat16) -> Path:
+    """One engine-format directory: config.json, model.safetensors, draftline.json; weights in `dtype`."""
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is unknown; use one of {list(FORMATS)}")
     out = Path(out_dir)
@@ -80,13 +83,13 @@ def write_format(model: Eagle3Drafter, fmt: str, out_dir, target_dir, lineage: d
         if model.config.attention != "llama":
             raise ConfigError(f"the speculators format describes Llama-layer heads only and this drafter has "
                               f"{model.config.attention} attention; export it as vllm or sglang")
-        config = _speculators_config(model, target_dir, num_speculative_tokens)
-        tensors = export_tensors(model, include_embeddings)
+        config = _speculators_config(model, target_dir, num_speculative_tokens, dtype)
+        tensors = export_tensors(model, include_embeddings, dtype)
         tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     else:
-        save_eagle_dir(model, out, convention=convention, include_embeddings=include_embeddings)
+        save_eagle_dir(model, out, convention=convention, include_embeddings=include_embeddings, dtype=dtype)
         config = json.loads((out / "config.json").read_text())
     ids = AuxLayerIds.of(model.config.aux_layer_ids)
     record = {**lineage, "format": fmt, "convention": convention, "aux_layer_ids": ids.written(convention),
@@ -111,6 +114,52 @@ def export_drafter(drafter_dir, target_dir, out_root, formats=FORMATS, num_specu
             **(lineage or {})}
     return {fmt: write_format(model, fmt, Path(out_root) / fmt, target_dir, base, num_speculative_tokens)
             for fmt in formats}
+
+
+# What a conversion keeps of its source's draftline.json: where the weights came from, not how they were written.
+KEPT_LINEAGE = ("training", "data", "run", "training_metrics", "data_manifests")
+
+
+def convert_drafter(source, fmt: str, out_dir, target_dir=None, aux_layer_ids=None, convention: str | None = None,
+                    num_speculative_tokens: int = DEFAULT_K, lineage: dict | None = None) -> Path:
+    """`draftline convert`: a drafter in any layout draftline reads (draftline.drafter.readers) written in one
+    engine's format by the export's own writer, with the ids explicit in that engine's convention and a
+    draftline.json saying where they came from. The target is `target_dir`, else the one the source's draftline.json
+    names."""
+    from draftline.drafter.readers import read_drafter
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"--to {fmt!r} is unknown; use one of {list(FORMATS)}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} already exists and is not empty; give the converted drafter a new folder")
+    target_dir = target_dir or source_target(source)
+    read = read_drafter(source, target_dir, aux_layer_ids=aux_layer_ids, convention=convention)
+    record = conversion_lineage(read, str(source), target_dir, lineage)
+    return write_format(read.model, fmt, out, target_dir, record, num_speculative_tokens,
+                        include_embeddings=read.has_embeddings, dtype=read.dtype)
+
+
+def conversion_lineage(read, source: str, target_dir, extra: dict | None = None) -> dict:
+    """The draftline.json record of a drafter read from `source` (readers.ReadDrafter) and written again: what its
+    own draftline.json said of its training, the target, the source and its layout, and where the ids came from.
+    Sets the head's target layer count on the way."""
+    target = check_target(read.model, target_dir)
+    read.model.config.target_num_layers = target["num_layers"]
+    return {**{k: read.lineage[k] for k in KEPT_LINEAGE if k in read.lineage}, "target": target, "source": source,
+            "source_layout": read.layout, "aux_layer_ids_source": read.ids_source, "code_version": _code_version(),
+            **(extra or {})}
+
+
+def source_target(source) -> str:
+    """The target a draftline drafter's draftline.json names, when that folder is on this machine; else one sentence
+    asking for --target."""
+    lineage_path = Path(source) / LINEAGE_FILE
+    named = (json.loads(lineage_path.read_text()).get("target") or {}).get("path") if lineage_path.is_file() else None
+    if named and Path(named, "config.json").is_file():
+        return named
+    raise ConfigError(f"{source}: pass the target's checkpoint folder with --target; the drafter is checked against "
+                      "it (hidden size, vocabulary, aux layers) and SGLang's convention depends on its family")
 
 
 def _manifest_digest(store, prefix: str) -> dict | None:
@@ -146,7 +195,7 @@ def _code_version() -> str:
     return code_version()
 
 
-__all__ = ["FORMATS", "export_drafter", "export_from_store", "write_format", "check_target"]
+__all__ = ["FORMATS", "convert_drafter", "export_drafter", "export_from_store", "write_format", "check_target"]
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftline.drafter.export CONFIG.yaml`: export the run's trained drafter in every configured format."""

@@ -45,6 +45,14 @@ def check_devices(cfg: TrainConfig, visible: int | None = None) -> None:
                           f"train.processes to {visible} or run training on a worker with {cfg.processes} GPUs")
 
 
+def _trainer_gpus(config: PipelineConfig) -> dict[str, str]:
+    """Online training with GPUs of the trainer's own: the ranks see only those."""
+    devices = config.train.online.trainer_devices
+    if config.train.source != "engine" or devices is None:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in devices)}
+
+
 def train_with_torchrun(config: PipelineConfig, store: Store, on_line: Callable[[str], None] | None = None) -> dict:
     """Train with config.train.processes ranks and return the run's summary (its `<run>/train/metrics.json`).
 
@@ -64,7 +72,8 @@ def train_with_torchrun(config: PipelineConfig, store: Store, on_line: Callable[
         pipe_r, pipe_w = os.pipe()  # the guard kills the group when this end closes, e.g. when this process dies
         proc = subprocess.Popen([sys.executable, str(GUARD), str(pipe_r), "--", *argv],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                                env={**os.environ, **_trainer_gpus(config), "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True,
                                 pass_fds=(pipe_r,), text=True, errors="replace", bufsize=1)
         os.close(pipe_r)
         kept: deque[str] = deque(maxlen=KEPT_LINES)

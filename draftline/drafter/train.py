@@ -19,19 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from draftline.aux_ids import VLLM, AuxLayerIds, sglang_convention
+from draftline.aux_ids import VLLM, sglang_convention
 from draftline.config import DrafterConfig, TrainConfig
 from draftline.drafter.checkpoint import (load_latest_checkpoint, rng_state, run_fingerprint, save_checkpoint,
                                           set_rng_state)
-from draftline.drafter.data import (BatchStream, Cursor, collate, held_out_summary, hidden_shard_entries,
-                                    hidden_shard_keys, pack_rows, part_sequences, rank_rows, read_shard_metadata,
-                                    split_validation)
+from draftline.drafter.data import BatchStream, Cursor, collate, pack_rows, part_sequences, rank_rows
+from draftline.drafter.training_data import TrainingData, shard_training_data
 from draftline.drafter.eagle_format import LINEAGE_FILE, save_eagle_dir
 from draftline.drafter.model import Eagle3Drafter
 from draftline.drafter.replay import replayed_acceptance, replayed_summary
 from draftline.drafter.target_sizing import drafter_for_target
 from draftline.drafter.ttt import TTTModel, acceptance_length, loss_plan
-from draftline.drafter.vocab import VocabReport, build_vocab, counts_from_hidden_shards
+from draftline.drafter.vocab import VocabReport, build_vocab
 from draftline.drafter.warm_start import warm_start, warm_start_config
 from draftline.errors import ConfigError
 from draftline.layout import train_prefix, trained_drafter_in, training_record_in
@@ -112,20 +111,22 @@ def lr_lambda(cfg: TrainConfig):
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
-def train_device(kind: str) -> torch.device:
-    """This process's device: under torchrun, the GPU of its local rank."""
+def train_device(kind: str, devices: list[int] | None = None) -> torch.device:
+    """This process's device: under torchrun, the GPU of its local rank (torchrun's ranks see only `devices`); alone,
+    the first of `devices` (online training's trainer_devices), else GPU 0."""
     if resolve_device(kind, "train.device") == "cuda":
+        if devices and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return torch.device("cuda", devices[0])
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
-def prepare_vocab(store, prefix: str, train_parts: list, vocab_size: int, draft_vocab_size: int, d: Dist,
-                  expected: dict | None = None):
-    """d2t/t2d from the training parts of the shards, computed once (rank 0) and kept at `<prefix>/vocab.pt` for
-    resumes and ranks."""
+def prepare_vocab(store, prefix: str, token_counts, vocab_size: int, draft_vocab_size: int, d: Dist):
+    """d2t/t2d from the training tokens' counts (token_counts(vocab_size)), computed once (rank 0) and kept at
+    `<prefix>/vocab.pt` for resumes and ranks."""
     key = f"{prefix}/vocab.pt"
     if d.main and not store.exists(key):
-        counts = counts_from_hidden_shards(store, train_parts, vocab_size, expected)
+        counts = token_counts(vocab_size)
         d2t, t2d, report = build_vocab(counts, draft_vocab_size)
         buf = io.BytesIO()
         torch.save({"d2t": d2t, "t2d": t2d, "report": report.to_dict()}, buf)
@@ -143,8 +144,9 @@ def prepare_vocab(store, prefix: str, train_parts: list, vocab_size: int, draft_
 
 def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None = None,
                   cfg: TrainConfig | None = None, out_prefix: str | None = None,
-                  replay_answer_tokens: int | None = None) -> dict:
-    """Train on `<run>/hidden/` shards; checkpoints, metrics and the final drafter go to `<run>/train/`.
+                  replay_answer_tokens: int | None = None, data: TrainingData | None = None) -> dict:
+    """Train on `<run>/hidden/` shards (or on `data`, e.g. an engine's states: draftline.online); checkpoints, metrics
+    and the final drafter go to `<run>/train/`.
 
     replay_answer_tokens: the replayed estimate reads each validation answer's first that many tokens, the length the
     evaluation decodes (eval.max_new_tokens): later positions of long answers are easier to draft (on the demo the
@@ -155,32 +157,27 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     drafter_cfg = drafter_cfg or DrafterConfig()
     cfg = cfg or TrainConfig()
     prefix = out_prefix or train_prefix(run)
-    device = train_device(cfg.device)
+    device = train_device(cfg.device, cfg.online.trainer_devices if cfg.source == "engine" else None)
     d = init_distributed(device.type)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-    keys = hidden_shard_keys(store, run)
-    entries = hidden_shard_entries(store, run, keys)  # every shard is checked against these before it is used
-    train_parts, val_parts = split_validation(store, keys, entries, cfg.val_fraction)
-    held_out = held_out_summary(train_parts, val_parts)
+    data = data or shard_training_data(store, run, cfg.val_fraction, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed)
+    val_parts, entries, aux_ids = data.val_parts, data.expected, data.aux_ids
     if d.main and val_parts:
-        log.info("validation holds out the last %d sequences (%s of the tokens): %s", held_out["val_sequences"],
-                 "?" if held_out["held_out_share"] is None else f"{held_out['held_out_share']:.1%}",
-                 ", ".join(str(p) for p in val_parts))
-    meta = read_shard_metadata(store, keys[0])
-    aux_ids = AuxLayerIds.stored(json.loads(meta["aux_layer_ids"]), meta.get("convention", VLLM), store.uri(keys[0]),
-                                 "extract the hidden states again").as_list()
+        share = data.record.get("held_out_share")
+        log.info("validation holds out the last %d sequences (%s of the tokens): %s", data.record["val_sequences"],
+                 "?" if share is None else f"{share:.1%}", ", ".join(str(p) for p in val_parts))
 
     target_cfg, embed, head = load_target_head(target_dir)
     torch.manual_seed(cfg.seed)
     model = (Eagle3Drafter(warm_start_config(cfg.warm_start, target_cfg, drafter_cfg, aux_ids)) if cfg.warm_start
              else drafter_for_target(target_cfg, drafter_cfg, aux_ids))
     model.load_target_weights(embed)
-    d2t, t2d, vocab_report = prepare_vocab(store, prefix, train_parts, model.config.vocab_size,
-                                           model.config.draft_vocab_size, d, entries)
+    d2t, t2d, vocab_report = prepare_vocab(store, prefix, data.token_counts, model.config.vocab_size,
+                                           model.config.draft_vocab_size, d)
     model.set_vocab(d2t, t2d)
     warm = warm_start(model, cfg.warm_start, embed, cfg.warm_start_remap_vocab, target_cfg) if cfg.warm_start else None
     if d.main:
@@ -202,11 +199,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
                                   **({"fused": True} if device.type == "cuda" else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
-    # The shards' contents, not only their names: re-extracted shards (another storage, another target) start over.
-    # And the split: a cursor counts positions in the training parts, which mean other data under another split.
-    fingerprint = run_fingerprint(drafter_cfg, cfg, aux_ids, {
-        "shards": [[k, entries[k].sha256 if k in entries else None] for k in keys],
-        "train": [str(p) for p in train_parts], "val": [str(p) for p in val_parts]})
+    fingerprint = run_fingerprint(drafter_cfg, cfg, aux_ids, data.identity)
     step, cursor, history, resumed_from = 0, Cursor(), {"train": [], "val": []}, None
     resumed = load_latest_checkpoint(store, prefix, fingerprint)
     if resumed is not None:
@@ -220,8 +213,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
         if d.main:
             log.info("resumed from %s at step %d", store.uri(latest_key), step)
 
-    stream = BatchStream(store, train_parts, cfg.tokens_per_batch, cfg.max_seq_len, cfg.seed, cursor=cursor,
-                         expected=entries)
+    stream = data.open_stream(cursor, d.rank, d.world, lambda: barrier(d), steps=cfg.max_steps - step)
     aux_width, hidden = 3 * model.config.target_hidden_size, model.config.target_hidden_size
     weights = torch.tensor([cfg.step_weight_decay ** j for j in range(cfg.ttt_steps)], device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -343,8 +335,8 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     summary = {"run": run, "steps": step, "final_train": history["train"][-1] if history["train"] else None,
                "final_val": history["val"][-1] if history["val"] else None, "vocab": vocab_report.to_dict(),
                "aux_layer_ids": aux_ids, "convention": VLLM, "warm_start": warm, "world_size": d.world, "resumed_from": resumed_from,
-               "fingerprint": fingerprint, "train_shards": [str(p) for p in train_parts],
-               "val_shards": [str(p) for p in val_parts], **held_out,
+               "tokens_trained": tokens_seen,  # by this process, since it started or resumed
+               "fingerprint": fingerprint, "source": cfg.source, **data.record,
                "history": history, "drafter": store.uri(trained_drafter_in(prefix)), "weights_digest": weights_digest(model)}
     if d.main:
         publish_drafter(store, prefix, model, summary, target_dir, run)
@@ -412,9 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     cfg = load_config(args.config)
     store = open_store(cfg.store.root)
+    data = None
+    if cfg.train.source == "engine":  # the engine side runs in the process that started torchrun
+        from draftline.online.source import online_training_data
+
+        data = online_training_data(cfg, store)
     try:
         summary = train_drafter(store, cfg.run, cfg.target.path, cfg.drafter, cfg.train,
-                                replay_answer_tokens=cfg.eval.max_new_tokens)
+                                replay_answer_tokens=cfg.eval.max_new_tokens, data=data)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,14 +1,14 @@
-"""Warm starts: a drafter config shaped like an existing SGLang/EAGLE head, and that head's weights and vocabulary copied into the new one."""
+"""Warm starts: a drafter config shaped like an existing head (any layout draftline reads), and that head's weights and vocabulary copied into the new one."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from draftline.aux_ids import config_aux_layer_ids, same_layers, sglang_convention
+from draftline.aux_ids import same_layers
 from draftline.config import DrafterConfig
-from draftline.drafter.eagle_format import MLA_ARCHITECTURE, load_eagle_dir
+from draftline.drafter.eagle_format import MLA_ARCHITECTURE
+from draftline.drafter.readers import drafter_shape, read_drafter
 from draftline.drafter.model import Eagle3Config, Eagle3Drafter
 from draftline.drafter.target_sizing import config_for_target, target_rope_theta
 from draftline.errors import ConfigError
@@ -25,9 +25,9 @@ def warm_start_config(source: str, target_cfg: dict, drafter_cfg: DrafterConfig,
 
     cfg_path = Path(source) / "config.json"
     if not cfg_path.is_file():
-        raise ConfigError(f"train.warm_start={source} has no config.json; point it at a drafter directory in the "
-                          "SGLang/EAGLE format")
-    theirs = json.loads(cfg_path.read_text())
+        raise ConfigError(f"train.warm_start={source} has no config.json; point it at a drafter directory (the "
+                          "EAGLE/SpecForge layout, the speculators format or a draftline export)")
+    theirs = drafter_shape(source)
     theirs_mla = MLA_ARCHITECTURE in (theirs.get("architectures") or [])
     if theirs_mla != (drafter_cfg.attention == "mla"):
         kind = "an MLA head" if theirs_mla else "a Llama-layer head"
@@ -52,13 +52,15 @@ def warm_start_config(source: str, target_cfg: dict, drafter_cfg: DrafterConfig,
 
 
 def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bool, target_cfg: dict) -> dict:
-    """Copy weights from an existing SGLang/EAGLE drafter dir; its vocabulary replaces ours unless `remap`. A drafter
-    without draftline.json has its ids read as SGLang reads them for this target; one that names no ids (many public
-    drafters) starts this run's layers, and the record says so."""
-    old = load_eagle_dir(source, convention=sglang_convention(target_cfg), embed_tokens=embed,
-                         assume_aux_layer_ids=model.config.aux_layer_ids)
+    """Copy weights from an existing drafter dir in any layout draftline reads (draftline.drafter.readers); its
+    vocabulary replaces ours unless `remap`. Ids a drafter names are read in the convention it states or its layout
+    implies for this target; one that names no ids (many public drafters) starts this run's layers, and the record
+    says so."""
+    read = read_drafter(source, embed_tokens=embed, assume_aux_layer_ids=model.config.aux_layer_ids,
+                        target_config=target_cfg)
+    old = read.model
     ours, theirs = model.config, old.config
-    named = config_aux_layer_ids(json.loads((Path(source) / "config.json").read_text())) is not None
+    named = read.ids_named
     for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "vocab_size"):
         if getattr(ours, name) != getattr(theirs, name):

@@ -13,6 +13,7 @@ from draftline.chat_template import ChatTemplate
 from draftline.config import EngineConfig
 from draftline.engines.client import Prompt, RequestResult, Requester
 from draftline.engines.launch import ServerSpec
+from draftline.schedule import Schedule
 
 
 class Acceptance(BaseModel):
@@ -42,9 +43,10 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
-                    template: ChatTemplate | None = None) -> ServerSpec:
-        """The supervised server: baseline when drafter_dir is None, else EAGLE-3 with that drafter; `template`:
-        the chat template the prompts are rendered with (None: the target tokenizer's own, no kwargs)."""
+                    template: ChatTemplate | None = None, schedule: Schedule | None = None) -> ServerSpec:
+        """The supervised server: baseline when drafter_dir is None, else EAGLE-3 with that drafter, drafting
+        cfg.num_speculative_tokens per step, or by load as `schedule` says (draftline.schedule); `template`: the chat
+        template the prompts are rendered with (None: the target tokenizer's own, no kwargs)."""
 
     @abstractmethod
     def requester(self, served_name: str, target_dir: Path, max_new_tokens: int, temperature: float,

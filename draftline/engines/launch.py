@@ -233,6 +233,8 @@ def _start_once(spec: ServerSpec, cfg: ServerSettings, log_path: Path, store, lo
     pipe_r, pipe_w = os.pipe()  # both ends close-on-exec; only the guard receives the read end
     with open(log_path, "wb") as log:
         log.write(f"$ {' '.join(argv)}\n".encode())
+        if spec.env:  # what draftline set for this server beyond the worker's environment
+            log.write(("# env: " + " ".join(f"{k}={v}" for k, v in spec.env.items()) + "\n").encode())
         log.flush()
         proc = subprocess.Popen(
             [sys.executable, str(GUARD), str(pipe_r), "--", *argv],

@@ -16,7 +16,7 @@ from typing import Literal
 from draftline.aux_ids import (AuxLayerIdsError, config_aux_layer_ids, default_aux_layer_ids, outside, reader_convention,
                                same_layers, to_convention)
 from draftline.config import EngineConfig, ServerSettings
-from draftline.engines.registry import engine_version, sglang_supports_eagle3, vllm_supports_eagle3
+from draftline.engines.registry import engine_version, serves_schedule, sglang_supports_eagle3, vllm_supports_eagle3
 from draftline.errors import ConfigError, EngineError
 
 # The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
@@ -290,14 +290,15 @@ def check_cpu_kernels(cfg: EngineConfig, target_dir: Path, drafter_dir: Path) ->
 
 def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path | None,
               trained_vllm_ids: list[int] | None = None) -> dict:
-    """Run every check; return what was learnt (engine version, GPU, target architecture, drafter lineage). An
-    engine with an environment of its own (runs_elsewhere) is asked there."""
+    """Run every check; return what was learnt (engine version, GPU, target architecture, drafter lineage, whether
+    it serves a schedule by load). An engine with an environment of its own (runs_elsewhere) is asked there."""
     if runs_elsewhere(cfg):
         facts = probe_environment(cfg, cfg.engine, target_architecture(Path(target_dir)))
         version = check_installed(cfg.engine, facts["version"], environment_label(cfg))
-        supported = facts["supported"]
+        supported, schedule = facts["supported"], facts.get("schedule")
     else:
         version, supported = check_installed(cfg.engine), "ask"
+        schedule = serves_schedule(cfg.engine)
     gpu = check_gpu(cfg)
     arch = check_architecture(cfg.engine, version, Path(target_dir), supported)
     if drafter_dir is not None:
@@ -306,4 +307,5 @@ def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path
                if drafter_dir is not None else {})
     if drafter_dir is not None:
         check_cpu_kernels(cfg, Path(target_dir), Path(drafter_dir))
-    return {"engine_version": version, "gpu": gpu, "architecture": arch, "drafter_lineage": lineage}
+    return {"engine_version": version, "gpu": gpu, "architecture": arch, "drafter_lineage": lineage,
+            "serves_schedule": schedule}

@@ -1,5 +1,6 @@
-"""What an engine installed in this environment says about itself: its version, and whether it serves an architecture
-with EAGLE-3. Imports nothing of draftline's but this, so an engine's own environment can answer it in a child process."""
+"""What an engine installed in this environment says about itself: its version, whether it serves an architecture
+with EAGLE-3, and whether it serves a speculation schedule by load. Imports nothing of draftline's but this, so an
+engine's own environment can answer it in a child process."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -45,10 +46,30 @@ def sglang_supports_eagle3(architecture: str) -> bool | None:
     return hasattr(model_cls, "set_eagle3_layers_to_capture")
 
 
+@lru_cache(maxsize=None)
+def serves_schedule(engine: str) -> bool | None:
+    """Whether the installed engine can change k by batch size: vLLM's speculative_config field
+    num_speculative_tokens_per_batch_size, SGLang's speculative_adaptive server argument; None when it cannot be
+    asked (not installed, or its config classes moved)."""
+    import dataclasses
+
+    try:
+        if engine == "vllm":
+            from vllm.config.speculative import SpeculativeConfig
+
+            return "num_speculative_tokens_per_batch_size" in {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        from sglang.srt.server_args import ServerArgs
+
+        return "speculative_adaptive" in {f.name for f in dataclasses.fields(ServerArgs)}
+    except (ImportError, TypeError):
+        return None
+
+
 def engine_facts(engine: str, architecture: str) -> dict:
-    """The engine's version here and whether it serves `architecture` with EAGLE-3 (None: unknown architecture)."""
+    """The engine's version here, whether it serves `architecture` with EAGLE-3 (None: unknown architecture) and
+    whether it serves a speculation schedule by load (serves_schedule)."""
     version = engine_version(engine)
     if version is None:
-        return {"version": None, "supported": None}
+        return {"version": None, "supported": None, "schedule": None}
     supports = vllm_supports_eagle3 if engine == "vllm" else sglang_supports_eagle3
-    return {"version": version, "supported": supports(architecture)}
+    return {"version": version, "supported": supports(architecture), "schedule": serves_schedule(engine)}

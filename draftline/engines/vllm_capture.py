@@ -16,7 +16,6 @@ This module runs inside vLLM's processes and is imported only there (it needs vl
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
+from draftline.engines.capture_keys import KEY_PARAM, PATH_PARAM, STORAGE_PARAM, error_path, spool_path
 from draftline.safetensors_io import write_safetensors
 from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STORAGES, quantize_slots
 from draftline.target import rms_norm
@@ -39,17 +39,6 @@ except ImportError:  # older vLLM: no hybrid allocator interface
         pass
 
 logger = init_logger(__name__)
-KEY_PARAM = "draftline_key"
-STORAGE_PARAM = "draftline_storage"
-PATH_PARAM = "draftline_path"
-_SAFE_KEY = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-
-
-def spool_path(spool_dir: str, key: str) -> str:
-    """Where the connector writes (and the client reads) the states of the request tagged `key`."""
-    if not _SAFE_KEY.match(key):
-        raise ValueError(f"{KEY_PARAM}={key!r} must be 1-200 letters, digits, '.', '_' or '-'")
-    return os.path.join(spool_dir, f"{key}.safetensors")
 
 
 @dataclass
@@ -271,7 +260,3 @@ def _write(path: str, tensors: dict[str, torch.Tensor], storage: str, copied) ->
             f.write(f"{type(exc).__name__}: {exc}")
         raise
 
-
-def error_path(path: str) -> str:
-    """Written instead of `path` when the connector could not write it; holds the reason."""
-    return path + ".error"

@@ -11,10 +11,11 @@ from pydantic import BaseModel, ValidationError
 from draftline.config import validated_at
 from draftline.errors import ConfigError
 from draftline.eval_result import EvalResult
+from draftline.schedule import Comparison
 
 SCHEMA = "draftline-regression/1"
 CauseKind = Literal["aux-layer-ids", "integration", "drafter-or-target", "engine-performance", "engine-failure", "unexplained",
-                    "estimate-gap"]
+                    "estimate-gap", "schedule-below-baseline"]
 CAUSE_TITLES: dict[str, str] = {
     "aux-layer-ids": "integration: aux-layer ids",
     "integration": "parity drop: integration (engine or export)",
@@ -23,6 +24,7 @@ CAUSE_TITLES: dict[str, str] = {
     "engine-failure": "the engine failed to serve",
     "unexplained": "acceptance drop that draftline cannot attribute",
     "estimate-gap": "acceptance fell away from the training estimate",
+    "schedule-below-baseline": "the schedule by load is slower than no speculation",
 }
 Status = Literal["baseline", "pass", "regressed", "skipped", "failed"]
 
@@ -66,6 +68,14 @@ class Figures(BaseModel):
     baseline_throughput: dict[int, float] = {}  # without the drafter, by concurrency
     likely_causes: list[str] = []  # from the evaluation's parity check
     integration_fault: str | None = None  # the parity verdict when the engine's log proved a fault (aux-layer ids)
+    # The schedule by load the evaluation derived ((first batch size, last, k) ranges), how it reads, and its
+    # verification against no speculation at each concurrency; None and [] in records older than it.
+    schedule: list[tuple[int, int, int]] | None = None
+    schedule_description: str | None = None
+    schedule_comparisons: list[Comparison] = []
+    # A derived schedule its own server served slower than no speculation, which the one above replaced.
+    schedule_rejected: str | None = None
+    schedule_rejected_comparisons: list[Comparison] = []
 
 
 def lineage_name(lineage: dict[str, Any] | None, fallback: str) -> str:
@@ -138,6 +148,12 @@ def figures_of(result: EvalResult, drafter_fingerprint: str | None = None, linea
         integration_fault=(parity.verdict.removeprefix(f"{parity.integration_fault}: ")
                            if parity and parity.integration_fault else
                            result.reason if result.fault == "integration: aux-layer ids" else None),
+        schedule=list(result.schedule.ranges) if result.schedule else None,
+        schedule_description=result.schedule.describe() if result.schedule else None,
+        schedule_comparisons=list(result.schedule.comparisons) if result.schedule else [],
+        schedule_rejected=result.schedule.rejected.description if result.schedule and result.schedule.rejected else None,
+        schedule_rejected_comparisons=(list(result.schedule.rejected.comparisons)
+                                       if result.schedule and result.schedule.rejected else []),
     )
 
 

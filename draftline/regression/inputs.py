@@ -37,7 +37,8 @@ def _prefix_within(store, uri: str) -> str | None:
 
 
 def _fingerprint(source, fmt: str, keys: list[str]) -> str:
-    """Digest of an export's files except its lineage note (re-exporting the same weights keeps the digest)."""
+    """Digest of an export's files except its lineage note and its serve/ folder (re-exporting the same weights keeps
+    the digest, and so does a new schedule measured for them)."""
     import hashlib
 
     manifest = source.read_manifest(fmt)
@@ -45,7 +46,7 @@ def _fingerprint(source, fmt: str, keys: list[str]) -> str:
     digest = hashlib.sha256()
     for key in sorted(k for k in keys if k.startswith(fmt + "/")):
         name = key[len(fmt) + 1:]
-        if name in ("manifest.json", "draftline.json"):
+        if name in ("manifest.json", "draftline.json") or name.startswith("serve/"):
             continue
         digest.update(f"{name}:{entries.get(key) or source.hash_object(key).sha256}\n".encode())
     return digest.hexdigest()

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from draftline.config import RegressionConfig
 from draftline.errors import ConfigError, DraftlineError
 from draftline.eval_result import EvalResult
+from draftline.schedule import falls_below
 from draftline.regression.history import (
     CAUSE_TITLES, SCHEMA, Cause, Figures, Finding, History, HistoryRecord, Status, _fmt, figures_of,
 )
@@ -104,6 +105,8 @@ class Verdict(BaseModel):
                 "acceptance_over_offline": f.acceptance_over_offline,
                 "speedup": {str(k): v for k, v in f.speedup.items()},
                 "throughput": {str(k): v for k, v in f.throughput.items()},
+                "schedule": [list(r) for r in f.schedule] if f.schedule else None,
+                "schedule_speedup": {str(c.concurrency): c.speedup for c in f.schedule_comparisons},
                 "last_good_at": e.last_good_at,
                 "last_good": ({"engine_version": e.last_good.engine_version,
                                "mean_acceptance_length": e.last_good.acceptance_length,
@@ -205,6 +208,9 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
         # The engine's own log shows it fed the drafter other layers than it was trained on: a fault tonight,
         # with or without a history to compare with and whatever the acceptance did.
         verdict.causes.append(Cause(kind="aux-layer-ids", explanation=current.integration_fault))
+    slower = schedule_shortfall(current, cfg)
+    if slower:  # tonight's own measurement, history or not: serving the schedule would cost throughput
+        verdict.causes.append(Cause(kind="schedule-below-baseline", explanation=slower))
     comparable = [r for r in good if _comparable(current, r.figures)]
     if len(comparable) < len(good):
         verdict.notes.append(f"{len(good) - len(comparable)} good run(s) used another prompt set or k and are not "
@@ -256,6 +262,29 @@ def judge(current: Figures, history: list[HistoryRecord], cfg: RegressionConfig)
     if verdict.causes:
         verdict.status = "regressed"
     return verdict
+
+
+def schedule_shortfall(current: Figures, cfg: RegressionConfig) -> str | None:
+    """Where a schedule by load served on its own server gave fewer tokens per second than no speculation, beyond the
+    measured spread and cfg.max_schedule_shortfall, in one sentence: the evaluation's schedule, or the derived one it
+    replaced; None where both held at every point."""
+    def slower(description: str | None, comparisons: list) -> str | None:
+        below = [c for c in comparisons if falls_below(c, cfg.max_schedule_shortfall)]
+        if not below:
+            return None
+        return f"the verified schedule ({description}) served " + "; ".join(
+            f"at concurrency {c.concurrency} (k={c.k}) {c.speedup:.2f}x no speculation's tokens per second, "
+            f"{c.speedup_max:.2f}x at its fastest repeat" for c in below)
+
+    final = slower(current.schedule_description, current.schedule_comparisons)
+    derived = slower(current.schedule_rejected, current.schedule_rejected_comparisons)
+    if not final and not derived:
+        return None
+    text = " and ".join(x for x in (derived, final) if x) + (
+        f", more than the allowed -{cfg.max_schedule_shortfall:.0%} below no speculation and beyond the measured spread")
+    if derived and not final:
+        return text + f"; the evaluation replaced it with {current.schedule_description}, which the export carries"
+    return text + "; serve without speculation at that load or derive the schedule again"
 
 
 def classify(verdict: EngineVerdict) -> list[Cause]:

@@ -7,6 +7,9 @@ from typing import Any
 from draftline.config import RegressionConfig
 from draftline.regression.history import CAUSE_TITLES, History, HistoryRecord, _fmt
 from draftline.regression.judgement import ESTIMATE_FIGURE, GAP_METRIC, Verdict, parity_floor
+from draftline.schedule import falls_below
+
+SCHEDULE_METRIC = "verified schedule's speedup"
 
 
 def _floor_text(cfg: RegressionConfig) -> str:
@@ -44,6 +47,12 @@ def comparison_rows(verdict: Verdict, cfg: RegressionConfig) -> list[dict[str, A
                   for c, v in sorted(f.speedup.items())]
         items += [("EAGLE-3 throughput (tok/s)", c, v, last.throughput.get(c) if last else None,
                    f"-{cfg.max_throughput_drop:.0%}") for c, v in sorted(f.throughput.items())]
+        last_schedule = {c.concurrency: c.speedup for c in last.schedule_comparisons} if last else {}
+        slower = {c.concurrency for c in f.schedule_comparisons if falls_below(c, cfg.max_schedule_shortfall)}
+        flagged |= {(SCHEDULE_METRIC, c) for c in slower}
+        items += [(SCHEDULE_METRIC, c.concurrency, c.speedup, last_schedule.get(c.concurrency),
+                   f"not below 1.00 by more than {cfg.max_schedule_shortfall:.0%} and the spread")
+                  for c in f.schedule_comparisons]
         for metric, conc, new, old, limit in items:
             med = e.median.get(metric if conc is None else f"{metric} @c{conc}")
             bad = (metric, conc) in flagged
@@ -67,6 +76,10 @@ def comparison_markdown(verdict: Verdict, cfg: RegressionConfig, plot_name: str 
              f"the median of up to {cfg.median_window} good runs; parity floor {_floor_text(cfg)}.", ""]
     for e in verdict.engines:
         lines.append(f"- **{e.engine}**: {e.message()}")
+    schedules = [f"- {e.engine} schedule by load (recorded): {e.figures.schedule_description}" for e in verdict.engines
+                 if e.figures.schedule_description]
+    if schedules:
+        lines += [""] + schedules
     causes = [(e.engine, c) for e in verdict.engines for c in e.causes]
     if causes:
         lines += ["", "## Cause", ""]
