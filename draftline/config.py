@@ -19,8 +19,6 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # as any engine may draft.
 DEFAULT_K = 3
 MAX_K = 16
-# How DeepSeek-R1, Qwen3 and Kimi-K2-Thinking (and demo-thinking) open and close their thinking.
-DEFAULT_REASONING_MARKERS = ("<think>", "</think>")
 
 
 class Strict(BaseModel):
@@ -141,11 +139,9 @@ class TracesConfig(Strict):
     chat_template_kwargs: dict[str, Any] = Field({}, description='Variables the chat template is rendered with, e.g. '
                                                  '{"enable_thinking": false}; the engines\' chat requests carry the '
                                                  "same chat_template_kwargs, so train and serve render prompts alike.")
-    reasoning_markers: list[str] = Field(list(DEFAULT_REASONING_MARKERS), min_length=2, max_length=2, description=
-                                         "The strings that open and close the target's thinking block (those a "
-                                         "reasoning parser strips). With responses: dataset, an assistant turn's "
-                                         "reasoning_content (or reasoning) is trained on before its content, "
-                                         "between them, where the chat template does not write it itself.")
+    reasoning_markers: tuple[str, str] = Field(("<think>", "</think>"), description="What opens and closes the "
+                                               "target's thinking: with responses: dataset, a turn's reasoning_content "
+                                               "goes between them, before its content, where the template omits it.")
     on_bad_record: Literal["fail", "skip"] = Field(
         "fail", description="A record that cannot be used (not JSON, an unknown role, an empty conversation, one "
         "that ends wrong for turns, one the template refuses): fail names its file, line or record and field before "
@@ -182,13 +178,6 @@ class TracesConfig(Strict):
         if taken:
             raise ValueError(f"traces.chat_template_kwargs sets {', '.join(taken)}, which draftline sets itself; "
                              "remove it")
-        return v
-
-    @field_validator("reasoning_markers")
-    @classmethod
-    def _markers_not_empty(cls, v):
-        if not all(m.strip() for m in v):
-            raise ValueError('traces.reasoning_markers needs two non-empty strings, e.g. ["<think>", "</think>"]')
         return v
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from draftline import turns as turn_lib
 from draftline.chat_template import ChatTemplate
-from draftline.config import DEFAULT_REASONING_MARKERS, TracesConfig
+from draftline.config import TracesConfig
 from draftline.conversations import BadRecord, Origin, PromptSet, read_prompt_set
 from draftline.errors import ConfigError, EngineError
 from draftline.layout import TRACES_STAGE, trace_stats_key, traces_prefix
@@ -220,7 +220,7 @@ def _shard_spec(cfg: TracesConfig, target_dir: str, prompts: list[dict], dtype: 
                                     "vllm", "on_bad_record"})
     # Settings at their defaults stay out, so that shards published before the settings existed are still found.
     for name, default in (("turns", "last"), ("responses", "regenerate"), ("chat_template", None),
-                          ("chat_template_kwargs", {}), ("reasoning_markers", list(DEFAULT_REASONING_MARKERS))):
+                          ("chat_template_kwargs", {}), ("reasoning_markers", ("<think>", "</think>"))):
         if knobs[name] == default:
             del knobs[name]
     if cfg.chat_template:
