@@ -139,6 +139,9 @@ class TracesConfig(Strict):
     chat_template_kwargs: dict[str, Any] = Field({}, description='Variables the chat template is rendered with, e.g. '
                                                  '{"enable_thinking": false}; the engines\' chat requests carry the '
                                                  "same chat_template_kwargs, so train and serve render prompts alike.")
+    reasoning_markers: tuple[str, str] = Field(("<think>", "</think>"), description="What opens and closes the "
+                                               "target's thinking: with responses: dataset, a turn's reasoning_content "
+                                               "goes between them, before its content, where the template omits it.")
     on_bad_record: Literal["fail", "skip"] = Field(
         "fail", description="A record that cannot be used (not JSON, an unknown role, an empty conversation, one "
         "that ends wrong for turns, one the template refuses): fail names its file, line or record and field before "

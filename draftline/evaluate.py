@@ -90,9 +90,9 @@ def adapter_for(engine: str) -> EngineAdapter:
 
 def _identical_share(base: list, spec: list) -> float:
     first = {}
-    for r in base:
-        first.setdefault(r.prompt_id, r.text)
-    same = [first.get(r.prompt_id) == r.text for r in spec]
+    for r in base:  # the thinking a reasoning parser split off counts as much as the answer
+        first.setdefault(r.prompt_id, (r.reasoning, r.text))
+    same = [first.get(r.prompt_id) == (r.reasoning, r.text) for r in spec]
     return sum(same) / len(same) if same else 0.0
 
 

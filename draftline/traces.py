@@ -220,7 +220,7 @@ def _shard_spec(cfg: TracesConfig, target_dir: str, prompts: list[dict], dtype: 
                                     "vllm", "on_bad_record"})
     # Settings at their defaults stay out, so that shards published before the settings existed are still found.
     for name, default in (("turns", "last"), ("responses", "regenerate"), ("chat_template", None),
-                          ("chat_template_kwargs", {})):
+                          ("chat_template_kwargs", {}), ("reasoning_markers", ("<think>", "</think>"))):
         if knobs[name] == default:
             del knobs[name]
     if cfg.chat_template:
@@ -289,7 +289,7 @@ def _answer(cfg: TracesConfig, target_dir: str, prompts: list[dict], mine: list[
         for d in dialogues:
             if d.dropped is None:
                 try:
-                    turn_lib.dataset_answers(d, tok, template, eos, limit)
+                    turn_lib.dataset_answers(d, tok, template, eos, limit, tuple(cfg.reasoning_markers))
                 except BadRecord as bad:
                     if not skip:
                         raise

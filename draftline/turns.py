@@ -157,9 +157,21 @@ def cut_at_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
     return tokens
 
 
-def dataset_answers(d: Dialogue, tokenizer, template: ChatTemplate, stop_ids: list[int], limit: int) -> None:
+def with_reasoning(message: dict, prompt: str, answer: str, markers: tuple[str, str]) -> str:
+    """The answer as the target wrote it: a turn's separate reasoning_content (what a reasoning parser split off)
+    before its content, between the markers it stripped, where the template did not write it; the opening marker
+    only where the prompt does not end with it already (templates that open the block themselves)."""
+    reasoning = message.get("reasoning_content")
+    if not reasoning or not reasoning.strip() or reasoning.strip() in answer:
+        return answer
+    opened = prompt.rstrip().endswith(markers[0])
+    return ("" if opened else markers[0]) + reasoning + markers[1] + answer
+
+
+def dataset_answers(d: Dialogue, tokenizer, template: ChatTemplate, stop_ids: list[int], limit: int,
+                    reasoning_markers: tuple[str, str] = ("<think>", "</think>")) -> None:
     """The dataset's own assistant turns as the answers: each turn's text as the template writes it after the
-    generation prompt, up to and including the first stop token."""
+    generation prompt, up to and including the first stop token, its reasoning first (with_reasoning)."""
     messages, stops = d.record["messages"], stop_texts(tokenizer, stop_ids)
     for k, slot in enumerate(d.slots):
         try:
@@ -174,7 +186,7 @@ def dataset_answers(d: Dialogue, tokenizer, template: ChatTemplate, stop_ids: li
                                "writes before an answer, so the answer's tokens cannot be told from the prompt's")
         rest = whole[len(prompt):]
         ends = [rest.index(s) + len(s) for s in stops if s in rest]
-        text = rest[:min(ends)] if ends else rest
+        text = with_reasoning(messages[slot], prompt, rest[:min(ends)] if ends else rest, reasoning_markers)
         ids = encode_text(tokenizer, prompt)
         if len(ids) >= limit:
             d.stop_at(k)

@@ -53,3 +53,5 @@ fi
 wait "$server_venv"
 # demo-kimi's language-model weights are derived from demo-deepseek's (kept out of git; SHA256SUMS pins them).
 .venv/bin/python -m draftline.demo.kimi >/dev/null
+# demo-thinking's weights are demo-llama's with its fine-tuned tensors in place (SHA256SUMS pins the result).
+.venv/bin/python -m draftline.demo.thinking >/dev/null

@@ -46,6 +46,9 @@ class RequestResult(BaseModel):
     ttft_s: float | None
     text: str
     meta: dict[str, Any] = {}  # engine-specific per-request fields (e.g. SGLang's meta_info)
+    # What a server with a reasoning parser returned apart from `text` (vLLM's `reasoning`, older servers'
+    # `reasoning_content`); None when it returned none: the thinking, if any, is then inline in `text`.
+    reasoning: str | None = None
 
 
 class RunMetrics(BaseModel):
@@ -144,18 +147,24 @@ class OpenAIRequester:
         else:
             url, body["prompt"] = base_url + "/v1/completions", prompt.prompt
         start = time.perf_counter()
-        ttft, parts, usage_tokens = None, [], None
+        ttft, parts, thought, usage_tokens = None, [], [], None
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")[:500]
                 raise EngineError(f"{url} answered HTTP {response.status_code}: {text}", transient=False)
             async for event in _sse_events(response):
                 for choice in event.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") if prompt.messages is not None \
-                        else choice.get("text")
+                    if prompt.messages is not None:
+                        piece, reasoning = chat_delta(choice.get("delta") or {})
+                    else:
+                        piece, reasoning = choice.get("text"), None
+                    # The first token is the first the server streams, thinking included: a reasoning parser moves
+                    # the thinking out of `content`, not out of the time to first token.
+                    if (piece or reasoning) and ttft is None:
+                        ttft = time.perf_counter() - start
+                    if reasoning:
+                        thought.append(reasoning)
                     if piece:
-                        if ttft is None:
-                            ttft = time.perf_counter() - start
                         parts.append(piece)
                 if event.get("usage"):
                     usage_tokens = event["usage"].get("completion_tokens")
@@ -164,7 +173,13 @@ class OpenAIRequester:
             raise EngineError(f"{url} streamed no usage block; the server ignored stream_options.include_usage",
                               transient=False)
         return RequestResult(prompt_id=prompt.id, output_tokens=usage_tokens, latency_s=latency, ttft_s=ttft,
-                             text="".join(parts))
+                             text="".join(parts), reasoning="".join(thought) if thought else None)
+
+
+def chat_delta(delta: dict) -> tuple[str | None, str | None]:
+    """(content, reasoning) of one streamed chat delta: a server started with a reasoning parser streams the thinking
+    as `reasoning` (vLLM) or `reasoning_content` (older vLLM, SGLang) and the answer after it as `content`."""
+    return delta.get("content"), delta.get("reasoning") or delta.get("reasoning_content")
 
 
 Requester = Callable[[httpx.AsyncClient, str, Prompt], Any]
