@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftline.demo.package import sha256_file, write_sha256sums
+from draftline.demo.package import sha256_file, sha256_mismatches, write_sha256sums
 from draftline.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,16 +190,7 @@ def build(source: Path = SOURCE, out: Path = OUT) -> Path:
 
 def mismatches(out: Path = OUT) -> list[str]:
     """Files of demo-kimi that are missing or differ from SHA256SUMS."""
-    sums = out / "SHA256SUMS"
-    if not sums.exists():
-        return ["SHA256SUMS"]
-    bad = []
-    for line in sums.read_text().splitlines():
-        digest, name = line.split(maxsplit=1)
-        path = out / name
-        if not path.exists() or sha256_file(path) != digest:
-            bad.append(name)
-    return bad
+    return sha256_mismatches(out)
 
 
 def ensure(source: Path = SOURCE, out: Path = OUT) -> Path:

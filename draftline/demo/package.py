@@ -28,6 +28,20 @@ def write_sha256sums(target_dir: Path) -> None:
     (target_dir / "SHA256SUMS").write_text("".join(f"{sha256_file(p)}  {p.name}\n" for p in files))
 
 
+def sha256_mismatches(target_dir: Path) -> list[str]:
+    """The files of a target folder that are missing or differ from its SHA256SUMS (all of them: no SHA256SUMS)."""
+    sums = target_dir / "SHA256SUMS"
+    if not sums.exists():
+        return ["SHA256SUMS"]
+    bad = []
+    for line in sums.read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        path = target_dir / name
+        if not path.exists() or sha256_file(path) != digest:
+            bad.append(name)
+    return bad
+
+
 def package_target(name: str, weights: Path, metrics: dict, data_meta: dict, tokenizer_dir: Path, out_dir: Path) -> Path:
     """Load the trained state dict into transformers' class, save it in the on-disk format engines read, and fix what vLLM needs."""
     from transformers import AutoModelForCausalLM, GenerationConfig

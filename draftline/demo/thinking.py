@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftline.demo.package import sha256_file
+from draftline.demo.package import sha256_file, sha256_mismatches
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "assets" / "demo-llama"
@@ -162,16 +162,7 @@ def build(source: Path = SOURCE, out: Path = OUT, training: dict | None = None) 
 
 def mismatches(out: Path = OUT) -> list[str]:
     """Files of demo-thinking that are missing or differ from SHA256SUMS."""
-    sums = out / "SHA256SUMS"
-    if not sums.exists():
-        return ["SHA256SUMS"]
-    bad = []
-    for line in sums.read_text().splitlines():
-        digest, name = line.split(maxsplit=1)
-        path = out / name
-        if not path.exists() or sha256_file(path) != digest:
-            bad.append(name)
-    return bad
+    return sha256_mismatches(out)
 
 
 def ensure(source: Path = SOURCE, out: Path = OUT) -> Path:
