@@ -373,7 +373,9 @@ def test_the_schedule_the_export_carries_is_served_and_vllm_switches_k_by_batch_
     one, four = s.verification.points
     print(f"draft tokens per step: {one.draft_tokens_per_draft:.2f} at 1, {four.draft_tokens_per_draft:.2f} at 4")
     assert one.draft_tokens_per_draft == pytest.approx(K)  # every step of a lone request drafted k=3
-    assert 1.0 <= four.draft_tokens_per_draft < 2.5  # batches of 2-4 drafted one token; a wave's tail alone, three
+    # Steps that ran as batches of 2-4 drafted one token, those a request ran alone (a wave's tail) three: the share
+    # depends on the machine's timing (1.1 on a quiet machine, 2.6 on a loaded one), while k=3 everywhere gives 3.00.
+    assert 1.0 <= four.draft_tokens_per_draft < K - 0.1
     assert "log shows its schedule server started with [[1, 1, 3], [2, 4, 1]]" in applied_sentence(result)
     # The derivation from this machine's own sweep (k=0 and k=3) is a valid schedule too.
     real = derive_schedule(result.sweep, "vllm")
