@@ -14,7 +14,6 @@ repository: `make venv` runs this module, and SHA256SUMS pins the derived bytes,
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftline.demo.package import sha256_file, sha256_mismatches, write_sha256sums
+from draftline.demo.package import asset_main, sha256_file, sha256_mismatches, write_sha256sums
 from draftline.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,20 +205,8 @@ def ensure(source: Path = SOURCE, out: Path = OUT) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rebuild", action="store_true", help="write every file again (after demo-deepseek changed)")
-    parser.add_argument("--check", action="store_true", help="only verify the files against SHA256SUMS")
-    args = parser.parse_args(argv)
-    if args.rebuild:
-        print(f"wrote {build()}")
-        return 0
-    if args.check:
-        bad = mismatches()
-        print("demo-kimi: ok" if not bad else f"demo-kimi: {', '.join(bad)} missing or changed")
-        return 1 if bad else 0
-    ensure()
-    print(f"demo-kimi: ready at {OUT}")
-    return 0
+    return asset_main("demo-kimi", OUT, build, ensure, "write every file again (after demo-deepseek changed)", argv,
+                      __doc__)
 
 
 if __name__ == "__main__":

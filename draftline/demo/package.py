@@ -42,6 +42,26 @@ def sha256_mismatches(target_dir: Path) -> list[str]:
     return bad
 
 
+def asset_main(name: str, out: Path, build, ensure, rebuild_help: str, argv: list[str] | None, doc: str) -> int:
+    """The command line of a derived demo target: assemble what is missing (default), --rebuild or --check."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rebuild", action="store_true", help=rebuild_help)
+    parser.add_argument("--check", action="store_true", help="only verify the files against SHA256SUMS")
+    args = parser.parse_args(argv)
+    if args.rebuild:
+        print(f"wrote {build()}")
+        return 0
+    if args.check:
+        bad = sha256_mismatches(out)
+        print(f"{name}: ok" if not bad else f"{name}: {', '.join(bad)} missing or changed")
+        return 1 if bad else 0
+    ensure()
+    print(f"{name}: ready at {out}")
+    return 0
+
+
 def package_target(name: str, weights: Path, metrics: dict, data_meta: dict, tokenizer_dir: Path, out_dir: Path) -> Path:
     """Load the trained state dict into transformers' class, save it in the on-disk format engines read, and fix what vLLM needs."""
     from transformers import AutoModelForCausalLM, GenerationConfig

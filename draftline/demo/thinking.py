@@ -15,7 +15,6 @@ and replacement only (no arithmetic), so every machine derives the same bytes: S
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftline.demo.package import sha256_file, sha256_mismatches
+from draftline.demo.package import asset_main, sha256_file, sha256_mismatches
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "assets" / "demo-llama"
@@ -177,21 +176,8 @@ def ensure(source: Path = SOURCE, out: Path = OUT) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rebuild", action="store_true", help="write every file again from demo-llama and the "
-                        "committed fine-tuned tensors (after demo-llama's tokenizer or config changed)")
-    parser.add_argument("--check", action="store_true", help="only verify the files against SHA256SUMS")
-    args = parser.parse_args(argv)
-    if args.rebuild:
-        print(f"wrote {build()}")
-        return 0
-    if args.check:
-        bad = mismatches()
-        print("demo-thinking: ok" if not bad else f"demo-thinking: {', '.join(bad)} missing or changed")
-        return 1 if bad else 0
-    ensure()
-    print(f"demo-thinking: ready at {OUT}")
-    return 0
+    return asset_main("demo-thinking", OUT, build, ensure, "write every file again from demo-llama and the committed "
+                      "fine-tuned tensors (after demo-llama's tokenizer or config changed)", argv, __doc__)
 
 
 if __name__ == "__main__":
