@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from decode import measure  # noqa: E402  (benchmarks/decode.py)
+from draftline import schedule as schedule_lib  # noqa: E402
 from draftline.config import EngineConfig, EvalConfig, ReferenceConfig  # noqa: E402
 from draftline.evaluate import evaluate_engine  # noqa: E402
 from draftline.reference import eos_token_ids, load_drafter, reference_acceptance  # noqa: E402
@@ -42,6 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--sweep-k", type=int, nargs="+", default=None,
+                   help="serve these k too, one server each (0 and --k always), and derive and verify the per-load "
+                        "schedule from them (draftline.schedule); the result then carries schedule, "
+                        "min_speedup_scheduled and min_ratio_to_best_fixed")
+    p.add_argument("--repeats", type=int, default=2, help="measured runs per point on one server (the spread)")
     p.add_argument("--requests-per-point", type=int, default=None,
                    help="at least this many requests at each concurrency (prompts repeat; default: each prompt once)")
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
@@ -120,11 +126,33 @@ def engine_config(args) -> EngineConfig:
     """The engine settings of this benchmark (also benchmarks/probes/sglang_profile.py's): args needs engine, k,
     concurrency, requests_per_point, extra_args, speculative_args and device."""
     return EngineConfig(engine=args.engine, num_speculative_tokens=args.k, concurrency=args.concurrency,
-                        requests_per_point=args.requests_per_point,
+                        requests_per_point=args.requests_per_point, sweep_k=getattr(args, "sweep_k", None),
+                        repeats=getattr(args, "repeats", 2),
                         max_model_len=2048, dtype="bfloat16", extra_args=args.extra_args,
                         speculative_extra_args=shlex.split(args.speculative_args), require_gpu=args.device == "cuda",
                         retries=1, ready_timeout_s=420,
                         env={} if args.device == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def schedule_fields(result) -> dict:
+    """The per-load schedule of a swept evaluation: what schedule-<hw>.json keeps per engine and target."""
+    s = result.schedule
+    if s is None:
+        return {}
+    return {
+        "ks": sorted({p.k for p in result.sweep}),
+        "schedule": [list(r) for r in s.ranges], "schedule_description": s.describe(),
+        "schedule_supported": s.supported, "schedule_support_note": s.support_note,
+        "verification": s.verification.source if s.verification else None,
+        "why_sweep": s.verification.why_sweep if s.verification else None,
+        "min_speedup_scheduled": schedule_lib.min_speedup(s),
+        "min_ratio_to_best_fixed": schedule_lib.min_ratio_to_best_fixed(s),
+        "comparisons": [c.model_dump(mode="json") for c in s.comparisons],
+        "rejected": s.rejected.model_dump(mode="json") if s.rejected else None,
+        "sweep": [p.model_dump(mode="json") for p in result.sweep],
+        "commands": s.commands,
+        "schedule_server_log": (result.server_log_facts.get("schedule") or {}).get("speculative_schedule"),
+    }
 
 
 def main(argv=None) -> dict:
@@ -169,6 +197,7 @@ def main(argv=None) -> dict:
         "c": timing["c"], "bound_c1": bound, "fraction_of_bound_c1": points[min(points)].speedup / bound,
         "reference_decoder_batch1": {k_: timing[k_] for k_ in ("tau", "speedup", "drafter_call_ms", "target_step_ms")},
         "points": [p.model_dump(mode="json") for p in result.points],
+        **schedule_fields(result),
         "seconds": time.perf_counter() - t0,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@
 # Run `python3 benchmarks/eval_gpu.py SAVED --reference-only` first, without the site on PYTHONPATH: SGLang's site
 # shadows the machine's transformers with its pinned 5.8.1, and the reference decoder should not run on that.
 # SPECULATIVE_ARGS (shell words) go to the EAGLE-3 server only, e.g. SGLang's --disable-overlap-schedule.
+# EVAL_ARGS (shell words) go to eval_gpu.py itself, e.g. "--sweep-k 0 1 3 --concurrency 1 8 32 64".
 # With EVAL_FALLBACK_ARGS set, a failed evaluation is run once more with those arguments added (e.g. SGLang with
 # CUDA graphs off), into eval-ENGINE-fallback.json, as long as EVAL_DEADLINE_S (default 560 s) leaves time.
 set -uo pipefail
@@ -47,7 +48,8 @@ run_eval() {  # run_eval OUT_JSON [SERVER_ARG ...]
     echo "eval_offline: only ${left} s left before the deadline; not starting $json" >&2
     return 124
   fi
-  timeout "$left" python3 "$root/benchmarks/eval_gpu.py" "$saved" --engine "$engine" --out "$json" \
+  # shellcheck disable=SC2086  # EVAL_ARGS are words on purpose
+  timeout "$left" python3 "$root/benchmarks/eval_gpu.py" "$saved" --engine "$engine" --out "$json" ${EVAL_ARGS:-} \
     ${SPECULATIVE_ARGS:+"--speculative-args=$SPECULATIVE_ARGS"} ${1:+--extra-args "$@"}
 }
 
