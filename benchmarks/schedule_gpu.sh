@@ -24,7 +24,7 @@ if [ ! -f "$saved/drafter/vllm/config.json" ]; then
   PYTHONPATH=${PYDANTIC_SITE:-}:$root python3 "$root/benchmarks/decode.py" --save "$saved" --no-measure \
     --target-shape "${TARGET_SHAPE:-1b}" --out "$out/decode.json" || exit 1
 fi
-python3 "$root/benchmarks/eval_gpu.py" "$saved" --reference-only --max-prompts "$prompts" \
+PYTHONPATH=${PYDANTIC_SITE:-} python3 "$root/benchmarks/eval_gpu.py" "$saved" --reference-only --max-prompts "$prompts" \
   --max-new-tokens "$tokens" || exit 1
 
 parts_arrived() {  # parts_arrived DIR: every part SHA256SUMS names is there and whole
