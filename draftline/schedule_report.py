@@ -77,7 +77,7 @@ def _table(r: EvalResult) -> list[str]:
     sglang = r.engine == "sglang"
     head = (["concurrency", "no speculation tok/s"] + [f"k={k}" for k in ks]
             + ["schedule k" + (" (steps, topk, draft tokens)" if sglang else ""), "schedule tok/s",
-               "schedule speedup", "schedule / best fixed k"])
+               "schedule speedup", "schedule / best single setting"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {p.concurrency: p for p in r.sweep if p.k == 0}
     by = {(p.k, p.concurrency): p for p in r.sweep}
@@ -93,7 +93,7 @@ def _table(r: EvalResult) -> list[str]:
         k = s.k_at(c)
         cells += [f"{k} {sglang_settings(k)}" if sglang else str(k),
                   f"{cmp.tokens_per_s:.1f}" if cmp else "n/a", _verified_cell(s, c),
-                  f"{cmp.ratio_to_best_fixed:.2f} (k={cmp.best_fixed_k})" if cmp else "n/a"]
+                  f"{cmp.ratio_to_best_fixed:.2f} ({'off' if cmp.best_fixed_k == 0 else f'k={cmp.best_fixed_k}'})" if cmp else "n/a"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -289,6 +289,16 @@ def test_engine_errors_that_pass_with_the_moment_are_retried_and_input_errors_ar
     assert root_cause(worker) == ("AttributeError: 'Kimi_K25Config' object has no attribute "
                                   "'media_placeholder_token_id'", True)
     assert root_cause("loading weights\nno exception here") is None
+    # A bare `assert` prints no message: the traceback's last frame and its code line say what failed (vLLM 0.25.0 on
+    # a GPU, capturing CUDA graphs for a schedule with a range below num_speculative_tokens).
+    prefix = "(EngineCore pid=2792) ERROR 12-06 00:03:01 [core.py:1231] "
+    capture = "\n".join(prefix + line for line in (
+        '  File "/tmp/vllm-site/vllm/v1/worker/gpu/input_batch.py", line 109, in make_dummy',
+        "    assert 0 < num_reqs <= num_tokens", "           ^^^^^^^^^^^^^^^^^^^^^^^^^^", "AssertionError"))
+    assert root_cause(capture + "\n(APIServer pid=2703) RuntimeError: Engine core initialization failed. See root "
+                      "cause above. Failed core proc(s): {}") == (
+        "AssertionError at vllm/v1/worker/gpu/input_batch.py:109 in make_dummy: assert 0 < num_reqs <= num_tokens",
+        True)
     usage = "usage: api_server.py [-h] [--host HOST]\n                     [model_tag]\n"
     assert root_cause(usage + "api_server.py: error: unrecognized arguments: --no-such-flag") == (
         "the engine refused its command line: unrecognized arguments: --no-such-flag", True)

@@ -90,6 +90,10 @@ def ready_timeout(cfg: ServerSettings, checkpoint_bytes: int) -> float:
 # vLLM's worker lines "(Worker pid=7) ERROR 12-02 03:26:37 [multiproc_executor.py:953] AttributeError: ...".
 _EXCEPTION_LINE = re.compile(r"(?:^|[)\]]\s)((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.+)$")
 _ARGPARSE_LINE = re.compile(r"^[\w.-]+: error: (.+)$")
+# A bare exception line (an `assert` without a message): the traceback's last frame says what failed.
+_BARE_EXCEPTION_LINE = re.compile(r"(?:^|[)\]]\s)((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception))$")
+_FRAME_LINE = re.compile(r'File "(?:[^"]*?/)?((?:vllm|sglang|draftline|torch|transformers)/[^"]+|[^"/]+)", '
+                         r'line (\d+), in (\w+)')
 # Wrappers that only point at the real error printed before them.
 _WRAPPERS = ("See root cause above", "Engine core initialization failed", "Worker failed with error",
              "died unexpectedly", "exited with")
@@ -108,6 +112,10 @@ def root_cause(log_text: str) -> tuple[str, bool] | None:
     lines = log_text.replace("\r", "\n").splitlines()
     for n, line in enumerate(lines):
         m = _EXCEPTION_LINE.search(line.strip())
+        bare = None if m else _BARE_EXCEPTION_LINE.search(line.strip())
+        if bare:
+            found, detail = bare, _failed_frame(lines[max(0, n - 4):n])
+            continue
         if m and not any(w in m.group(2) for w in _WRAPPERS):
             found, detail = m, ""
             # pydantic's "1 validation error for X" gives the reason on the next, indented line
@@ -119,8 +127,24 @@ def root_cause(log_text: str) -> tuple[str, bool] | None:
         refused = next((m for m in map(_ARGPARSE_LINE.match, reversed(lines)) if m), None)
         return (f"the engine refused its command line: {refused.group(1)}", True) if refused else None
     kind = found.group(1).rsplit(".", 1)[-1]
-    message = f"{kind}: {found.group(2).strip()}{detail}"
+    message = f"{kind}: {found.group(2).strip()}{detail}" if found.re is _EXCEPTION_LINE else f"{kind}{detail}"
     return message, kind in _DETERMINISTIC and not any(p in message for p in _PASSING)
+
+
+def _failed_frame(before: list[str]) -> str:
+    """' at vllm/x.py:109 in make_dummy: assert 0 < n' from the traceback lines just above a bare exception line."""
+    for i in range(len(before) - 1, -1, -1):
+        frame = _FRAME_LINE.search(before[i])
+        if frame:
+            code = next((_strip_prefix(c) for c in before[i + 1:] if _strip_prefix(c) and
+                         set(_strip_prefix(c)) - set("^~ ")), "")
+            return f" at {frame.group(1)}:{frame.group(2)} in {frame.group(3)}" + (f": {code}" if code else "")
+    return " (no message)"
+
+
+def _strip_prefix(line: str) -> str:
+    """A log line without vLLM's process and logger prefixes."""
+    return re.sub(r"^\([^)]*pid=\d+\)\s*(?:[A-Z]+ [\d-]+ [\d:]+ \[[^\]]+\])?", "", line).strip()
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
