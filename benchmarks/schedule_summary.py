@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 KEPT = ("engine_version", "hardware", "target", "k", "ks", "num_prompts", "max_new_tokens", "extra_args", "parity",
         "schedule", "schedule_description", "schedule_supported", "schedule_support_note", "verification",
         "why_sweep", "min_speedup_scheduled", "min_ratio_to_best_fixed", "comparisons", "rejected", "sweep",
@@ -23,11 +25,30 @@ KEPT = ("engine_version", "hardware", "target", "k", "ks", "num_prompts", "max_n
 def summary_of(result: dict) -> dict:
     if "schedule" not in result:
         raise SystemExit(f"{result.get('engine')}: this evaluation has no schedule (run eval_gpu.py with --sweep-k)")
-    return {key: result.get(key) for key in KEPT}
+    out = {key: result.get(key) for key in KEPT}
+    if out["verification"] == "sweep":
+        out.update(compared_again(result))
+    return out
+
+
+def compared_again(result: dict) -> dict:
+    """The comparisons of a schedule verified on the sweep's own servers, computed from the recorded sweep by this
+    checkout's draftline.schedule (the same measurements; only the comparison's definition may have changed)."""
+    from draftline.schedule import Schedule, SweepPoint, compare, derive_schedule, verification_from_sweep
+
+    points = [SweepPoint.model_validate(p) for p in result["sweep"]]
+    ranges = [tuple(r) for r in result["schedule"]]
+    schedule = Schedule(engine=result["engine"], choices=derive_schedule(points, result["engine"]).choices,
+                        ranges=ranges, repeats=min(len(p.runs) or 1 for p in points))
+    schedule.verification = verification_from_sweep(schedule, points, result.get("why_sweep") or "")
+    comparisons = compare(schedule, points)
+    return {"comparisons": [c.model_dump(mode="json") for c in comparisons],
+            "min_speedup_scheduled": min(c.speedup for c in comparisons),
+            "min_ratio_to_best_fixed": min(c.ratio_to_best_fixed for c in comparisons)}
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| engine | target | schedule | min speedup scheduled | min ratio to best fixed | verified on |",
+    lines = ["| engine | target | schedule | min speedup scheduled | min ratio to best single setting | verified on |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         lines.append(f"| {r['engine']} {r['engine_version']} | {r['target_short']} | {r['schedule_description']} | "
