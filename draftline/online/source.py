@@ -38,8 +38,11 @@ def online_plan(config: PipelineConfig, store, identity: dict | None = None) -> 
     return build_plan(store, config.run, t.val_fraction, t.max_seq_len, t.seed, identity or plan_identity(config))
 
 
-def hand_off_folder(config: PipelineConfig) -> Path:
-    return spool_folder(config.train.online.spool_dir, config.store.root, config.run)
+def hand_off_folder(config: PipelineConfig, side: str = "trainer") -> Path:
+    """The side's local folder of the hand-off: one for both sides with hand_off local; with store each side its own
+    (named by the side, so that both may also run on one machine), which its relay mirrors through the store."""
+    folder = spool_folder(config.train.online.spool_dir, config.store.root, config.run)
+    return folder if config.train.online.hand_off == "local" else folder.with_name(f"{folder.name}-{side}")
 
 
 class EngineWatch:
@@ -221,7 +224,7 @@ def online_training_data(config: PipelineConfig, store) -> TrainingData:
         raise ConfigError("online_training_data is for train.source: engine")
     identity = plan_identity(config)
     plan = online_plan(config, store, identity)
-    folder = hand_off_folder(config)
+    folder = hand_off_folder(config, "trainer")
     folder.mkdir(parents=True, exist_ok=True)
     online = config.train.online
     watch = EngineWatch(folder, online.wait_s)
