@@ -504,3 +504,26 @@ def test_online_training_hands_off_through_s3_between_two_machines_folders(s3_ur
     clean_up(engine_config)
     clean_up(trainer_config)
     assert not hand_off_folder(engine_config, "engine").exists() and not hand_off_folder(trainer_config).exists()
+
+
+def test_a_failed_engine_through_the_store_leaves_no_states_there_and_the_rerun_resumes(s3_uri, tmp_path, monkeypatch):
+    from draftline.online.relay import online_prefix
+    from draftline.online.run import train_online
+
+    config = make_config(tmp_path, buffer_tokens=100, hand_off="store")
+    config = config.model_copy(update={"store": config.store.model_copy(update={"root": s3_uri}),
+                                       "train": config.train.model_copy(update={"max_steps": 6})})
+    store = open_store(s3_uri)
+    write_random_traces(store, config.run)
+    monkeypatch.setattr(engine_side, "EngineFeed", FakeFeed)
+    monkeypatch.setattr(FakeClient, "fail_after", 12, raising=False)
+    with pytest.raises(EngineError, match="the stand-in engine died"):
+        train_online(config, store)
+    assert not [k for k in store.list(config.run) if "/online/" in k]
+    latest = json.loads(store.get_bytes(f"{config.run}/train/checkpoints/latest.json"))
+    assert 0 < latest["step"] < 6
+    # The rerun resumes from the last checkpoint and asks the engine again, through the store, for what follows it.
+    monkeypatch.setattr(FakeClient, "fail_after", None, raising=False)
+    summary = train_online(config, store)
+    assert summary["resumed_from"] == latest["step"] and summary["steps"] == 6
+    assert summary["engine"]["trainer"] == "finished" and store.list(online_prefix(config.run)) == []
