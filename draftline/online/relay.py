@@ -95,8 +95,11 @@ class Relay:
             self.sync()
             for key in self.store.list(self.requests):
                 self.store.delete(key)
-            other = self._read(ENGINE if self.side == TRAINER_SIDE else TRAINER)
-            if other is not None and other.get("state") in ENDED[self.other]:
+            name = ENGINE if self.side == TRAINER_SIDE else TRAINER
+            other = self._read(name)
+            # The other side has ended, or has ended and cleaned up after itself (its status was here, and is gone):
+            # nobody reads this side's statuses any more. A side never heard from may still start, and needs them.
+            if (other is None and name in self._received) or (other or {}).get("state") in ENDED[self.other]:
                 self.store.delete_tree(self.prefix)
         except Exception as exc:  # the run's own outcome matters more; the next start clears the prefix
             log.warning("online relay (%s side): could not clean %s: %s", self.side, self.store.uri(self.prefix), exc)

@@ -14,6 +14,7 @@ from draftline.online.source import hand_off_folder
 from draftline.online.spool import FAILED, FINISHED, TRAINER, Status, reset
 
 log = logging.getLogger("draftline.online")
+ENGINE_STOP_WAIT_S = 10.0
 
 
 def prepare(config: PipelineConfig) -> None:
@@ -112,6 +113,8 @@ def train_online(config: PipelineConfig, store, on_line: Callable[[str], None] |
     thread.start()
     try:
         summary = run_trainer(config, store, on_line)
+        # The engine side stops on the trainer's word, which may still be crossing the store.
+        thread.join(timeout=ENGINE_STOP_WAIT_S)
     except EngineError:
         feed.stop()
         thread.join()
