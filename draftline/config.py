@@ -5,9 +5,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from draftline.aux_ids import AuxLayerIds
+from draftline.config_base import Strict
+from draftline.online.config import OnlineConfig
 from draftline.store import check_store_uri
 from draftline.store.keys import STORE_URI_PATTERN
 
@@ -19,12 +21,6 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # as any engine may draft.
 DEFAULT_K = 3
 MAX_K = 16
-
-
-class Strict(BaseModel):
-    """Base for all config sections: unknown keys are errors, and models are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class StoreConfig(Strict):
@@ -256,33 +252,6 @@ class DrafterConfig(Strict):
         "llama", description="The draft layer's attention: llama (every engine, the public EAGLE-3 drafters) or mla, "
         "DeepSeek's latent attention with the target's sizes (vLLM's Eagle3DeepseekV2ForCausalLM), for MLA targets "
         "whose engine needs one attention kind for target and drafter.")
-
-
-class OnlineConfig(Strict):
-    """Online training (train.source: engine): the capturing vLLM server (extract.vllm) hands each request's hidden
-    states to the trainer through a local folder instead of writing shards."""
-
-    buffer_tokens: int = Field(65536, ge=16, description="Tokens of captured states waiting for the trainer, at most "
-                               "(requests in flight and files not yet trained on): a full buffer holds the engine's "
-                               "next requests back until training catches up.")
-    spool_dir: str | None = Field(None, description="The local folder of the hand-off (the engine writes a file per "
-                                  "request, the trainer reads and deletes it); null: /dev/shm when it is writable, "
-                                  "else the temp dir.")
-    epoch_cache_tokens: int = Field(262144, ge=0, description="Tokens of states the trainer keeps in host memory "
-                                    "for the epochs after the first (the first it reads, 4 x hidden size x 2 bytes "
-                                    "each); the engine captures the rest again every epoch; 0: every epoch is "
-                                    "captured again. Several training processes keep none.")
-    wait_s: float = Field(1800.0, gt=0, description="Seconds the trainer waits for the engine's next states (its "
-                          "start and the validation capture included) before it fails naming the engine side.")
-    engine_memory_fraction: float | None = Field(
-        None, gt=0.0, lt=1.0, description="With the engine and the trainer on one GPU: the engine's share of its "
-        "memory (vLLM --gpu-memory-utilization), the trainer takes the rest; preflight checks that both fit; null: "
-        "extract.vllm's own flags decide.")
-    engine_devices: list[int] | None = Field(None, description="GPU indices the engine runs on (its "
-                                             "CUDA_VISIBLE_DEVICES); null: every GPU the worker sees.")
-    trainer_devices: list[int] | None = Field(None, description="GPU indices the trainer runs on (its "
-                                              "CUDA_VISIBLE_DEVICES), one process each up to train.processes; null: "
-                                              "every GPU the worker sees.")
 
 
 class TrainConfig(Strict):

@@ -457,3 +457,73 @@ def test_the_flow_names_the_side_that_failed(prefect_server, tmp_path, monkeypat
             train_online(config)
     assert _task_runs(prefect_server.api_url, "train-drafter-online") == {"online-engine": "Cancelled",
                                                                           "online-trainer": "Failed"}
+
+
+def test_online_training_hands_off_through_s3_between_two_machines_folders(s3_uri, tmp_path):
+    """train.online.hand_off store: the engine side and the trainer each with its own folder (as on two machines),
+    the states crossing through real S3; the training completes and the store keeps none of them."""
+    from draftline.online.relay import online_prefix
+    from draftline.online.run import clean_up, prepare, run_engine, run_trainer
+
+    base = make_config(tmp_path, buffer_tokens=100, hand_off="store")
+
+    def machine(folder: str) -> PipelineConfig:
+        online = base.train.online.model_copy(update={"spool_dir": str(tmp_path / folder)})
+        return base.model_copy(update={"store": base.store.model_copy(update={"root": s3_uri}),
+                                       "train": base.train.model_copy(update={"online": online})})
+
+    engine_config, trainer_config = machine("engine-shm"), machine("trainer-shm")
+    store = open_store(s3_uri)
+    write_random_traces(store, base.run)
+    prepare(engine_config)
+    prepare(trainer_config)
+    FakeFeed.clients.clear()
+    feed, out = FakeFeed(engine_config, store), {}
+
+    def engine_machine():
+        try:
+            out["result"] = run_engine(engine_config, store, feed=feed)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+
+    thread = threading.Thread(target=engine_machine, daemon=True)
+    thread.start()
+    try:
+        summary = run_trainer(trainer_config, store)
+    except BaseException:
+        feed.stop()
+        raise
+    finally:
+        thread.join(timeout=60)  # the engine side stops once the trainer's word crossed the store
+    assert "error" not in out and out["result"]["trainer"] == "finished"
+    assert summary["steps"] == 4 and summary["source"] == "engine"
+    # The engine wrote into its own folder and waited for the trainer to consume files through the store.
+    assert FakeFeed.clients[0].folder == hand_off_folder(engine_config, "engine") != hand_off_folder(trainer_config)
+    assert out["result"]["backpressure_s"] > 0
+    assert store.list(online_prefix(base.run)) == []
+    clean_up(engine_config)
+    clean_up(trainer_config)
+    assert not hand_off_folder(engine_config, "engine").exists() and not hand_off_folder(trainer_config).exists()
+
+
+def test_a_failed_engine_through_the_store_leaves_no_states_there_and_the_rerun_resumes(s3_uri, tmp_path, monkeypatch):
+    from draftline.online.relay import online_prefix
+    from draftline.online.run import train_online
+
+    config = make_config(tmp_path, buffer_tokens=100, hand_off="store")
+    config = config.model_copy(update={"store": config.store.model_copy(update={"root": s3_uri}),
+                                       "train": config.train.model_copy(update={"max_steps": 6})})
+    store = open_store(s3_uri)
+    write_random_traces(store, config.run)
+    monkeypatch.setattr(engine_side, "EngineFeed", FakeFeed)
+    monkeypatch.setattr(FakeClient, "fail_after", 12, raising=False)
+    with pytest.raises(EngineError, match="the stand-in engine died"):
+        train_online(config, store)
+    assert not [k for k in store.list(config.run) if "/online/" in k]
+    latest = json.loads(store.get_bytes(f"{config.run}/train/checkpoints/latest.json"))
+    assert 0 < latest["step"] < 6
+    # The rerun resumes from the last checkpoint and asks the engine again, through the store, for what follows it.
+    monkeypatch.setattr(FakeClient, "fail_after", None, raising=False)
+    summary = train_online(config, store)
+    assert summary["resumed_from"] == latest["step"] and summary["steps"] == 6
+    assert summary["engine"]["trainer"] == "finished" and store.list(online_prefix(config.run)) == []

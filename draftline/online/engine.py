@@ -55,7 +55,7 @@ class EngineFeed:
         """client(base_url, folder, workers, storage): what sends capture requests (extract_vllm.SpoolClient)."""
         self.config, self.store, self.log_dir = config, store, log_dir
         self.client = client
-        self.folder = hand_off_folder(config)
+        self.folder = hand_off_folder(config, "engine")
         self.say = say or (lambda msg: None)
         self.status = Status(self.folder / ENGINE, every_s=0.0)
         self.stats: dict = {"sequences_sent": 0, "tokens_sent": 0, "backpressure_s": 0.0, "restarts": 0}

@@ -38,16 +38,21 @@ def online_plan(config: PipelineConfig, store, identity: dict | None = None) -> 
     return build_plan(store, config.run, t.val_fraction, t.max_seq_len, t.seed, identity or plan_identity(config))
 
 
-def hand_off_folder(config: PipelineConfig) -> Path:
-    return spool_folder(config.train.online.spool_dir, config.store.root, config.run)
+def hand_off_folder(config: PipelineConfig, side: str = "trainer") -> Path:
+    """The side's local folder of the hand-off: one for both sides with hand_off local; with store each side its own
+    (named by the side, so that both may also run on one machine), which its relay mirrors through the store."""
+    folder = spool_folder(config.train.online.spool_dir, config.store.root, config.run)
+    return folder if config.train.online.hand_off == "local" else folder.with_name(f"{folder.name}-{side}")
 
 
 class EngineWatch:
     """The trainer's view of the engine side: raises one EngineError, naming the engine side, when it failed, stopped,
     or gave no sign of life (its status heartbeat) for wait_s seconds."""
 
-    def __init__(self, folder: Path, wait_s: float):
+    def __init__(self, folder: Path, wait_s: float, reaches: str | None = None):
+        """reaches: where the engine side's statuses come from, when not written into `folder` itself (the store)."""
         self.folder, self.wait_s = folder, wait_s
+        self.reaches = reaches or f"does it write to {folder}"
         self.since = time.time()
         self._checked = 0.0
 
@@ -67,7 +72,7 @@ class EngineWatch:
         if now - alive > self.wait_s:
             raise EngineError(f"the engine side of online training gave no sign of life for {now - alive:.0f} s while "
                               f"the trainer waited for {waiting_for} (train.online.wait_s={self.wait_s:.0f}); is its "
-                              f"task running, and does it write to {self.folder}?", transient=False)
+                              f"task running, and {self.reaches}?", transient=False)
         return status
 
 
@@ -221,10 +226,15 @@ def online_training_data(config: PipelineConfig, store) -> TrainingData:
         raise ConfigError("online_training_data is for train.source: engine")
     identity = plan_identity(config)
     plan = online_plan(config, store, identity)
-    folder = hand_off_folder(config)
+    folder = hand_off_folder(config, "trainer")
     folder.mkdir(parents=True, exist_ok=True)
     online = config.train.online
-    watch = EngineWatch(folder, online.wait_s)
+    reaches = None
+    if online.hand_off == "store":
+        from draftline.online.relay import online_prefix
+
+        reaches = f"does its relay reach {store.uri(online_prefix(config.run))}"
+    watch = EngineWatch(folder, online.wait_s, reaches)
     val_parts, entries = _held_out_parts(config, store, plan, watch)
     val_tokens = sum(p.tokens for p in val_parts)
 

@@ -33,6 +33,11 @@ def request_key(generation: int, ordinal: int, tokens: int) -> str:
     return f"g{generation % 10000:04d}-o{ordinal:012d}-t{tokens:07d}"
 
 
+def request_file(name: str) -> re.Match | None:
+    """The parts of a request file's name (generation, ordinal, tokens, suffix), or None for any other file."""
+    return _FILE.match(name)
+
+
 def spool_folder(root: str | None, store_uri: str, run: str) -> Path:
     """The run's hand-off folder: under `root`, else /dev/shm when writable, else the temp dir; one per store and run,
     so that the engine side and the trainer find it from the config alone."""
