@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(--run, default eval-NAME or compare-A-vs-B) and no regression history")
             _add_ids(p)
     _add_plan(sub)
+    _add_online(sub)
     conv = sub.add_parser("convert", help="write a drafter of any layout in one engine's format",
                           description="write a drafter of any layout draftline reads (its own exports, the "
                                       "EAGLE/SpecForge layout, the speculators format, an MLA head) in one engine's "
@@ -127,6 +128,48 @@ def _plan(args) -> int:
     print(render(plan))
     path = write_plan(plan, args.json or f"plan-{cfg.run}.json")
     print(f"plan written to {path}")
+    return 0
+
+
+def _add_online(sub) -> None:
+    text = ("one side of online training on two machines (train.source engine, train.online.hand_off store): "
+            "`prepare` once, then `engine` on the engine's machine and `trainer` on the trainer's, with one config")
+    p = sub.add_parser("online", help=text, description=text)
+    p.add_argument("side", choices=("prepare", "engine", "trainer"),
+                   help="prepare: clear an earlier session's hand-off; engine: serve the target and feed its states; "
+                        "trainer: train the drafter from them")
+    p.add_argument("config", metavar="CONFIG", help="pipeline config (YAML), the same on both machines")
+    p.add_argument("--store", help="override store.root: the s3://bucket/prefix both machines reach")
+    p.add_argument("--run", help="override the run name")
+    _add_set(p)
+
+
+def _online(args) -> int:
+    cfg = load_with_overrides(args.config, args.store, args.run, args.settings)
+    if cfg.train.source != "engine" or cfg.train.online.hand_off != "store":
+        raise ConfigError(f"`draftline online {args.side}` runs one side of online training on two machines, which "
+                          "needs train.source: engine and train.online.hand_off: store (the config has "
+                          f"{cfg.train.source} and {cfg.train.online.hand_off}); on one machine `draftline train` runs "
+                          "both sides")
+    from draftline import stages
+    from draftline.store import open_store
+
+    if args.side == "prepare":
+        stages.online_prepare(cfg)
+        print(f"online training of run {cfg.run!r}: the hand-off under {cfg.store.root} is clear")
+        return 0
+    store = open_store(cfg.store.root)
+    if args.side == "engine":
+        result = stages.online_engine(cfg, store, say=print)
+        print(f"engine side done: the trainer {result.get('trainer')}")
+        return 0
+    completed = False
+    try:
+        summary = stages.online_trainer(cfg, store, on_line=print)
+        completed = True
+    finally:
+        stages.online_trainer_ended(cfg, completed)
+    print(f"trainer done: {summary.get('steps')} steps; the drafter is in {store.uri(cfg.run)}/train/")
     return 0
 
 
@@ -317,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             return _init(args) if args.config_command == "init" else _validate(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "online":
+            return _online(args)
         return _run_stage(args)
     except Exception as exc:  # noqa: BLE001 - every failure becomes its sentence and exit code
         return report_failure(exc, bad_input=isinstance(exc, ConfigError))

@@ -527,3 +527,61 @@ def test_a_failed_engine_through_the_store_leaves_no_states_there_and_the_rerun_
     summary = train_online(config, store)
     assert summary["resumed_from"] == latest["step"] and summary["steps"] == 6
     assert summary["engine"]["trainer"] == "finished" and store.list(online_prefix(config.run)) == []
+
+
+def _config_file(config: PipelineConfig, path: Path) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return str(path)
+
+
+def test_the_online_commands_refuse_a_config_whose_sides_cannot_be_on_two_machines(tmp_path, capsys):
+    from draftline.cli import main
+
+    local = _config_file(make_config(tmp_path), tmp_path / "local.yaml")
+    assert main(["online", "engine", local]) == 2
+    err = capsys.readouterr().err
+    assert "train.online.hand_off: store" in err and "`draftline train` runs both sides" in err
+
+
+def test_the_trainer_command_trains_from_an_engine_side_on_another_machine_through_s3(s3_uri, tmp_path, capsys):
+    """`draftline online prepare` and `draftline online trainer` with the trainer's own folder, fed by an engine side
+    that writes into another folder: the drafter is trained and checkpointed in the store, no states stay there."""
+    from draftline.cli import main
+    from draftline.online.relay import online_prefix
+    from draftline.online.run import run_engine
+
+    base = make_config(tmp_path, buffer_tokens=100, hand_off="store")
+
+    def machine(folder: str) -> PipelineConfig:
+        online = base.train.online.model_copy(update={"spool_dir": str(tmp_path / folder)})
+        return base.model_copy(update={"store": base.store.model_copy(update={"root": s3_uri}),
+                                       "train": base.train.model_copy(update={"online": online})})
+
+    engine_config, trainer_config = machine("engine-shm"), machine("trainer-shm")
+    store = open_store(s3_uri)
+    write_random_traces(store, base.run)
+    trainer_file = _config_file(trainer_config, tmp_path / "trainer.yaml")
+    assert main(["online", "prepare", trainer_file]) == 0
+    feed, out = FakeFeed(engine_config, store), {}
+
+    def engine_machine():
+        try:
+            out["result"] = run_engine(engine_config, store, feed=feed)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+
+    thread = threading.Thread(target=engine_machine, daemon=True)
+    thread.start()
+    try:
+        assert main(["online", "trainer", trainer_file]) == 0
+    except BaseException:
+        feed.stop()
+        raise
+    finally:
+        thread.join(timeout=60)  # the engine side stops once the trainer's word crossed the store
+    assert "trainer done: 4 steps" in capsys.readouterr().out
+    assert "error" not in out and out["result"]["trainer"] == "finished"
+    assert any(key.startswith(f"{base.run}/train/") for key in store.list(f"{base.run}/train/"))
+    assert store.list(online_prefix(base.run)) == []
