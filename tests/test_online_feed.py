@@ -459,12 +459,8 @@ def test_the_flow_names_the_side_that_failed(prefect_server, tmp_path, monkeypat
                                                                           "online-trainer": "Failed"}
 
 
-def test_online_training_hands_off_through_s3_between_two_machines_folders(s3_uri, tmp_path):
-    """train.online.hand_off store: the engine side and the trainer each with its own folder (as on two machines),
-    the states crossing through real S3; the training completes and the store keeps none of them."""
-    from draftline.online.relay import online_prefix
-    from draftline.online.run import clean_up, prepare, run_engine, run_trainer
-
+def two_machines(tmp_path: Path, s3_uri: str) -> tuple[PipelineConfig, PipelineConfig]:
+    """One config with hand_off store as the engine's machine and the trainer's see it: each with its own folder."""
     base = make_config(tmp_path, buffer_tokens=100, hand_off="store")
 
     def machine(folder: str) -> PipelineConfig:
@@ -472,22 +468,40 @@ def test_online_training_hands_off_through_s3_between_two_machines_folders(s3_ur
         return base.model_copy(update={"store": base.store.model_copy(update={"root": s3_uri}),
                                        "train": base.train.model_copy(update={"online": online})})
 
-    engine_config, trainer_config = machine("engine-shm"), machine("trainer-shm")
+    return machine("engine-shm"), machine("trainer-shm")
+
+
+def engine_machine(config: PipelineConfig, store) -> tuple[FakeFeed, threading.Thread, dict]:
+    """The engine side (the stand-in client) running as on its own machine, in a thread; its result or error in out."""
+    from draftline.online.run import run_engine
+
+    feed, out = FakeFeed(config, store), {}
+
+    def run():
+        try:
+            out["result"] = run_engine(config, store, feed=feed)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return feed, thread, out
+
+
+def test_online_training_hands_off_through_s3_between_two_machines_folders(s3_uri, tmp_path):
+    """train.online.hand_off store: the engine side and the trainer each with its own folder (as on two machines),
+    the states crossing through real S3; the training completes and the store keeps none of them."""
+    from draftline.online.relay import online_prefix
+    from draftline.online.run import clean_up, prepare, run_trainer
+
+    engine_config, trainer_config = two_machines(tmp_path, s3_uri)
+    base = engine_config
     store = open_store(s3_uri)
     write_random_traces(store, base.run)
     prepare(engine_config)
     prepare(trainer_config)
     FakeFeed.clients.clear()
-    feed, out = FakeFeed(engine_config, store), {}
-
-    def engine_machine():
-        try:
-            out["result"] = run_engine(engine_config, store, feed=feed)
-        except BaseException as exc:  # noqa: BLE001 - the test reads it
-            out["error"] = exc
-
-    thread = threading.Thread(target=engine_machine, daemon=True)
-    thread.start()
+    feed, thread, out = engine_machine(engine_config, store)
     try:
         summary = run_trainer(trainer_config, store)
     except BaseException:
@@ -550,30 +564,13 @@ def test_the_trainer_command_trains_from_an_engine_side_on_another_machine_throu
     that writes into another folder: the drafter is trained and checkpointed in the store, no states stay there."""
     from draftline.cli import main
     from draftline.online.relay import online_prefix
-    from draftline.online.run import run_engine
-
-    base = make_config(tmp_path, buffer_tokens=100, hand_off="store")
-
-    def machine(folder: str) -> PipelineConfig:
-        online = base.train.online.model_copy(update={"spool_dir": str(tmp_path / folder)})
-        return base.model_copy(update={"store": base.store.model_copy(update={"root": s3_uri}),
-                                       "train": base.train.model_copy(update={"online": online})})
-
-    engine_config, trainer_config = machine("engine-shm"), machine("trainer-shm")
+    engine_config, trainer_config = two_machines(tmp_path, s3_uri)
+    base = engine_config
     store = open_store(s3_uri)
     write_random_traces(store, base.run)
     trainer_file = _config_file(trainer_config, tmp_path / "trainer.yaml")
     assert main(["online", "prepare", trainer_file]) == 0
-    feed, out = FakeFeed(engine_config, store), {}
-
-    def engine_machine():
-        try:
-            out["result"] = run_engine(engine_config, store, feed=feed)
-        except BaseException as exc:  # noqa: BLE001 - the test reads it
-            out["error"] = exc
-
-    thread = threading.Thread(target=engine_machine, daemon=True)
-    thread.start()
+    feed, thread, out = engine_machine(engine_config, store)
     try:
         assert main(["online", "trainer", trainer_file]) == 0
     except BaseException:
