@@ -104,6 +104,10 @@ def kimi_config(source: Path, ids: dict[str, int], vocab_size: int) -> dict:
         "image_token_id": ids["<|media_pad|>"],
         # Kimi-K2.5's own config.json carries it; vLLM reads it when it attaches an EAGLE-3 drafter to this class.
         "media_placeholder_token_id": ids["<|media_pad|>"],
+        # vLLM routes image and video parts to this class's one modality (vision_chunk) only where the config says so,
+        # as Kimi-K2.5's does; without it vLLM's chat API takes no image ("At most 0 image(s) may be provided").
+        "use_unified_vision_chunk": True,
+        "video_placeholder": "<|kimi_k25_video_placeholder|>",
         "video_token_id": ids["<|kimi_k25_video_placeholder|>"],
         "vision_start_token_id": ids["<|media_begin|>"],
         "vision_end_token_id": ids["<|media_end|>"],
