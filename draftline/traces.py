@@ -66,11 +66,12 @@ def shard_prompts(cfg: TracesConfig, prompts: list[dict], shard_index: int) -> l
     return prompts[shard_index * cfg.traces_per_shard:(shard_index + 1) * cfg.traces_per_shard]
 
 
-def encode_prompt(tokenizer, prompt: dict, use_chat_template: bool, template: ChatTemplate | None = None
-                  ) -> list[int]:
+def encode_prompt(tokenizer, prompt: dict, use_chat_template: bool, template: ChatTemplate | None = None,
+                  image_refusal: str | None = turn_lib.TEXT_ONLY, origin: Origin | None = None) -> list[int]:
     """Token ids the target sees before its answer to the last turn: the chat template (the tokenizer's, or
-    `template`) with a generation prompt, or the raw text."""
-    d = turn_lib.plan(prompt, Origin(f"prompt {prompt['id']!r}"), "last", "regenerate", use_chat_template)
+    `template`) with a generation prompt, or the raw text; an image gives one placeholder (image_refusal: None)."""
+    d = turn_lib.plan(prompt, origin or Origin(f"prompt {prompt['id']!r}"), "last", "regenerate", use_chat_template,
+                      image_refusal)
     return turn_lib.turn_prompt(d, 0, tokenizer, template or ChatTemplate(), use_chat_template)[1]
 
 
