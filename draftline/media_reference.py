@@ -93,7 +93,7 @@ class MediaFeed:
         self.model, self.placeholder = model, placeholder
         self.rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.all_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # every prompt's: `rows` is a window
-        self._handle = None
+        self._handles: list = []
 
     def _pre_hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -109,10 +109,11 @@ class MediaFeed:
                       image_grid_thw=torch.cat([g for _, g in images]).to(param.device))
         return args, kwargs
 
-    def attach(self) -> None:
-        self._handle = self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+    def attach(self, model=None) -> None:
+        """Feed `model` (default: the one given at construction; another precision's copy shares the rows)."""
+        self._handles.append((model or self.model).register_forward_pre_hook(self._pre_hook, with_kwargs=True))
 
     def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -244,10 +244,12 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_
             modes["plain"].add(plain.mode)
         def load_other():
             other_model, _ = load_target(target_dir, _OTHER_PRECISION[dtype], device)
+            if feed is not None:
+                feed.attach(other_model)
             return other_model, load_drafter(drafter_dir, other_model, _DTYPES[_OTHER_PRECISION[dtype]], device)
 
         shifted, other = variant_runs(decoder, batches, max_new_tokens, stats, seed, aux_shifts,
-                                      (_OTHER_PRECISION[dtype], load_other) if other_precision and feed is None else None,
+                                      (_OTHER_PRECISION[dtype], load_other) if other_precision else None,
                                       before_batch=images_of)
         return ReferenceResult(
             target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, draft_sampling=draft_sampling,

@@ -367,7 +367,7 @@ def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, a
     limit, media_ids = _length_limit(cfg, target_dir), media_token_ids(target_dir)
     lines, seen, skipped = [], set(), []
     dropped = {"prompt_too_long": 0, "response_too_short": 0, "duplicate": 0, "bad_record": 0}
-    prompt_tokens = response_tokens = answers = images = 0
+    prompt_tokens = response_tokens = answers = image_count = 0
     hist = [0] * (len(LENGTH_BINS) - 1)
     for d in dialogues:
         if d.dropped:
@@ -380,8 +380,9 @@ def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, a
             if sum(loss_mask) < cfg.min_response_tokens:
                 dropped["response_too_short"] += 1
                 continue
-            if cfg.drop_duplicates:
-                k = hashlib.sha256(json.dumps(input_ids).encode()).digest()
+            images = [part_source(p) for _, _, p in image_parts(turn_lib.history(d, n))] if d.media else None
+            if cfg.drop_duplicates:  # the same ids with other images are another trace
+                k = hashlib.sha256(json.dumps([input_ids, images] if images else input_ids).encode()).digest()
                 if k in seen:
                     dropped["duplicate"] += 1
                     continue
@@ -389,15 +390,15 @@ def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, a
             text = "\n\n".join(tok.decode(a.ids, skip_special_tokens=True) for a in said)
             trace = {"id": f"{d.record['id']}:{n}", "prompt_id": d.record["id"], "input_ids": input_ids,
                      "loss_mask": loss_mask, "text": text}
-            if d.media:  # what extraction sends with the ids so that the engine computes the same media states
-                trace["images"] = [part_source(p) for _, _, p in image_parts(turn_lib.history(d, n))]
-                images += len(trace["images"])
+            if images:  # what extraction sends with the ids so that the engine computes the same media states
+                trace["images"] = images
+                image_count += len(images)
             lines.append(json.dumps(trace, ensure_ascii=False))
             response_tokens += sum(loss_mask)
             prompt_tokens += len(loss_mask) - sum(loss_mask)
             answers += len(said)
             hist[_bin(len(input_ids))] += 1
-    stats = {"count": len(lines), "prompts": len(mine), "answers": answers, "images": images, "dropped": dropped,
+    stats = {"count": len(lines), "prompts": len(mine), "answers": answers, "images": image_count, "dropped": dropped,
              "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
              "total_tokens": prompt_tokens + response_tokens, "length_histogram": hist, "skipped": skipped}
     data = ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8")
