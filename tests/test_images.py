@@ -128,3 +128,26 @@ def test_bad_images_stop_the_traces_before_any_server_or_are_skipped_and_counted
                             store, "skip-text")
     assert stats["dropped"]["bad_record"] == 2 and stats["skipped"]["count"] == 2
     assert [s["field"] for s in stats["skipped"]["records"]] == ["messages[0].content[0]"] * 2
+
+
+def test_the_evaluation_sends_each_image_as_a_data_url_as_the_traces_do(tmp_path):
+    from draftline.engines.client import load_prompts
+
+    (tmp_path / "red.png").write_bytes(_png())
+    prompts = _prompts(tmp_path, [_record({"type": "image", "image": "red.png"}), {"id": "t", "prompt": "Hi"}])
+    image, text = load_prompts(prompts)
+    assert _decoded(image.messages[0]["content"][0]).getpixel((0, 0)) == (255, 0, 0)
+    assert image.messages[0]["content"][1] == {"type": "text", "text": "What colour?"} and text.prompt == "Hi"
+
+
+def test_the_reference_decoder_refuses_an_image_the_processor_would_resize_in_one_sentence(tmp_path):
+    from draftline.media_reference import prompt_media
+
+    (tmp_path / "odd.png").write_bytes(_png(size=(30, 30)))
+    (tmp_path / "fits.png").write_bytes(_png(size=(56, 84)))
+    ids = [1, 4099, 2]
+    expanded, images = prompt_media(KIMI, _record({"type": "image", "image": "fits.png"}), ids, ORIGIN, tmp_path)
+    assert expanded == [1] + [4099] * 6 + [2] and images[0][1].tolist() == [[1, 6, 4]]
+    with pytest.raises(BadRecord, match=r"^prompts.jsonl, line 1, messages\[0\].content\[0\]: it is 30x30 pixels, "
+                                        r"which the target's processor resizes or pads; .* multiples of 28 pixels"):
+        prompt_media(KIMI, _record({"type": "image", "image": "odd.png"}), ids, ORIGIN, tmp_path)
