@@ -151,3 +151,16 @@ def test_the_reference_decoder_refuses_an_image_the_processor_would_resize_in_on
     with pytest.raises(BadRecord, match=r"^prompts.jsonl, line 1, messages\[0\].content\[0\]: it is 30x30 pixels, "
                                         r"which the target's processor resizes or pads; .* multiples of 28 pixels"):
         prompt_media(KIMI, _record({"type": "image", "image": "odd.png"}), ids, ORIGIN, tmp_path)
+
+
+def test_the_report_says_how_many_prompts_had_images_on_each_engine_that_served_them():
+    from draftline.eval_result import EvalResult
+    from draftline.report import rendering_markdown
+
+    def row(engine, status):
+        return EvalResult(run="r", engine=engine, engine_version="1", status=status, hardware="cpu", target="t",
+                          target_path="t", drafter="d", drafter_path="d", prompt_set="p", num_prompts=8,
+                          num_prompts_with_images=6, num_speculative_tokens=3, chat_template={"template": "x"})
+
+    lines = rendering_markdown([row("vllm", "ok"), row("sglang", "skipped")], {"chat_template": {}, "images": 18})
+    assert lines[-1] == "Prompts with images (sent to the engines' chat API): vllm: 6 of its 8 prompts; traces: 18 images."
