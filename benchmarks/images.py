@@ -144,7 +144,8 @@ def main() -> None:
         return a / b if a and b else None
 
     result = {
-        "what": "mean acceptance length (tau, k=3) on demo-kimi's 9 held-out image prompts: a drafter trained on traces "
+        "what": "mean acceptance length (tau, k=3) on demo-kimi's 9 held-out image prompts: a drafter trained on "
+                "traces "
                 "with the demo's 18 image prompts among text ones against one trained on text alone, same count and "
                 "budget",
         "tau_source": "reference decoder (draftline's torch decoder, the target's own vision tower); vLLM's alongside",
@@ -164,7 +165,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'drafter trained':<14} {'image traces':>12} {'reference tau':>14} {'vLLM tau':>9}")
     for name, r in runs.items():
-        print(f"{name:<14} {r['trained_on']['traces_with_images']:>12} {r['reference']['mean_acceptance_length']:>14.3f} "
+        ref_tau = r["reference"]["mean_acceptance_length"]
+        print(f"{name:<14} {r['trained_on']['traces_with_images']:>12} {ref_tau:>14.3f} "
               f"{r['vllm']['mean_acceptance_length'] or float('nan'):>9.3f}")
     print(f"tau_ratio: reference {result['tau_ratio']:.3f}, vLLM {result['vllm']['tau_ratio'] or float('nan'):.3f}")
     print(f"wrote {args.out}")

@@ -213,6 +213,7 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_
         def images_of(first: int, count: int) -> None:  # the images of the rows about to be decoded, if any
             if feed is not None:
                 feed.rows = feed.all_rows[first:first + count]
+
         eos = eos_token_ids(target_dir, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         decoder = SpeculativeDecoder(model, drafter, k, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
@@ -237,11 +238,14 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_
                                  pad_token_id=pad, seed=seed + start, fast=fast, sync_every=sync_every)
             spec = decoder.generate(batch, max_new_tokens, seed=seed + start)
             stats.add(spec.stats)
-            spec_tokens, spec_s, spec_fw = spec_tokens + spec.num_tokens, spec_s + spec.seconds, spec_fw + spec.target_forwards
-            plain_tokens, plain_s, plain_fw = plain_tokens + plain.num_tokens, plain_s + plain.seconds, plain_fw + plain.target_forwards
+            spec_tokens, spec_s = spec_tokens + spec.num_tokens, spec_s + spec.seconds
+            spec_fw = spec_fw + spec.target_forwards
+            plain_tokens, plain_s = plain_tokens + plain.num_tokens, plain_s + plain.seconds
+            plain_fw = plain_fw + plain.target_forwards
             match = match and spec.tokens == plain.tokens
             modes["spec"].add(spec.mode)
             modes["plain"].add(plain.mode)
+
         def load_other():
             other_model, _ = load_target(target_dir, _OTHER_PRECISION[dtype], device)
             if feed is not None:
@@ -264,7 +268,6 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_
     finally:
         if feed is not None:  # the target may be the caller's, used again without images
             feed.detach()
-
 
 
 def _encoded(rows, prompts, target_dir, model, tokenizer, use_chat_template: bool, template: ChatTemplate):

@@ -163,4 +163,5 @@ def test_the_report_says_how_many_prompts_had_images_on_each_engine_that_served_
                           num_prompts_with_images=6, num_speculative_tokens=3, chat_template={"template": "x"})
 
     lines = rendering_markdown([row("vllm", "ok"), row("sglang", "skipped")], {"chat_template": {}, "images": 18})
-    assert lines[-1] == "Prompts with images (sent to the engines' chat API): vllm: 6 of its 8 prompts; traces: 18 images."
+    assert lines[-1] == ("Prompts with images (sent to the engines' chat API): vllm: 6 of its 8 prompts; "
+                         "traces: 18 images.")

@@ -73,7 +73,8 @@ def write_images_and_prompts(out: Path = IMAGES) -> dict[str, Path]:
         for q, question in enumerate(QUESTIONS):
             split = "eval" if q == n % len(QUESTIONS) else "train"
             rows[split].append({"id": f"image-{name}-{q}", "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": f"images/{name}.png"}}, {"type": "text", "text": question}]}]})
+                {"type": "image_url", "image_url": {"url": f"images/{name}.png"}},
+                {"type": "text", "text": question}]}]})
     for i, text in enumerate(TEXT_PROMPTS):
         rows["train" if i % 2 else "eval"].append({"id": f"text-{i}", "messages": [{"role": "user", "content": text}]})
     paths = {}
@@ -165,8 +166,8 @@ def greedy_answers(model, tok, feed, pixels, placeholder) -> dict[str, str]:
 
 
 # transformers' names of the tower and projector -> Kimi-K2.5's checkpoint names (the layout vLLM reads).
-_RENAMES = (("model.mm_projector.in_proj.", "mm_projector.proj.0."), ("model.mm_projector.out_proj.", "mm_projector.proj.2."),
-            ("model.mm_projector.", "mm_projector."), ("model.vision_tower.final_layernorm.",
+_RENAMES = (("model.mm_projector.in_proj.", "mm_projector.proj.0."),
+            ("model.mm_projector.out_proj.", "mm_projector.proj.2."), ("model.mm_projector.", "mm_projector."), ("model.vision_tower.final_layernorm.",
                                                         "vision_tower.encoder.final_layernorm."),
             ("model.vision_tower.patch_embed.pos_emb.position_embeddings", "vision_tower.patch_embed.pos_emb.weight"),
             ("model.vision_tower.patch_embed.", "vision_tower.patch_embed."))
@@ -191,7 +192,8 @@ def checkpoint_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             pre = f"vision_tower.encoder.blocks.{block}."
             if rest.startswith("attn.q_proj."):
                 kind = rest.rsplit(".", 1)[1]
-                parts = [state[name.replace("q_proj", p)].detach().to(torch.bfloat16) for p in ("q_proj", "k_proj", "v_proj")]
+                parts = [state[name.replace("q_proj", p)].detach().to(torch.bfloat16)
+                         for p in ("q_proj", "k_proj", "v_proj")]
                 heads = kimi.VISION["num_attention_heads"]
                 parts[:2] = [_rope_layout(x, heads) for x in parts[:2]]
                 out[f"{pre}wqkv.{kind}"] = torch.cat(parts).contiguous()
