@@ -18,8 +18,8 @@ from draftline.errors import ConfigError
 from draftline.images import IMAGE_TYPES
 
 # Why a record's image cannot be used when nothing says the target takes images.
-TEXT_ONLY = ("the reference decoder gives the target token ids and runs no vision tower; evaluate image prompts "
-             "on the engines alone (eval.reference.enabled: false) or keep text parts only")
+TEXT_ONLY = ("this target has no vision tower (no vision_config in its config.json); remove the image or use a "
+             "multimodal target")
 
 # Generates answers: (prompt token ids, seeds, token budgets) -> the answers' token ids, one list per prompt.
 Answerer = Callable[[list[list[int]], list[int], list[int]], list[list[int]]]
