@@ -165,3 +165,10 @@ def test_the_report_says_how_many_prompts_had_images_on_each_engine_that_served_
     lines = rendering_markdown([row("vllm", "ok"), row("sglang", "skipped")], {"chat_template": {}, "images": 18})
     assert lines[-1] == ("Prompts with images (sent to the engines' chat API): vllm: 6 of its 8 prompts; "
                          "traces: 18 images.")
+
+
+def test_extraction_sends_one_placeholder_per_image_for_vllm_to_expand_again():
+    from draftline.extract_vllm import collapse_runs
+
+    assert collapse_runs([1, 7, 7, 7, 7, 2, 7, 7, 3, 7], 7) == [1, 7, 2, 7, 3, 7]
+    assert collapse_runs([1, 2, 3], None) == [1, 2, 3]
