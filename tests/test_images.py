@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,12 @@ def test_extraction_sends_one_placeholder_per_image_for_vllm_to_expand_again():
 
     assert collapse_runs([1, 7, 7, 7, 7, 2, 7, 7, 3, 7], 7) == [1, 7, 2, 7, 3, 7]
     assert collapse_runs([1, 2, 3], None) == [1, 2, 3]
+
+
+def test_an_s3_image_is_read_from_the_store_and_a_missing_one_is_named(s3_uri):
+    open_store(s3_uri).put_bytes("pics/red.png", _png())
+    part = engine_part({"type": "image", "image": f"{s3_uri}/pics/red.png"}, ORIGIN, PART)
+    assert _decoded(part).getpixel((0, 0)) == (255, 0, 0)
+    with pytest.raises(BadRecord, match=rf"^prompts.jsonl, line 1, {re.escape(PART)}: its image cannot be read \(no "
+                                        rf"object at {re.escape(s3_uri)}/pics/blue.png\)"):
+        engine_part({"type": "image", "image": f"{s3_uri}/pics/blue.png"}, ORIGIN, PART)
