@@ -138,6 +138,7 @@ class EvalResult(BaseModel):
     prompt_set: str
     prompt_set_sha256: str | None = None
     num_prompts: int = 0
+    num_prompts_with_images: int = 0  # of them, those with image parts (sent to the engine's chat API)
     # How the chat prompts were rendered: by whom, the template (a file, or the target tokenizer's own), its sha256
     # where known, and the kwargs.
     chat_template: dict[str, Any] | None = None

@@ -19,6 +19,7 @@ from draftline.engines.client import (
 from draftline.conversations import source_name, source_sha256
 from draftline.engines.launch import launch
 from draftline.engines.preflight import EngineUnavailable, check_drafter, preflight
+from draftline.images import image_parts
 from draftline.errors import ConfigError, EngineError
 from draftline.eval_result import ConcurrencyPoint, EngineWarning, EvalResult, timestamp
 from draftline.layout import eval_prefix, eval_result_key
@@ -237,6 +238,7 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     prefix, result_key = eval_prefix(run, cfg.engine), eval_result_key(run, cfg.engine)
     result = _new_result(cfg, adapter, target_dir, drafter_dir, prompts_path, len(prompts), eval_cfg, run,
                          trained_aux_layer_ids, template)
+    result.num_prompts_with_images = sum(1 for p in prompts if image_parts(p.messages or []))
     try:
         facts = preflight(cfg, target_dir, drafter_dir, trained_aux_layer_ids)
     except EngineUnavailable as exc:

@@ -25,6 +25,7 @@ from draftline.hidden_shards import (
     STAGE, HostShard, check_traces, load_shard_traces, trace_entries, finalize_hidden_states,
     length_buckets, plan_hidden_shards, shard_spec, write_hidden_shard,
 )
+from draftline.images import media_placeholder_id
 from draftline.layout import hidden_logs_prefix
 from draftline.shards import finished_shard
 from draftline.safetensors_io import map_safetensors
@@ -116,14 +117,19 @@ def write_final_norm(target_dir: str | Path, folder: Path) -> Path:
     return path
 
 
+def collapse_runs(token_ids: list[int], token: int | None) -> list[int]:
+    """The ids with every run of `token` cut to one."""
+    return [t for i, t in enumerate(token_ids) if t != token or i == 0 or token_ids[i - 1] != token]
+
+
 class SpoolClient:
     """Sends one completion per sequence (max_tokens 1, tagged with a spool key and the storage) and maps what the
     connector spooled for it."""
 
     def __init__(self, base_url: str, spool_dir: Path, served_name: str = "target", workers: int = 64,
-                 wait_s: float = SPOOL_WAIT_S, storage: str = BF16):
+                 wait_s: float = SPOOL_WAIT_S, storage: str = BF16, media_placeholder: int | None = None):
         self.base_url, self.spool_dir, self.served_name, self.wait_s = base_url, spool_dir, served_name, wait_s
-        self.storage = storage
+        self.storage, self.media_placeholder = storage, media_placeholder
         self.http = httpx.Client(timeout=600.0, limits=httpx.Limits(max_connections=workers))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="draftline-capture")
 
@@ -131,17 +137,30 @@ class SpoolClient:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.http.close()
 
-    def submit(self, key: str, token_ids: list[int]) -> Future:
-        return self.pool.submit(self.capture, key, token_ids)
+    def submit(self, key: str, token_ids: list[int], images: list[str] | None = None) -> Future:
+        return self.pool.submit(self.capture, key, token_ids, images)
 
-    def request(self, key: str, token_ids: list[int]) -> None:
-        """One capture request; returns once vLLM has answered it (its connector writes the file just after)."""
+    def request(self, key: str, token_ids: list[int], images: list[str] | None = None) -> None:
+        """One capture request; returns once vLLM has answered it (its connector writes the file just after).
+        images: the trace's image URLs; its ids already hold the media tokens vLLM expanded when it answered, so
+        the ids go to vLLM's token-in endpoint with the images, and the vision tower fills those positions again."""
         from draftline.engines.capture_keys import KEY_PARAM, STORAGE_PARAM
 
-        body = {"model": self.served_name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
-                "kv_transfer_params": {KEY_PARAM: key, STORAGE_PARAM: self.storage}}
+        transfer = {KEY_PARAM: key, STORAGE_PARAM: self.storage}
+        if images:
+            # vLLM expands each image's one placeholder into as many as the image has features, as it did when it
+            # answered the prompt: the trace's runs of placeholders go back as one each.
+            url = f"{self.base_url}/inference/v1/generate"
+            body = {"model": self.served_name, "token_ids": collapse_runs(token_ids, self.media_placeholder),
+                    "kv_transfer_params": transfer,
+                    "content_parts": [{"type": "image_url", "url": u} for u in images],
+                    "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
+        else:
+            url = f"{self.base_url}/v1/completions"
+            body = {"model": self.served_name, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+                    "kv_transfer_params": transfer}
         try:
-            resp = self.http.post(f"{self.base_url}/v1/completions", json=body)
+            resp = self.http.post(url, json=body)
         except httpx.HTTPError as exc:  # the server died or hung mid-stage: a restart may get further
             raise EngineError(f"vLLM stopped answering capture request {key} ({type(exc).__name__}: {exc}); "
                               "finished work is kept and a rerun resumes after it", transient=True) from exc
@@ -149,12 +168,12 @@ class SpoolClient:
             raise EngineError(f"vLLM refused capture request {key} with HTTP {resp.status_code}: {resp.text[:300]}",
                               transient=resp.status_code >= 500)
 
-    def capture(self, key: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    def capture(self, key: str, token_ids: list[int], images: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The shard rows of `token_ids` as vLLM computed them (aux [n, 3h], the normed last state [n, h], and
         their scales for fp8-e4m3), as views of the spooled file, which is already removed."""
         from draftline.engines.capture_keys import error_path, spool_path
 
-        self.request(key, token_ids)
+        self.request(key, token_ids, images)
         path = spool_path(str(self.spool_dir), key)
         deadline = time.monotonic() + self.wait_s
         while not os.path.exists(path):
@@ -266,14 +285,16 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
     # The server's log goes to the store (<run>/hidden/logs); the local copy lives as long as the stage.
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="draftline-capture-logs-"))
     try:
+        media = any(t.get("images") for _, traces in jobs for t in traces)
         spec = capture_server_spec(settings, Path(target_dir), layer_ids, spool, max_model_len,
-                                   write_final_norm(target_dir, spool))
+                                   write_final_norm(target_dir, spool), token_in=media)
         say(f"starting vLLM to capture layers {layer_ids} of {target_dir} (tensor parallel {settings.tensor_parallel_size})")
         started = time.perf_counter()
         with launch(spec, settings, logs, store=store, log_key_prefix=hidden_logs_prefix(run)) as server:
             timing["engine_start_s"] = round(time.perf_counter() - started, 3)
             say(f"vLLM ready after {timing['engine_start_s']:.0f} s")
-            client = SpoolClient(server.base_url, spool, workers=cfg.requests_in_flight, storage=source.storage)
+            client = SpoolClient(server.base_url, spool, workers=cfg.requests_in_flight, storage=source.storage,
+                                 media_placeholder=media_placeholder_id(target_dir))
             started = time.perf_counter()
             try:
                 _capture_shards(client, jobs, cfg, store, run, source, trace_sha, say)
@@ -292,7 +313,7 @@ def _capture_shards(client: SpoolClient, jobs, cfg, store, run, source, trace_sh
 
     def submit(i):
         plan, traces = jobs[i]
-        return [client.submit(f"s{plan.index:05d}-{j:06d}", t["input_ids"]) for j, t in enumerate(traces)], \
+        return [client.submit(f"s{plan.index:05d}-{j:06d}", t["input_ids"], t.get("images")) for j, t in enumerate(traces)], \
             time.perf_counter()
 
     def write(plan, traces, states, t0):

@@ -67,11 +67,30 @@ def _prompts(config: PipelineConfig, field_name: str, path: str) -> str:
     from draftline.conversations import read_prompt_set
 
     prompts = read_prompt_set(path, field_name, limit=VALIDATE_RECORDS, **_reading(config, field_name))
+    _images(config, field_name, path, prompts)
     said = f"{field_name} {path}: {len(prompts)} records" + (" (the first ones read)" if prompts.read
                                                             >= VALIDATE_RECORDS else "")
     if prompts.skipped:
         said += f", {len(prompts.skipped)} bad ones to skip (the first: {prompts.skipped[0]})"
     return said
+
+
+def _images(config: PipelineConfig, field_name: str, path: str, prompts) -> None:
+    """Image parts go to the engines' chat API: refused for a text-only target; else each image is read and checked
+    (the eval prompts' always, the traces' as traces.on_bad_record says)."""
+    from draftline.images import engine_messages, image_parts, prompts_base, target_takes_images, text_only_refusal
+
+    records = [r for r in prompts if image_parts(r.get("messages") or [])]
+    if not records:
+        return
+    if Path(config.target.path, "config.json").is_file() and not target_takes_images(config.target.path):
+        raise text_only_refusal(records[0], prompts.origin(records[0]["id"]), config.target.path)
+    for record in records:
+        try:
+            engine_messages(record, prompts.origin(record["id"]), prompts_base(path))
+        except ConfigError:
+            if field_name == "eval.prompts" or config.traces.on_bad_record != "skip":
+                raise
 
 
 def _template_file(path: str) -> str:

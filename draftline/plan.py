@@ -267,7 +267,7 @@ def _prompt_lengths(config: PipelineConfig, prompts: list[dict]) -> tuple[float,
     sample = prompts[:PROMPTS_SAMPLED]
     lengths, text, kept_tokens = [], 0, 0
     for p in sample:
-        ids = encode_prompt(tok, p, config.traces.use_chat_template)
+        ids = encode_prompt(tok, p, config.traces.use_chat_template, image_refusal=None)  # an image: one token here
         if len(ids) < config.traces.max_total_tokens:
             lengths.append(len(ids))
             text += len(tok.decode(ids, skip_special_tokens=True).encode("utf-8"))

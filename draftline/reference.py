@@ -95,7 +95,8 @@ class ReferenceResult:
 
 def variant_runs(decoder: "SpeculativeDecoder", batches: Sequence[Sequence[Sequence[int]]], max_new_tokens: int,
                  reference: AcceptanceStats, seed: int, shifts: Sequence[int] = (),
-                 other: tuple[str, Callable[[], tuple]] | None = None) -> tuple[list[dict], dict | None]:
+                 other: tuple[str, Callable[[], tuple]] | None = None,
+                 before_batch: Callable[[int, int], None] | None = None) -> tuple[list[dict], dict | None]:
     """The reference decode again with one thing changed, on the same batches: the drafter fed the layers `shift`
     away from its trained ones (every id moved alike, as a convention mix-up moves them), or target and drafter in
     another precision (other: its dtype name and a loader of (target, drafter) in it). Each row gives its acceptance
@@ -112,6 +113,8 @@ def variant_runs(decoder: "SpeculativeDecoder", batches: Sequence[Sequence[Seque
                                      sync_every=decoder.sync_every, aux_layer_ids=ids)
         stats, start = AcceptanceStats(k=decoder.k), 0
         for batch in batches:
+            if before_batch is not None:
+                before_batch(start, len(batch))
             stats.add(variant.generate(batch, max_new_tokens, seed=seed + start).stats)
             start += len(batch)
         length = stats.mean_acceptance_length
@@ -203,52 +206,101 @@ def run_reference(target_dir, drafter_dir, prompts, k: int = DEFAULT_K, max_new_
     model, tokenizer = target if target is not None else load_target(target_dir, dtype, device)
     drafter = load_drafter(drafter_dir, model, _DTYPES[dtype], device)
     template = template or ChatTemplate()
-    encoded = [encode_prompt(tokenizer, p, use_chat_template, template) for p in rows]
-    eos = eos_token_ids(target_dir, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    decoder = SpeculativeDecoder(model, drafter, k, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
-                                 seed=seed, draft_sampling=draft_sampling, fast=fast, sync_every=sync_every)
+    encoded, feed = _encoded(rows, prompts, target_dir, model, tokenizer, use_chat_template, template)
+    try:
+        batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
 
-    # Warm-up outside the timed region: first calls pay for allocator growth and kernel selection (and the fast
-    # path's capture, which a batch that needs more capacity pays again, outside `seconds` too).
-    decoder.generate(encoded[:1], min(4, max_new_tokens))
-    plain_decode(model, encoded[:1], min(4, max_new_tokens), eos_token_ids=eos, pad_token_id=pad, fast=fast,
-                 sync_every=sync_every)
+        def images_of(first: int, count: int) -> None:  # the images of the rows about to be decoded, if any
+            if feed is not None:
+                feed.rows = feed.all_rows[first:first + count]
 
-    stats = AcceptanceStats(k=k)
-    spec_tokens = plain_tokens = spec_fw = plain_fw = 0
-    spec_s = plain_s = 0.0
-    match = True
-    modes = {"spec": set(), "plain": set()}
-    for start in range(0, len(encoded), batch_size):
-        batch = encoded[start:start + batch_size]
-        plain = plain_decode(model, batch, max_new_tokens, temperature=temperature, eos_token_ids=eos,
-                             pad_token_id=pad, seed=seed + start, fast=fast, sync_every=sync_every)
-        spec = decoder.generate(batch, max_new_tokens, seed=seed + start)
-        stats.add(spec.stats)
-        spec_tokens, spec_s, spec_fw = spec_tokens + spec.num_tokens, spec_s + spec.seconds, spec_fw + spec.target_forwards
-        plain_tokens, plain_s, plain_fw = plain_tokens + plain.num_tokens, plain_s + plain.seconds, plain_fw + plain.target_forwards
-        match = match and spec.tokens == plain.tokens
-        modes["spec"].add(spec.mode)
-        modes["plain"].add(plain.mode)
-    def load_other():
-        other_model, _ = load_target(target_dir, _OTHER_PRECISION[dtype], device)
-        return other_model, load_drafter(drafter_dir, other_model, _DTYPES[_OTHER_PRECISION[dtype]], device)
+        eos = eos_token_ids(target_dir, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        decoder = SpeculativeDecoder(model, drafter, k, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
+                                     seed=seed, draft_sampling=draft_sampling, fast=fast, sync_every=sync_every)
 
-    shifted, other = variant_runs(decoder, [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)],
-                                  max_new_tokens, stats, seed, aux_shifts,
-                                  (_OTHER_PRECISION[dtype], load_other) if other_precision else None)
-    return ReferenceResult(
-        target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, draft_sampling=draft_sampling,
-        dtype=dtype, device=device,
-        batch_size=batch_size, num_prompts=len(encoded), max_new_tokens=max_new_tokens, stats=stats,
-        spec_tokens=spec_tokens, spec_seconds=spec_s, plain_tokens=plain_tokens, plain_seconds=plain_s,
-        greedy_outputs_match=match if temperature == 0.0 else None,
-        target_forwards_spec=spec_fw, target_forwards_plain=plain_fw,
-        mode="+".join(sorted(modes["spec"])), plain_mode="+".join(sorted(modes["plain"])),
-        aux_shifts=shifted, other_precision=other,
-        chat_template=template.describe(tokenizer) if use_chat_template else None)
+        # Warm-up outside the timed region: first calls pay for allocator growth and kernel selection (and the fast
+        # path's capture, which a batch that needs more capacity pays again, outside `seconds` too).
+        images_of(0, 1)
+        decoder.generate(encoded[:1], min(4, max_new_tokens))
+        plain_decode(model, encoded[:1], min(4, max_new_tokens), eos_token_ids=eos, pad_token_id=pad, fast=fast,
+                     sync_every=sync_every)
 
+        stats = AcceptanceStats(k=k)
+        spec_tokens = plain_tokens = spec_fw = plain_fw = 0
+        spec_s = plain_s = 0.0
+        match = True
+        modes = {"spec": set(), "plain": set()}
+        for start in range(0, len(encoded), batch_size):
+            batch = encoded[start:start + batch_size]
+            images_of(start, len(batch))
+            plain = plain_decode(model, batch, max_new_tokens, temperature=temperature, eos_token_ids=eos,
+                                 pad_token_id=pad, seed=seed + start, fast=fast, sync_every=sync_every)
+            spec = decoder.generate(batch, max_new_tokens, seed=seed + start)
+            stats.add(spec.stats)
+            spec_tokens, spec_s = spec_tokens + spec.num_tokens, spec_s + spec.seconds
+            spec_fw = spec_fw + spec.target_forwards
+            plain_tokens, plain_s = plain_tokens + plain.num_tokens, plain_s + plain.seconds
+            plain_fw = plain_fw + plain.target_forwards
+            match = match and spec.tokens == plain.tokens
+            modes["spec"].add(spec.mode)
+            modes["plain"].add(plain.mode)
+
+        def load_other():
+            other_model, _ = load_target(target_dir, _OTHER_PRECISION[dtype], device)
+            if feed is not None:
+                feed.attach(other_model)
+            return other_model, load_drafter(drafter_dir, other_model, _DTYPES[_OTHER_PRECISION[dtype]], device)
+
+        shifted, other = variant_runs(decoder, batches, max_new_tokens, stats, seed, aux_shifts,
+                                      (_OTHER_PRECISION[dtype], load_other) if other_precision else None,
+                                      before_batch=images_of)
+        return ReferenceResult(
+            target=str(target_dir), drafter=str(drafter_dir), k=k, temperature=temperature, draft_sampling=draft_sampling,
+            dtype=dtype, device=device,
+            batch_size=batch_size, num_prompts=len(encoded), max_new_tokens=max_new_tokens, stats=stats,
+            spec_tokens=spec_tokens, spec_seconds=spec_s, plain_tokens=plain_tokens, plain_seconds=plain_s,
+            greedy_outputs_match=match if temperature == 0.0 else None,
+            target_forwards_spec=spec_fw, target_forwards_plain=plain_fw,
+            mode="+".join(sorted(modes["spec"])), plain_mode="+".join(sorted(modes["plain"])),
+            aux_shifts=shifted, other_precision=other,
+            chat_template=template.describe(tokenizer) if use_chat_template else None)
+    finally:
+        if feed is not None:  # the target may be the caller's, used again without images
+            feed.detach()
+
+
+def _encoded(rows, prompts, target_dir, model, tokenizer, use_chat_template: bool, template: ChatTemplate):
+    """The rows' prompt ids, and a MediaFeed attached to the target when some rows have images (None otherwise): each
+    image's placeholder expanded to its features' count, the features placed as the target embeds the prompt."""
+    from draftline.conversations import Origin
+    from draftline.images import image_parts, media_placeholder_id, prompts_base, target_takes_images
+    from draftline.traces import encode_prompt
+    from draftline.turns import TEXT_ONLY
+
+    takes_images = target_takes_images(target_dir)
+    origin_of = getattr(rows, "origin", lambda rid: Origin(f"prompt {rid!r}"))
+    base = prompts_base(str(prompts)) if isinstance(prompts, (str, Path)) else None
+    encoded, features = [], []
+    for row in rows:
+        with_images = takes_images and bool(image_parts(row.get("messages") or []))
+        ids = encode_prompt(tokenizer, row, use_chat_template, template, None if with_images else TEXT_ONLY,
+                            origin_of(row["id"]))
+        feats: list = []
+        if with_images:
+            from draftline.media_reference import prompt_media
+
+            ids, feats = prompt_media(target_dir, row, ids, origin_of(row["id"]), base)
+        encoded.append(ids)
+        features.append(feats)
+    if not any(features):
+        return encoded, None
+    from draftline.media_reference import MediaFeed
+
+    feed = MediaFeed(model, media_placeholder_id(target_dir))
+    feed.all_rows = features
+    feed.attach()
+    return encoded, feed
 
 
 # ---- whether to run it at all ----------------------------------------------------------------------------------------

@@ -229,6 +229,11 @@ def rendering_markdown(results: list[EvalResult], traces: dict | None) -> list[s
         digest = (said.get("sha256") or "")[:12]
         lines.append(f"| {side} | {said.get('rendered_by', by or '')} | {said.get('template')} | {digest} | "
                      f"{json.dumps(said.get('kwargs') or {})} |")
+    images = [f"{r.engine}: {r.num_prompts_with_images} of its {r.num_prompts} prompts" for r in results
+              if r.num_prompts_with_images and r.status != "skipped"]  # a skipped engine was sent nothing
+    if images or (traces or {}).get("images"):
+        lines += ["", "Prompts with images (sent to the engines' chat API): " + "; ".join(
+            images + ([f"traces: {traces['images']} images"] if (traces or {}).get("images") else [])) + "."]
     return lines
 
 

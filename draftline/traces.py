@@ -17,6 +17,8 @@ from draftline.chat_template import ChatTemplate
 from draftline.config import TracesConfig
 from draftline.conversations import BadRecord, Origin, PromptSet, read_prompt_set
 from draftline.errors import ConfigError, EngineError
+from draftline.images import (engine_messages, image_parts, mask_media, media_token_ids, part_source, prompts_base,
+                              target_takes_images)
 from draftline.layout import TRACES_STAGE, trace_stats_key, traces_prefix
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 
@@ -64,11 +66,12 @@ def shard_prompts(cfg: TracesConfig, prompts: list[dict], shard_index: int) -> l
     return prompts[shard_index * cfg.traces_per_shard:(shard_index + 1) * cfg.traces_per_shard]
 
 
-def encode_prompt(tokenizer, prompt: dict, use_chat_template: bool, template: ChatTemplate | None = None
-                  ) -> list[int]:
+def encode_prompt(tokenizer, prompt: dict, use_chat_template: bool, template: ChatTemplate | None = None,
+                  image_refusal: str | None = turn_lib.TEXT_ONLY, origin: Origin | None = None) -> list[int]:
     """Token ids the target sees before its answer to the last turn: the chat template (the tokenizer's, or
-    `template`) with a generation prompt, or the raw text."""
-    d = turn_lib.plan(prompt, Origin(f"prompt {prompt['id']!r}"), "last", "regenerate", use_chat_template)
+    `template`) with a generation prompt, or the raw text; an image gives one placeholder (image_refusal: None)."""
+    d = turn_lib.plan(prompt, origin or Origin(f"prompt {prompt['id']!r}"), "last", "regenerate", use_chat_template,
+                      image_refusal)
     return turn_lib.turn_prompt(d, 0, tokenizer, template or ChatTemplate(), use_chat_template)[1]
 
 
@@ -168,6 +171,14 @@ class _Answerer:
             self.endpoint = self._start_server()
         return _generate_vllm_at(self.endpoint, self.cfg, prompt_ids, seeds, budgets)
 
+    def chat(self, messages: list[list[dict]], seeds: list[int], budgets: list[int]
+             ) -> list[tuple[list[int], list[int]]]:
+        """Chat prompts with images through vLLM's chat API: each prompt's token ids as vLLM expanded them, and the
+        answer's."""
+        if self.endpoint is None:
+            self.endpoint = self._start_server()
+        return _chat_vllm_at(self.endpoint, self.cfg, messages, seeds, budgets)
+
     def _start_server(self) -> str:
         """A supervised vLLM server with traces.vllm's settings (tensor parallelism, quantization, ...)."""
         from draftline.engines.launch import launch
@@ -208,6 +219,51 @@ def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[in
 
         with ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
             return list(pool.map(one, range(len(prompt_ids))))
+
+
+def _chat_vllm_at(endpoint: str, cfg: TracesConfig, messages: list[list[dict]], seeds: list[int], budgets: list[int]
+                  ) -> list[tuple[list[int], list[int]]]:
+    """Ask a running vLLM server's chat API (the target's own template; images as data or http(s) URLs) and read back
+    the prompt's token ids, media tokens expanded, and the answer's."""
+    import httpx
+
+    base = endpoint.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    with httpx.Client(timeout=600.0) as client:
+        try:
+            model = client.get(f"{base}/models").json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            raise EngineError(f"{endpoint} does not answer /v1/models like a vLLM server ({exc})") from None
+
+        def one(i: int) -> tuple[list[int], list[int]]:
+            body = {"model": model, "messages": messages[i], "max_tokens": budgets[i],
+                    "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": seeds[i], "return_token_ids": True,
+                    "skip_special_tokens": False, **({"chat_template_kwargs": cfg.chat_template_kwargs}
+                                                     if cfg.chat_template_kwargs else {})}
+            resp = client.post(f"{base}/chat/completions", json=body)
+            if resp.status_code != 200:
+                raise EngineError(f"{endpoint} answered a chat prompt with images with HTTP {resp.status_code}: "
+                                  f"{resp.text[:300]}")
+            data = resp.json()
+            if data.get("prompt_token_ids") is None or data["choices"][0].get("token_ids") is None:
+                raise EngineError(f"{endpoint} returned no token ids for a chat prompt; it must be vLLM >= 0.11")
+            return list(data["prompt_token_ids"]), list(data["choices"][0]["token_ids"])
+
+        with ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
+            return list(pool.map(one, range(len(messages))))
+
+
+def image_refusal(cfg: TracesConfig, target_dir: str | Path) -> str | None:
+    """Why this stage cannot use a record's images (None: it sends them to vLLM's chat API)."""
+    if not target_takes_images(target_dir):
+        return (f"the target {target_dir} is text-only (its config.json has no vision_config); remove the image or "
+                "use a multimodal target")
+    if cfg.backend != "vllm":
+        return "images reach a multimodal target through vLLM's chat API; set traces.backend: vllm"
+    if cfg.chat_template:
+        return ("vLLM renders prompts with images with the target's own template, not traces.chat_template; remove "
+                "traces.chat_template")
+    return None
 
 
 # ---------------------------------------------------------------- shards
@@ -276,10 +332,14 @@ def _answer(cfg: TracesConfig, target_dir: str, prompts: list[dict], mine: list[
     if cfg.use_chat_template and any("messages" in p for p in mine):
         template.check(tok)
     origin = getattr(prompts, "origin", lambda pid: Origin(f"{cfg.prompts}, id {pid!r}"))
-    dialogues = []
+    dialogues, refusal = [], image_refusal(cfg, target_dir)
+    base = prompts_base(cfg.prompts)
     for p in mine:
         try:
-            dialogues.append(turn_lib.plan(p, origin(p["id"]), cfg.turns, cfg.responses, cfg.use_chat_template))
+            d = turn_lib.plan(p, origin(p["id"]), cfg.turns, cfg.responses, cfg.use_chat_template, refusal)
+            if d.media:  # every image read and checked here, before any server starts
+                d.engine_messages = engine_messages(p, d.origin, base)
+            dialogues.append(d)
         except BadRecord as bad:
             if not skip:
                 raise
@@ -296,7 +356,7 @@ def _answer(cfg: TracesConfig, target_dir: str, prompts: list[dict], mine: list[
                     d.dropped, d.problem = "bad_record", bad
     else:
         turn_lib.regenerate(dialogues, tok, template, cfg.use_chat_template, eos, limit, cfg.max_new_tokens,
-                            lambda pid, turn: _request_seed(cfg.seed, pid, turn), answerer, skip)
+                            lambda pid, turn: _request_seed(cfg.seed, pid, turn), answerer, skip, answerer.chat)
     return dialogues, tok
 
 
@@ -304,10 +364,10 @@ def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, a
                          started: float | None = None) -> dict:
     """Publish one shard's traces; with `started` (when its generation began) the log line gives tokens/s."""
     dialogues, tok = answered
-    limit = _length_limit(cfg, target_dir)
+    limit, media_ids = _length_limit(cfg, target_dir), media_token_ids(target_dir)
     lines, seen, skipped = [], set(), []
     dropped = {"prompt_too_long": 0, "response_too_short": 0, "duplicate": 0, "bad_record": 0}
-    prompt_tokens = response_tokens = answers = 0
+    prompt_tokens = response_tokens = answers = image_count = 0
     hist = [0] * (len(LENGTH_BINS) - 1)
     for d in dialogues:
         if d.dropped:
@@ -316,11 +376,13 @@ def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, a
                 skipped.append(d.problem.as_dict())
             continue
         for n, (input_ids, loss_mask, said) in enumerate(turn_lib.assemble(d, tok, limit)):
+            loss_mask = mask_media(input_ids, loss_mask, media_ids)
             if sum(loss_mask) < cfg.min_response_tokens:
                 dropped["response_too_short"] += 1
                 continue
-            if cfg.drop_duplicates:
-                k = hashlib.sha256(json.dumps(input_ids).encode()).digest()
+            images = [part_source(p) for _, _, p in image_parts(turn_lib.history(d, n))] if d.media else None
+            if cfg.drop_duplicates:  # the same ids with other images are another trace
+                k = hashlib.sha256(json.dumps([input_ids, images] if images else input_ids).encode()).digest()
                 if k in seen:
                     dropped["duplicate"] += 1
                     continue
@@ -328,12 +390,15 @@ def _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, a
             text = "\n\n".join(tok.decode(a.ids, skip_special_tokens=True) for a in said)
             trace = {"id": f"{d.record['id']}:{n}", "prompt_id": d.record["id"], "input_ids": input_ids,
                      "loss_mask": loss_mask, "text": text}
+            if images:  # what extraction sends with the ids so that the engine computes the same media states
+                trace["images"] = images
+                image_count += len(images)
             lines.append(json.dumps(trace, ensure_ascii=False))
             response_tokens += sum(loss_mask)
             prompt_tokens += len(loss_mask) - sum(loss_mask)
             answers += len(said)
             hist[_bin(len(input_ids))] += 1
-    stats = {"count": len(lines), "prompts": len(mine), "answers": answers, "dropped": dropped,
+    stats = {"count": len(lines), "prompts": len(mine), "answers": answers, "images": image_count, "dropped": dropped,
              "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
              "total_tokens": prompt_tokens + response_tokens, "length_histogram": hist, "skipped": skipped}
     data = ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8")
@@ -366,7 +431,8 @@ def finalize_traces(cfg: TracesConfig, prompts: list[dict], store, run: str, tar
     skipped = [b.as_dict() for b in getattr(prompts, "skipped", [])] + [s for m in ms for s in m.get("skipped", [])]
     stats = {
         "count": sum(m["count"] for m in ms), "prompts": sum(m["prompts"] for m in ms), "shards": n,
-        "answers": sum(m.get("answers", m["count"]) for m in ms), "dropped": dropped,
+        "answers": sum(m.get("answers", m["count"]) for m in ms), "images": sum(m.get("images", 0) for m in ms),
+        "dropped": dropped,
         "skipped": {"count": len(skipped), "records": skipped[:LISTED_SKIPS]},
         "prompt_tokens": sum(m["prompt_tokens"] for m in ms), "response_tokens": sum(m["response_tokens"] for m in ms),
         "total_tokens": sum(m["total_tokens"] for m in ms),

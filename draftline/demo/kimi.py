@@ -6,8 +6,8 @@ The checkpoint is laid out like moonshotai's Kimi-K2.5 on disk, which is the lay
 conversion mapping) and vLLM (natively) read: `language_model.model.layers.*` and `language_model.lm_head.weight`
 for the DeepSeek-V3 text model, `vision_tower.encoder.blocks.*` with a fused `wqkv` for the MoonViT tower, and
 `mm_projector.proj.{0,2}` for the projector. The language model's tensors are demo-deepseek's trained tensors under
-those names, with the vocabulary grown by Kimi's media tokens; the vision tower is tiny and seeded-random (traces
-are text, so it never shapes a token).
+those names, with the vocabulary grown by Kimi's media tokens; the vision tower is tiny, trained by
+draftline.demo.kimi_vision to describe the demo's images (a rebuild keeps its tensors; seeded-random before that).
 
 The language-model file (16 MB) is derived here rather than kept in git, so assets/ stays within 40 MB in the
 repository: `make venv` runs this module, and SHA256SUMS pins the derived bytes, so every machine gets the same file.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from draftline.demo.package import asset_main, sha256_file, sha256_mismatches, write_sha256sums
 from draftline.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE
@@ -104,6 +104,10 @@ def kimi_config(source: Path, ids: dict[str, int], vocab_size: int) -> dict:
         "image_token_id": ids["<|media_pad|>"],
         # Kimi-K2.5's own config.json carries it; vLLM reads it when it attaches an EAGLE-3 drafter to this class.
         "media_placeholder_token_id": ids["<|media_pad|>"],
+        # vLLM routes image and video parts to this class's one modality (vision_chunk) only where the config says so,
+        # as Kimi-K2.5's does; without it vLLM's chat API takes no image ("At most 0 image(s) may be provided").
+        "use_unified_vision_chunk": True,
+        "video_placeholder": "<|kimi_k25_video_placeholder|>",
         "video_token_id": ids["<|kimi_k25_video_placeholder|>"],
         "vision_start_token_id": ids["<|media_begin|>"],
         "vision_end_token_id": ids["<|media_end|>"],
@@ -174,17 +178,36 @@ def build(source: Path = SOURCE, out: Path = OUT) -> Path:
     (out / "generation_config.json").write_text((source / "generation_config.json").read_text())
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
     language = language_tensors(source, vocab_size)
-    vision = vision_tensors(config["text_config"]["hidden_size"])
+    trained = trained_vision(OUT)  # the committed tower, wherever this build writes
+    vision = load_file(str(OUT / VISION_FILE)) if trained else vision_tensors(config["text_config"]["hidden_size"])
     save_file(vision, str(out / VISION_FILE), metadata={"format": "pt"})
     save_file(language, str(out / LANGUAGE_FILE), metadata={"format": "pt"})
     write_index(out, {LANGUAGE_FILE: language, VISION_FILE: vision})
     lineage = {"name": "demo-kimi", "built_by": "python -m draftline.demo.kimi (draftline/demo/kimi.py)",
                "language_model": {"from": "demo-deepseek", "source_sha256": sha256_file(source / "model.safetensors"),
                                   "training": json.loads((source / "training.json").read_text())["training"]},
-               "vision_tower": {"weights": "random", "seed": VISION_SEED}}
+               "vision_tower": trained or {"weights": "random", "seed": VISION_SEED}}
     (out / "training.json").write_text(json.dumps(lineage, indent=1) + "\n")
     write_sha256sums(out)
     return out
+
+
+def trained_vision(out: Path = OUT) -> dict | None:
+    """What training.json says of a trained vision tower (draftline.demo.kimi_vision), if the tower was trained."""
+    path = out / "training.json"
+    tower = json.loads(path.read_text()).get("vision_tower") if path.is_file() else None
+    return tower if tower and tower.get("weights") == "trained" and (out / VISION_FILE).is_file() else None
+
+
+def write_vision(tensors: dict[str, torch.Tensor], metrics: dict, out: Path = OUT) -> None:
+    """Replace the vision tower's file with trained tensors and record the training (then the index and SHA256SUMS)."""
+    save_file(tensors, str(out / VISION_FILE), metadata={"format": "pt"})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert {k for k, v in index["weight_map"].items() if v == VISION_FILE} == set(tensors), sorted(tensors)
+    lineage = json.loads((out / "training.json").read_text())
+    lineage["vision_tower"] = {"weights": "trained", "built_by": "python -m draftline.demo.kimi_vision", **metrics}
+    (out / "training.json").write_text(json.dumps(lineage, indent=1) + "\n")
+    write_sha256sums(out)
 
 
 def mismatches(out: Path = OUT) -> list[str]:

@@ -34,9 +34,14 @@ def load_prompts(path: str | Path, max_prompts: int | None = None) -> list[Promp
     """The evaluation prompts (eval.prompts: a file, a saved dataset or s3://, read by draftline.conversations), each
     answered at its last turn; the first bad record raises BadRecord naming its file, line and field."""
     from draftline.conversations import read_prompt_set
+    from draftline.images import engine_messages, image_parts, prompts_base
 
-    return [Prompt(id=r["id"], messages=r.get("messages"), prompt=r.get("prompt"))
-            for r in read_prompt_set(path, "eval.prompts", limit=max_prompts)]
+    records = read_prompt_set(path, "eval.prompts", limit=max_prompts)
+    # Image parts reach the chat API as trace generation sends them (data URLs, or http(s) URLs as they are).
+    return [Prompt(id=r["id"], prompt=r.get("prompt"),
+                   messages=engine_messages(r, records.origin(r["id"]), prompts_base(str(path)))
+                   if image_parts(r.get("messages") or []) else r.get("messages"))
+            for r in records]
 
 
 class RequestResult(BaseModel):

@@ -118,12 +118,14 @@ CAPTURE_MODULE = "draftline.engines.vllm_capture"
 
 
 def capture_server_spec(cfg: ServerSettings, target_dir: Path, layer_ids: list[int], spool_dir: Path,
-                        max_model_len: int, final_norm_file: Path, served_name: str = "target") -> ServerSpec:
+                        max_model_len: int, final_norm_file: Path, served_name: str = "target",
+                        token_in: bool = False) -> ServerSpec:
     """A server that runs the target with vLLM's extract_hidden_states method and draftline's spooling connector.
 
     layer_ids are vLLM's (id i = input of layer i; the layer count = the last layer's output before the final norm);
     final_norm_file holds the target's final norm (draftline.extract_vllm.write_final_norm), which the connector
-    applies to that last output on the device.
+    applies to that last output on the device. token_in: also serve vLLM's token-in endpoint (/inference/v1/generate,
+    behind --enable-scale-out), which takes a trace's ids with its images.
     """
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
@@ -135,7 +137,7 @@ def capture_server_spec(cfg: ServerSettings, target_dir: Path, layer_ids: list[i
     def argv(port: int) -> list[str]:
         return (server_argv(cfg, target_dir, served_name, port, max_model_len)
                 + ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)]
-                + list(cfg.extra_args))
+                + (["--enable-scale-out"] if token_in else []) + list(cfg.extra_args))
 
     return ServerSpec(name="vllm-capture", command=argv, first_request=_first_completion(served_name),
                       env=_cpu_kv_env(), checkpoint_bytes=checkpoint_size(target_dir))
