@@ -193,6 +193,16 @@ class _Answerer:
         return self._stack.enter_context(launch(spec, settings, logs)).base_url + "/v1"
 
 
+def _served_model(client, base: str, endpoint: str) -> str:
+    """The model name a running vLLM server serves (its /v1/models), or one sentence on why it is not such a server."""
+    import httpx
+
+    try:
+        return client.get(f"{base}/models").json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise EngineError(f"{endpoint} does not answer /v1/models like a vLLM server ({exc})") from None
+
+
 def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],
                       budgets: list[int]) -> list[list[int]]:
     """Ask a running vLLM OpenAI server (/v1/completions with token-id prompts) and read back the token ids."""
@@ -201,10 +211,7 @@ def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[in
     base = endpoint.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     with httpx.Client(timeout=600.0) as client:
-        try:
-            model = client.get(f"{base}/models").json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-            raise EngineError(f"{endpoint} does not answer /v1/models like a vLLM server ({exc})") from None
+        model = _served_model(client, base, endpoint)
 
         def one(i: int) -> list[int]:
             body = {"model": model, "prompt": prompt_ids[i], "max_tokens": budgets[i], "temperature": cfg.temperature,
@@ -230,10 +237,7 @@ def _chat_vllm_at(endpoint: str, cfg: TracesConfig, messages: list[list[dict]], 
     base = endpoint.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     with httpx.Client(timeout=600.0) as client:
-        try:
-            model = client.get(f"{base}/models").json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-            raise EngineError(f"{endpoint} does not answer /v1/models like a vLLM server ({exc})") from None
+        model = _served_model(client, base, endpoint)
 
         def one(i: int) -> tuple[list[int], list[int]]:
             body = {"model": model, "messages": messages[i], "max_tokens": budgets[i],
