@@ -23,7 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.thinking import cpu_name  # noqa: E402
+from benchmarks import drafter_pair  # noqa: E402
+from benchmarks.drafter_pair import cpu_name  # noqa: E402
 from draftline import stages  # noqa: E402
 from draftline.config_loading import load_config  # noqa: E402
 from draftline.demo import kimi as demo_kimi  # noqa: E402
@@ -75,22 +76,8 @@ def trace_facts(store, run: str) -> dict:
 
 def vllm_acceptance(config, exports: dict, store, log_dir: Path) -> dict:
     """The EAGLE-3 server alone (acceptance needs no baseline) on the image eval prompts."""
-    from draftline import evaluate as eval_lib
-    from draftline.engines.client import load_prompts
-    from draftline.engines.vllm import VllmAdapter
-
-    engine = next(e for e in config.eval.engines if e.engine == "vllm")
-    engine = engine.model_copy(update={"concurrency": [4], "repeats": 1})
-    prompts = load_prompts(config.eval.prompts, config.eval.max_prompts)
-    runs = eval_lib.measure(VllmAdapter(), engine, Path(config.target.path), store.get_dir(exports["vllm"]), prompts,
-                            config.eval, log_dir, store, f"{config.run}/images-eval", None)
-    metrics, acceptance, results = runs.runs[0]
-    return {"engine_version": VllmAdapter().version(), "server_args": engine.extra_args,
-            "mean_acceptance_length": acceptance.mean_acceptance_length if acceptance else None,
-            "per_position_acceptance": acceptance.per_position if acceptance else None,
-            "num_drafts": acceptance.num_drafts if acceptance else None, "concurrency": 4,
-            "requests": len(results), "output_tokens": metrics.output_tokens,
-            "answers": {r.prompt_id: r.text for r in results}}
+    summary, _, results = drafter_pair.vllm_acceptance(config, exports, store, log_dir, "images-eval")
+    return {**summary, "answers": {r.prompt_id: r.text for r in results}}
 
 
 def main() -> None:
@@ -115,14 +102,8 @@ def main() -> None:
     store = open_store(str(root))
     prompts = prompt_files(root / "prompts", args.train_prompts)
     started = time.perf_counter()
-    runs, times = {}, {name: {} for name in VARIANTS}
-
-    def timed(name: str, stage: str, fn):
-        t = time.perf_counter()
-        out = fn()
-        times[name][stage] = round(time.perf_counter() - t, 1)
-        print(f"[{name}] {stage}: {times[name][stage]} s", flush=True)
-        return out
+    runs, stage_times = {}, drafter_pair.StageTimes(VARIANTS)
+    timed, times = stage_times.timed, stage_times.seconds
 
     for name in VARIANTS:
         config = variant_config(base, name, prompts, args)

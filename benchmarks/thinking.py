@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -25,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import drafter_pair  # noqa: E402
+from benchmarks.drafter_pair import cpu_name  # noqa: E402
 from draftline import stages  # noqa: E402
 from draftline.chat_template import ChatTemplate  # noqa: E402
 from draftline.config_loading import load_config  # noqa: E402
@@ -34,14 +35,6 @@ from draftline.traces import iter_traces  # noqa: E402
 
 VARIANTS = {"with_thinking": True, "without_thinking": False}
 THINKING_MODE = {"thinking": True}
-
-
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def variant_config(base, name: str, thinking: bool, endpoint: str | None, args):
@@ -80,23 +73,9 @@ def trace_facts(store, run: str, close_id: int) -> dict:
 
 def vllm_acceptance(config, exports: dict, store, log_dir: Path) -> dict:
     """The EAGLE-3 server alone (acceptance needs no baseline), on the eval prompts in thinking mode."""
-    from draftline import evaluate as eval_lib
-    from draftline.engines.client import load_prompts
-    from draftline.engines.vllm import VllmAdapter
-
-    engine = next(e for e in config.eval.engines if e.engine == "vllm")
-    engine = engine.model_copy(update={"concurrency": [4], "repeats": 1})
-    prompts = load_prompts(config.eval.prompts, config.eval.max_prompts)
-    runs = eval_lib.measure(VllmAdapter(), engine, Path(config.target.path), store.get_dir(exports["vllm"]), prompts,
-                            config.eval, log_dir, store, f"{config.run}/thinking-eval",
-                            ChatTemplate(None, THINKING_MODE))
-    metrics, acceptance, results = runs.runs[0]
-    return {"engine_version": VllmAdapter().version(), "server_args": engine.extra_args,
-            "mean_acceptance_length": acceptance.mean_acceptance_length if acceptance else None,
-            "per_position_acceptance": acceptance.per_position if acceptance else None,
-            "num_drafts": acceptance.num_drafts if acceptance else None, "concurrency": 4,
-            "requests": len(results), "output_tokens": metrics.output_tokens,
-            "answers_with_reasoning": sum(bool(r.reasoning) for r in results),
+    summary, runs, results = drafter_pair.vllm_acceptance(config, exports, store, log_dir, "thinking-eval",
+                                                          ChatTemplate(None, THINKING_MODE))
+    return {**summary, "answers_with_reasoning": sum(bool(r.reasoning) for r in results),
             "aux_hidden_state_layers": runs.log_facts.get("aux_hidden_state_layers")}
 
 
@@ -122,14 +101,8 @@ def main() -> None:
     root = Path(args.store).resolve()
     store = open_store(str(root))
     started = time.perf_counter()
-    times: dict[str, dict[str, float]] = {name: {} for name in VARIANTS}
-
-    def timed(name: str, stage: str, fn):
-        t = time.perf_counter()
-        out = fn()
-        times[name][stage] = round(time.perf_counter() - t, 1)
-        print(f"[{name}] {stage}: {times[name][stage]} s", flush=True)
-        return out
+    stage_times = drafter_pair.StageTimes(VARIANTS)
+    timed, times = stage_times.timed, stage_times.seconds
 
     configs = {name: variant_config(base, name, thinking, None, args) for name, thinking in VARIANTS.items()}
     missing = [n for n, c in configs.items() if store.read_manifest(f"{c.run}/traces") is None]
