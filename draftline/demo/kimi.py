@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftline.demo.package import asset_main, sha256_file, sha256_mismatches, write_sha256sums
-from draftline.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE
+from draftline.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE, grow_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "assets" / "demo-deepseek"
@@ -75,22 +75,7 @@ def text_config(source: Path, vocab_size: int) -> dict:
 
 def build_tokenizer(source: Path, out: Path) -> dict[str, int]:
     """demo-deepseek's tokenizer plus Kimi's media tokens (ids after the demo's 4096); returns their ids."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
-    base = tok.get_vocab_size()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MEDIA_TOKENS + RESERVED_TOKENS])
-    tok.save(str(out / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in MEDIA_TOKENS + RESERVED_TOKENS}
-    assert sorted(ids.values()) == list(range(base, base + len(ids))), ids
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    for t, i in ids.items():
-        config["added_tokens_decoder"][str(i)] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                                  "single_word": False, "special": True}
-    config["chat_template"] = CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text((source / "special_tokens_map.json").read_text())
-    return ids
+    return grow_tokenizer(source, out, MEDIA_TOKENS + RESERVED_TOKENS, True, CHAT_TEMPLATE)
 
 
 def kimi_config(source: Path, ids: dict[str, int], vocab_size: int) -> dict:

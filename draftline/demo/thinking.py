@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftline.demo.package import asset_main, sha256_file, sha256_mismatches
+from draftline.demo.tokenizer import grow_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "assets" / "demo-llama"
@@ -74,22 +75,7 @@ def build_tokenizer(source: Path, out: Path) -> dict[str, int]:
     The two are added tokens, matched whole in text, but not special ones: vLLM's reasoning parsers find them in the
     vocabulary by their text and look for `</think>` in the decoded answer, which a decode that skips special tokens
     (vLLM's default) would drop."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
-    base = tok.get_vocab_size()
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    tok.save(str(out / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in THINK_TOKENS}
-    assert sorted(ids.values()) == list(range(base, base + len(ids))), ids
-    config = json.loads((source / "tokenizer_config.json").read_text())
-    for t, i in ids.items():
-        config["added_tokens_decoder"][str(i)] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                                  "single_word": False, "special": False}
-    config["chat_template"] = CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text((source / "special_tokens_map.json").read_text())
-    return ids
+    return grow_tokenizer(source, out, THINK_TOKENS, False, CHAT_TEMPLATE)
 
 
 def vocab_size(source: Path = SOURCE) -> int:

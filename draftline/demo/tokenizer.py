@@ -79,3 +79,28 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int = 2048) 
 
 def special_ids(tok: Tokenizer) -> dict[str, int]:
     return {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS), "pad_token_id": tok.token_to_id(PAD)}
+
+
+def grow_tokenizer(source: Path, out: Path, tokens: list[str], special: bool, chat_template: str) -> dict[str, int]:
+    """A demo target's tokenizer folder (tokenizer.json, tokenizer_config.json, special_tokens_map.json) written to
+    `out` as the one in `source` plus `tokens` at the ids after its vocabulary, with `chat_template`; returns the ids."""
+    from tokenizers import AddedToken
+
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    base = tok.get_vocab_size()
+    added = [AddedToken(t, special=special, normalized=False) for t in tokens]
+    if special:
+        tok.add_special_tokens(added)
+    else:
+        tok.add_tokens(added)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in tokens}
+    assert sorted(ids.values()) == list(range(base, base + len(ids))), ids
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    for t, i in ids.items():
+        config["added_tokens_decoder"][str(i)] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                                  "single_word": False, "special": special}
+    config["chat_template"] = chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text((source / "special_tokens_map.json").read_text())
+    return ids
