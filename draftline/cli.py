@@ -136,7 +136,7 @@ def _add_online(sub) -> None:
             "`prepare` once, then `engine` on the engine's machine and `trainer` on the trainer's, with one config")
     p = sub.add_parser("online", help=text, description=text)
     p.add_argument("side", choices=("prepare", "engine", "trainer"),
-                   help="prepare: clear an earlier session's hand-off; engine: serve the target and feed its states; "
+                   help="prepare: clear an earlier attempt's hand-off; engine: serve the target and feed its states; "
                         "trainer: train the drafter from them")
     p.add_argument("config", metavar="CONFIG", help="pipeline config (YAML), the same on both machines")
     p.add_argument("--store", help="override store.root: the s3://bucket/prefix both machines reach")

@@ -113,7 +113,7 @@ def train(config: PipelineConfig, store: Store, on_line: Callable[[str], None] |
 # Online training as the flows run it: the engine side and the trainer as two tasks of one flow.
 
 def online_prepare(config: PipelineConfig) -> None:
-    """Clear the hand-off folder of an earlier session before either side of online training starts."""
+    """Clear the hand-off folder of an earlier attempt before either side of online training starts."""
     from draftline.online.run import prepare
 
     prepare(config)

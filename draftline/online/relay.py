@@ -37,7 +37,7 @@ def online_prefix(run: str) -> str:
 
 
 def clear(store, run: str) -> None:
-    """Remove an earlier session's requests and statuses from the store, before either side starts."""
+    """Remove an earlier attempt's requests and statuses from the store, before either side starts."""
     store.delete_tree(online_prefix(run))
 
 
@@ -73,7 +73,7 @@ class Relay:
     def start(self) -> "Relay":
         self.folder.mkdir(parents=True, exist_ok=True)
         if self.side == ENGINE_SIDE:
-            # A new engine side has uploaded nothing yet: what lies there is an earlier session's, never read again.
+            # A new engine side has uploaded nothing yet: what lies there is an earlier attempt's, never read again.
             for key in self.store.list(self.requests):
                 self.store.delete(key)
         elif not (self.folder / WANT).exists():

@@ -19,7 +19,7 @@ ENGINE_STOP_WAIT_S = 10.0
 
 def prepare(config: PipelineConfig) -> None:
     """Check that both sides fit on this worker's GPUs, and clear the hand-off folders (and with hand_off store, the
-    store's hand-off) of an earlier session, before either side starts."""
+    store's hand-off) of an earlier attempt, before either side starts."""
     from draftline.online.placement import check_placement
 
     placed = check_placement(config)

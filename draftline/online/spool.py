@@ -65,7 +65,7 @@ def read_json(path: Path) -> dict | None:
 
 
 def reset(folder: Path) -> None:
-    """Empty the folder of an earlier session's statuses and files, before either side starts."""
+    """Empty the folder of an earlier attempt's statuses and files, before either side starts."""
     folder.mkdir(parents=True, exist_ok=True)
     for entry in os.scandir(folder):
         if entry.name in STATUS_FILES or _FILE.match(entry.name):
