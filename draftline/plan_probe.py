@@ -14,9 +14,11 @@ import time
 
 import torch
 
-# The demo drafter's shape (configs/demo.yaml on the demo Llama), two rows of 256 tokens, 3 TTT steps.
+# The demo drafter's shape (configs/demo.yaml on the demo Llama) and 3 TTT steps; a step of two rows of 256 tokens in
+# one thread, and of the demo trainer's own batch (2,048 tokens in rows of 512) with a thread per core: how much
+# torch's threads lose beside other work depends on how much work lies between their waits for each other.
 SHAPE = {"hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 2, "vocab": 4096, "draft_vocab": 2048}
-ROWS, SEQ, TTT_STEPS = 2, 256, 3
+ONE_THREAD_BATCH, THREADED_BATCH, TTT_STEPS = (2, 256), (4, 512), 3
 WARMUP_S = 1.0
 
 
@@ -41,10 +43,10 @@ def probe(seconds: float = 3.0, processes: int | None = None) -> dict:
 
 def _probe_in_threads(seconds: float, threads: int) -> dict:
     torch.set_num_threads(threads)
-    return _timed_steps(seconds)
+    return _timed_steps(seconds, *(ONE_THREAD_BATCH if threads == 1 else THREADED_BATCH))
 
 
-def _timed_steps(seconds: float) -> dict:
+def _timed_steps(seconds: float, rows: int, seq: int) -> dict:
     from draftline.drafter.model import Eagle3Config, Eagle3Drafter
     from draftline.drafter.ttt import TTTModel, loss_plan
 
@@ -53,7 +55,7 @@ def _timed_steps(seconds: float) -> dict:
     cfg = Eagle3Config(hidden_size=h, intermediate_size=SHAPE["intermediate"], num_attention_heads=SHAPE["heads"],
                        num_key_value_heads=SHAPE["kv_heads"], head_dim=h // SHAPE["heads"], vocab_size=vocab,
                        draft_vocab_size=draft, target_hidden_size=h, aux_layer_ids=[1, 4, 6],
-                       max_position_embeddings=SEQ)
+                       max_position_embeddings=seq)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg)
     used = torch.arange(0, vocab, vocab // draft)  # every other token id: a fixed draft vocabulary
@@ -62,12 +64,12 @@ def _timed_steps(seconds: float) -> dict:
     drafter.set_vocab(used - torch.arange(draft), in_draft)
     lm_head = torch.randn(vocab, h, generator=g) * h ** -0.5
     ttt = TTTModel(drafter, lm_head, TTT_STEPS, 1024, "eager", torch.float32)
-    batch = {"input_ids": torch.randint(0, vocab, (ROWS, SEQ), generator=g),
-             "loss_mask": torch.ones(ROWS, SEQ, dtype=torch.bool),
-             "doc_ids": torch.zeros(ROWS, SEQ, dtype=torch.long),
-             "position_ids": torch.arange(SEQ).expand(ROWS, SEQ).contiguous(),
-             "aux": torch.randn(ROWS, SEQ, 3 * h, generator=g),
-             "last": torch.randn(ROWS, SEQ, h, generator=g)}
+    batch = {"input_ids": torch.randint(0, vocab, (rows, seq), generator=g),
+             "loss_mask": torch.ones(rows, seq, dtype=torch.bool),
+             "doc_ids": torch.zeros(rows, seq, dtype=torch.long),
+             "position_ids": torch.arange(seq).expand(rows, seq).contiguous(),
+             "aux": torch.randn(rows, seq, 3 * h, generator=g),
+             "last": torch.randn(rows, seq, h, generator=g)}
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     plan = loss_plan(batch["loss_mask"], batch["doc_ids"], TTT_STEPS)
@@ -87,6 +89,6 @@ def _timed_steps(seconds: float) -> dict:
         step()
         steps += 1
     cpu = time.process_time() - cpu_start
-    tokens = ROWS * SEQ * steps
+    tokens = rows * seq * steps
     return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / cpu, "cpu_share": min(1.0, cpu / elapsed),
             "wall_s": elapsed, "cpu_s": cpu}
