@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -34,14 +33,15 @@ from draftline.plan import build_plan, calibration  # noqa: E402
 from draftline.plan_probe import probe  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from drafter_pair import cpu_name  # noqa: E402  (benchmarks/drafter_pair.py)
+
 RESULTS = REPO / "benchmarks" / "results"
 GOAL_LOG_RATIO = math.log(1.5)
 
 
 def machine_name() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.machine())
-    return f"{model}, {os.cpu_count()} cores"
+    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 class BusyCores:
@@ -109,12 +109,34 @@ def predicted_rows(config: PipelineConfig, machine: dict, workload: dict, measur
     return rows
 
 
+def measured_conditions(config: PipelineConfig) -> list[dict]:
+    cores = len(os.sched_getaffinity(0))
+    conditions = []
+    for name, busy in (("idle", 0), ("one core busy", 1), ("every core busy", cores)):
+        try:
+            conditions.append(condition(name, busy, config))
+        except Exception as exc:  # a stage that failed under the load is a result too: recorded, not measured
+            conditions.append({"condition": name, "busy_processes": busy, "rows": [],
+                               "failed": f"{type(exc).__name__}: {exc}"[:400]})
+            print(f"[{name}] failed: {conditions[-1]['failed']}", flush=True)
+    return conditions
+
+
+def replanned(config: PipelineConfig, conditions: list[dict]) -> list[dict]:
+    """An earlier run's conditions, their recorded readings and workloads planned again against their measured times."""
+    for c in conditions:
+        if c["rows"]:
+            c["rows"] = predicted_rows(config, c["calibration"], c["workload"],
+                                       {r["stage"]: r["measured_s"] for r in c["rows"]})
+    return conditions
+
+
 def probe_only(out: Path) -> None:
     readings = [{k: v for k, v in probe().items() if k not in ("processes", "threaded")} for _ in range(5)]
     import torch
 
-    result = {"what": "draftline.plan_probe's TTT step on the demo drafter's shape in one thread, five readings on an "
-                      "idle machine", "hardware": machine_name(), "torch": torch.__version__,
+    result = {"what": "draftline.plan_probe's readings (a process per core with one torch thread each, then a torch "
+                      "thread per core in one process), five on an idle machine", "hardware": machine_name(), "torch": torch.__version__,
               "date": date.today().isoformat(), "readings": readings,
               "tokens_per_cpu_s": round(statistics.median(r["tokens_per_cpu_s"] for r in readings), 1),
               "threaded_tokens_per_s": round(statistics.median(r["threaded_tokens_per_s"] for r in readings), 1),
@@ -141,22 +163,8 @@ def main() -> int:
         "run": "plan-calibrated", "store": {"root": str(args.store)},
         "train": {"max_steps": args.steps, "val_every": args.steps, "checkpoint_every": args.steps}}),
         PipelineConfig, "plan calibration run")
-    cores = len(os.sched_getaffinity(0))
-    conditions = []
     earlier = json.loads(args.replan.read_text()) if args.replan else None
-    for name, busy in () if earlier else (("idle", 0), ("one core busy", 1), ("every core busy", cores)):
-        try:
-            conditions.append(condition(name, busy, config))
-        except Exception as exc:  # a stage that failed under the load is a result too: recorded, not measured
-            conditions.append({"condition": name, "busy_processes": busy, "rows": [],
-                               "failed": f"{type(exc).__name__}: {exc}"[:400]})
-            print(f"[{name}] failed: {conditions[-1]['failed']}", flush=True)
-    if earlier:  # the same measurements, planned again
-        conditions = earlier["conditions"]
-        for c in conditions:
-            if c["rows"]:
-                c["rows"] = predicted_rows(config, c["calibration"], c["workload"],
-                                           {r["stage"]: r["measured_s"] for r in c["rows"]})
+    conditions = replanned(config, earlier["conditions"]) if earlier else measured_conditions(config)
     ratios = {kind: [r[f"ratio_{kind}"] for c in conditions for r in c["rows"]] for kind in ("uncalibrated", "calibrated")}
     result = {"hardware": earlier["hardware"] if earlier else machine_name(),
               "date": earlier["date"] if earlier else date.today().isoformat(), "config": "configs/demo.yaml",

@@ -127,12 +127,9 @@ def _plan(args) -> int:
             raise ConfigError(f"{flag} {value:g} must be a positive number")
     machine = None
     if args.calibrate:
-        from draftline.plan import calibration
+        from draftline.plan import calibration, plan_hardware
 
-        hw = args.hardware or ("cpu" if cfg.train.device == "cpu" else "h200")
-        if hw != "cpu":  # refused before the probe runs
-            raise ConfigError(f"--calibrate times this machine's CPU and applies to CPU plans only, not to --hardware "
-                              f"{hw}; drop --calibrate or plan with --hardware cpu")
+        plan_hardware(cfg, args.hardware, calibrated=True)  # a GPU plan is refused before the probe runs
         machine = calibration()
     plan = build_plan(cfg, traces=args.traces, gpus=args.gpus, hardware=args.hardware,
                       prompt_tokens=args.prompt_tokens, answer_tokens=args.answer_tokens, rates=rates, machine=machine)

@@ -369,6 +369,18 @@ def _eager(settings: ServerSettings) -> bool:
     return "--enforce-eager" in settings.extra_args
 
 
+def plan_hardware(config: PipelineConfig, hardware: str | None = None, calibrated: bool = False) -> str:
+    """The hardware key a plan is for: `hardware`, else cpu when train.device is cpu, else h200; refuses an unknown
+    key, and a calibration (it times this machine's CPU) for a GPU plan, each in one sentence."""
+    key = hardware or ("cpu" if config.train.device == "cpu" else "h200")
+    if key not in HARDWARE:
+        raise ConfigError(f"--hardware {key}: unknown; use one of {', '.join(HARDWARE)}")
+    if calibrated and HARDWARE[key].hbm_tb_per_s is not None:
+        raise ConfigError(f"--calibrate times this machine's CPU and applies to CPU plans only, not to "
+                          f"{HARDWARE[key].name}; drop --calibrate or plan with --hardware cpu")
+    return key
+
+
 def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | None = None,
                hardware: str | None = None, prompt_tokens: float | None = None, answer_tokens: float | None = None,
                rates: dict[str, float] | None = None, target: tuple[dict, TargetShape] | None = None,
@@ -376,13 +388,8 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
     """The plan as a JSON-able dict; ConfigError (one sentence) when the target cannot fit the devices. `target`
     (config dict, shape) stands in for target.path's checkpoint; `machine` (calibration()'s answer) scales a CPU
     plan to the machine that was probed."""
-    hw_key = hardware or ("cpu" if config.train.device == "cpu" else "h200")
-    if hw_key not in HARDWARE:
-        raise ConfigError(f"--hardware {hw_key}: unknown; use one of {', '.join(HARDWARE)}")
+    hw_key = plan_hardware(config, hardware, calibrated=machine is not None)
     hw = HARDWARE[hw_key]
-    if machine is not None and hw.hbm_tb_per_s is not None:
-        raise ConfigError(f"--calibrate times this machine's CPU and applies to CPU plans only, not to {hw.name}; "
-                          "drop --calibrate or plan with --hardware cpu")
     model = model_for(hw_key, rates, machine)
     target_cfg, shape, notes = (*target, []) if target is not None else target_for_plan(config)
     work = workload(config, traces, prompt_tokens, answer_tokens)
