@@ -121,6 +121,7 @@ def _log_lines(server, run_id, min_level: int = 0, last: bool = False) -> list[s
 def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishes_the_pipeline(
         deployed, tiny_hidden_run, tmp_path):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from flows.deployed import STAGE_DEPLOYMENTS
 
     root = tmp_path / "store"
     copy_tree(open_store(str(tiny_hidden_run.store_root)), "tiny/hidden", open_store(str(root)), "tiny/hidden")
@@ -195,7 +196,9 @@ def test_a_killed_training_worker_crashes_its_run_and_one_pipeline_retry_finishe
     assert metrics["steps"] == MAX_STEPS
     assert checkpoint_step <= metrics["resumed_from"] < MAX_STEPS
     # One run per stage: the finished ones reused, the crashed one retried in place.
-    children = _runs_named(deployed, "tiny-")
+    # Stage runs by their exact names: a run Prefect names at random may also begin with "tiny-".
+    stage_names = {f"tiny-{deployment.split('/')[0]}" for deployment in STAGE_DEPLOYMENTS}
+    children = [r for r in _runs_named(deployed, "tiny-") if r.name in stage_names]
     names = sorted(r.name for r in children if "superseded" not in r.tags)
     assert names == ["tiny-extract-hidden-states", "tiny-generate-traces", "tiny-train-drafter"], names
     assert next(r for r in children if r.name == "tiny-train-drafter").id == training.id
