@@ -203,6 +203,17 @@ def _served_model(client, base: str, endpoint: str) -> str:
         raise EngineError(f"{endpoint} does not answer /v1/models like a vLLM server ({exc})") from None
 
 
+def _post(client, url: str, body: dict, endpoint: str):
+    """POST one trace request; a dropped or refused connection becomes one sentence naming the server."""
+    import httpx
+
+    try:
+        return client.post(url, json=body)
+    except httpx.HTTPError as exc:
+        raise EngineError(f"{endpoint} stopped answering trace requests ({type(exc).__name__}: {exc}); the shards "
+                          "already published are kept and a rerun resumes after them", transient=True) from exc
+
+
 def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],
                       budgets: list[int]) -> list[list[int]]:
     """Ask a running vLLM OpenAI server (/v1/completions with token-id prompts) and read back the token ids."""
@@ -216,7 +227,7 @@ def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[in
         def one(i: int) -> list[int]:
             body = {"model": model, "prompt": prompt_ids[i], "max_tokens": budgets[i], "temperature": cfg.temperature,
                     "top_p": cfg.top_p, "seed": seeds[i], "return_token_ids": True, "skip_special_tokens": False}
-            resp = client.post(f"{base}/completions", json=body)
+            resp = _post(client, f"{base}/completions", body, endpoint)
             if resp.status_code != 200:
                 raise EngineError(f"{endpoint} answered HTTP {resp.status_code}: {resp.text[:300]}")
             choice = resp.json()["choices"][0]
@@ -244,7 +255,7 @@ def _chat_vllm_at(endpoint: str, cfg: TracesConfig, messages: list[list[dict]], 
                     "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": seeds[i], "return_token_ids": True,
                     "skip_special_tokens": False, **({"chat_template_kwargs": cfg.chat_template_kwargs}
                                                      if cfg.chat_template_kwargs else {})}
-            resp = client.post(f"{base}/chat/completions", json=body)
+            resp = _post(client, f"{base}/chat/completions", body, endpoint)
             if resp.status_code != 200:
                 raise EngineError(f"{endpoint} answered a chat prompt with images with HTTP {resp.status_code}: "
                                   f"{resp.text[:300]}")

@@ -2,7 +2,9 @@
 
 Modes: ok (loads, serves), exit-then-ok (exits during its first load, serves on the next), crash (exits during
 every load), fatal (exits during every load with a Python ValueError, as an engine refusing its input does), hang (prints one line then goes silent without ever becoming healthy), mute (healthy, but never
-answers a completion).
+answers a completion), die-serving (answers its first completion, then prints an engine's error and exits in the
+middle of the next), killed-serving (the same, but SIGKILLed as the out-of-memory killer does), drop-posts (serves
+/health and /v1/models, and closes every POST's connection without an answer).
 Every mode starts a grandchild process, so tests can check that the whole process group dies.
 """
 import argparse
@@ -18,7 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--mode", choices=["ok", "exit-then-ok", "crash", "fatal", "hang", "mute"], default="ok")
+    ap.add_argument("--mode", choices=["ok", "exit-then-ok", "crash", "fatal", "hang", "mute", "die-serving",
+                                           "killed-serving", "drop-posts"], default="ok")
     ap.add_argument("--marker", help="exit-then-ok: this file's existence means 'the first attempt already ran'")
     ap.add_argument("--pids", help="append this process's and its grandchild's pids here (JSON lines)")
     ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM, so only SIGKILL ends it")
@@ -46,6 +49,7 @@ def main() -> None:
             time.sleep(3600)
 
     mode = args.mode
+    answered = []
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -60,13 +64,26 @@ def main() -> None:
             self.wfile.write(data)
 
         def do_GET(self):
-            self._json(200 if self.path == "/health" else 404, {})
+            if self.path == "/v1/models":
+                self._json(200, {"data": [{"id": "misbehaving"}]})
+            else:
+                self._json(200 if self.path == "/health" else 404, {})
 
         def do_POST(self):
             length = int(self.headers.get("Content-Length", 0))
             self.rfile.read(length)
             if mode == "mute":
                 time.sleep(3600)
+            if mode == "drop-posts":
+                self.close_connection = True
+                return
+            answered.append(1)
+            if mode in ("die-serving", "killed-serving") and len(answered) > 1:
+                if mode == "killed-serving":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                print("(EngineCore pid=7) Traceback (most recent call last):", flush=True)
+                print("(EngineCore pid=7) RuntimeError: CPU out of memory while allocating the KV cache", flush=True)
+                os._exit(1)  # the connection drops without an answer, as a crashing engine's does
             self._json(200, {"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}})
 
     print("ready", flush=True)

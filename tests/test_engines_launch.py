@@ -1,6 +1,7 @@
 """The engine supervisor against servers that misbehave like real model loads: crash, hang, or never answer."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -199,3 +200,27 @@ def test_no_orphan_survives_when_the_caller_is_sigkilled(tmp_path):
         if caller.poll() is None:
             caller.kill()
     _assert_all_gone(tmp_path, timeout=20.0)
+
+
+@pytest.mark.parametrize("mode, said", [
+    ("die-serving", "exited with status 1 while serving: RuntimeError: CPU out of memory while allocating"),
+    ("killed-serving", "exited with status 137 while serving (killed by SIGKILL, which the kernel's out-of-memory"),
+])
+def test_a_server_that_dies_while_serving_is_named_with_its_exit_and_cause(tmp_path, mode, said):
+    with pytest.raises(EngineError) as info:
+        with launch(_spec(mode, tmp_path), _cfg(), tmp_path / "logs") as server:
+            _completion(server.base_url, timeout=10)  # the first request answered; this one ends the server
+    first_line = str(info.value).split("\n", 1)[0]
+    assert first_line.startswith(f"fake-{mode} {said}"), first_line
+    assert "(the request saw RemoteProtocolError" in first_line, first_line
+    assert info.value.transient  # a machine out of memory may have room on a later attempt
+    _assert_all_gone(tmp_path)
+
+
+def test_a_request_timing_out_on_a_running_server_names_that_server(tmp_path):
+    spec = dataclasses.replace(_spec("mute", tmp_path), first_request=lambda url, timeout: None)
+    with pytest.raises(EngineError) as info:
+        with launch(spec, _cfg(), tmp_path / "logs") as server:
+            _completion(server.base_url, timeout=1)  # healthy, but this server never answers a completion
+    assert str(info.value).startswith("fake-mute stopped answering while still running (ReadTimeout: "), info.value
+    _assert_all_gone(tmp_path)

@@ -192,6 +192,28 @@ def test_vllm_endpoint_traces_on_demo_deepseek(tmp_path, target_dirs, tiny_promp
     _check_traces(store, "e", tiny_prompts, target_dirs["deepseek"], min_agreement=0.9)
 
 
+def test_an_endpoint_that_drops_trace_requests_is_one_sentence_and_publishes_nothing(tmp_path, target_dirs,
+                                                                                      tiny_prompts):
+    import sys
+
+    from draftline.engines.launch import ServerSpec, launch
+    from draftline.errors import EngineError
+
+    server_script = Path(__file__).with_name("misbehaving_server.py")
+    spec = ServerSpec(name="dropping", first_request=lambda url, timeout: None,
+                      command=lambda port: [sys.executable, str(server_script), "--port", str(port), "--mode",
+                                            "drop-posts"])
+    with launch(spec, EngineConfig(engine="vllm", retries=0), tmp_path / "logs") as server:
+        store = open_store(str(tmp_path / "store"))
+        cfg = TracesConfig(prompts=str(tiny_prompts), backend="vllm", endpoint=server.base_url, max_prompts=2)
+        with pytest.raises(EngineError) as info:
+            generate_traces(cfg, target_dirs["llama"], store, "t")
+    assert str(info.value).startswith(f"{server.base_url} stopped answering trace requests (RemoteProtocolError: "
+                                      "Server disconnected without sending a response"), info.value
+    assert "\n" not in str(info.value) and info.value.transient
+    assert not [k for k in store.list("t/") if "shard-" in k]
+
+
 def test_a_gpu_asked_for_on_a_machine_without_one_is_one_sentence_naming_the_field(tmp_path, target_dirs,
                                                                                    tiny_prompts):
     cfg = TracesConfig(prompts=str(tiny_prompts), backend="transformers", max_prompts=2, device="cuda")

@@ -31,6 +31,7 @@ GUARD = Path(__file__).with_name("guard.py")
 POLL_S = 0.5
 
 logger = logging.getLogger(__name__)
+EXIT_SETTLE_S = 5.0  # how long a server whose requests broke off is given to exit before it counts as running
 LOADING_REPORT_S = 30.0  # how often a load in progress is reported
 
 
@@ -210,8 +211,33 @@ class EngineServer:
     def __enter__(self) -> "EngineServer":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failure = self.failure_while_serving(exc) if exc is not None else None
         self.stop()
+        if failure is not None:
+            raise failure from exc
+
+    def failure_while_serving(self, exc: BaseException) -> EngineError | None:
+        """What a request that failed while this server was serving comes down to: the server's exit and its log's
+        root cause, or, for a raw connection error from a server still running, that error named; None where the
+        error already says it all (bad input, a refusal with the engine's own message, an interrupt)."""
+        if not isinstance(exc, (httpx.HTTPError, EngineError)) or (isinstance(exc, EngineError) and not exc.transient):
+            return None
+        deadline = time.monotonic() + EXIT_SETTLE_S  # a dying server drops its connections just before it exits
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        code = self.proc.poll()
+        said = str(exc).split("\n", 1)[0]
+        if code is None:
+            if isinstance(exc, EngineError):
+                return None
+            return EngineError(f"{self.spec.name} stopped answering while still running ({type(exc).__name__}: "
+                               f"{said})", log_tail(self.log_path), transient=True)
+        cause = root_cause(self.log_path.read_text(errors="replace")) if self.log_path.exists() else None
+        return EngineError(f"{self.spec.name} exited with status {code} while serving"
+                           + (f": {cause[0]}" if cause else _exit_signal(code))
+                           + f" (the request saw {type(exc).__name__}: {said})",
+                           log_tail(self.log_path), transient=not (cause and cause[1]))
 
     def __del__(self):  # last resort: never leave a server behind when a caller forgets stop()
         if not getattr(self, "stopped", True):
@@ -219,6 +245,18 @@ class EngineServer:
                 self.stop(grace_s=2.0)
             except Exception:
                 pass
+
+
+def _exit_signal(code: int) -> str:
+    """' (killed by SIGKILL ...)' for the guard's 128 + signal exit statuses, else ''."""
+    if not 128 < code < 128 + 65:
+        return ""
+    try:
+        name = signal.Signals(code - 128).name
+    except ValueError:
+        name = f"signal {code - 128}"
+    why = ", which the kernel's out-of-memory killer sends" if code - 128 == signal.SIGKILL else ""
+    return f" (killed by {name}{why})"
 
 
 def _kill_group(proc: subprocess.Popen, pgid: int, grace_s: float) -> None:
