@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import threading
@@ -32,6 +31,9 @@ from draftline import stages  # noqa: E402
 from draftline.config import PipelineConfig  # noqa: E402
 from draftline.config_loading import load_config, merge_overrides, parse_config  # noqa: E402
 from draftline.store import open_store  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from drafter_pair import cpu_name  # noqa: E402  (benchmarks/drafter_pair.py)
 
 # Enough to hold the demo's training tokens (about 55,000) with room: its epochs after the first come from memory.
 CACHE_ALL = 1 << 20
@@ -155,8 +157,7 @@ def run_online(base: PipelineConfig, seed: int, root: Path, traces: Path, cache_
 def hardware(note: str) -> str:
     import torch
 
-    where = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-             else f"{platform.machine()}, {os.cpu_count()}-core CPU")
+    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{cpu_name()}, {os.cpu_count()} cores"
     return where + (f", {note}" if note else "")
 
 
