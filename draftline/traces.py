@@ -28,6 +28,8 @@ STAGE = TRACES_STAGE
 SUFFIX = ".jsonl"
 LENGTH_BINS = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 LISTED_SKIPS = 1000  # stats.json lists this many skipped records; it counts them all
+REQUEST_ATTEMPTS = 3  # sends of one trace request whose connection dropped before its answer
+REQUEST_RETRY_PAUSE_S = 1.0
 
 
 # ---------------------------------------------------------------- prompts
@@ -159,7 +161,8 @@ class _Answerer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
+        # The exception goes on to the server, which names its own exit when it died mid-stage.
+        self._stack.__exit__(*exc)
 
     def __call__(self, prompt_ids: list[list[int]], seeds: list[int], budgets: list[int]) -> list[list[int]]:
         if not prompt_ids:
@@ -204,14 +207,26 @@ def _served_model(client, base: str, endpoint: str) -> str:
 
 
 def _post(client, url: str, body: dict, endpoint: str):
-    """POST one trace request; a dropped or refused connection becomes one sentence naming the server."""
+    """POST one trace request, sent again when its connection dropped (a server may close a kept-alive connection
+    just as the client reuses it; the request is seeded, so answering it twice gives the same trace); a server that
+    keeps dropping or refusing it becomes one sentence naming the server."""
     import httpx
 
-    try:
-        return client.post(url, json=body)
-    except httpx.HTTPError as exc:
-        raise EngineError(f"{endpoint} stopped answering trace requests ({type(exc).__name__}: {exc}); the shards "
-                          "already published are kept and a rerun resumes after them", transient=True) from exc
+    for attempt in range(REQUEST_ATTEMPTS):
+        try:
+            return client.post(url, json=body)
+        except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError, httpx.WriteError) as exc:
+            if attempt + 1 == REQUEST_ATTEMPTS:
+                raise _stopped_answering(endpoint, exc) from exc
+            log.warning("traces: %s dropped a request (%s: %s); sending it again", endpoint, type(exc).__name__, exc)
+            time.sleep(REQUEST_RETRY_PAUSE_S)
+        except httpx.HTTPError as exc:
+            raise _stopped_answering(endpoint, exc) from exc
+
+
+def _stopped_answering(endpoint: str, exc: Exception) -> EngineError:
+    return EngineError(f"{endpoint} stopped answering trace requests ({type(exc).__name__}: {exc}); the shards "
+                       "already published are kept and a rerun resumes after them", transient=True)
 
 
 def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],

@@ -4,7 +4,8 @@ Modes: ok (loads, serves), exit-then-ok (exits during its first load, serves on 
 every load), fatal (exits during every load with a Python ValueError, as an engine refusing its input does), hang (prints one line then goes silent without ever becoming healthy), mute (healthy, but never
 answers a completion), die-serving (answers its first completion, then prints an engine's error and exits in the
 middle of the next), killed-serving (the same, but SIGKILLed as the out-of-memory killer does), drop-posts (serves
-/health and /v1/models, and closes every POST's connection without an answer).
+/health and /v1/models, and closes every POST's connection without an answer), drop-first-post (the same for its
+first POST only, then answers each with token ids).
 Every mode starts a grandchild process, so tests can check that the whole process group dies.
 """
 import argparse
@@ -21,7 +22,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--mode", choices=["ok", "exit-then-ok", "crash", "fatal", "hang", "mute", "die-serving",
-                                           "killed-serving", "drop-posts"], default="ok")
+                                           "killed-serving", "drop-posts",
+                                           "drop-first-post"], default="ok")
     ap.add_argument("--marker", help="exit-then-ok: this file's existence means 'the first attempt already ran'")
     ap.add_argument("--pids", help="append this process's and its grandchild's pids here (JSON lines)")
     ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM, so only SIGKILL ends it")
@@ -74,7 +76,8 @@ def main() -> None:
             self.rfile.read(length)
             if mode == "mute":
                 time.sleep(3600)
-            if mode == "drop-posts":
+            if mode == "drop-posts" or (mode == "drop-first-post" and not answered):
+                answered.append(0)
                 self.close_connection = True
                 return
             answered.append(1)
@@ -84,7 +87,7 @@ def main() -> None:
                 print("(EngineCore pid=7) Traceback (most recent call last):", flush=True)
                 print("(EngineCore pid=7) RuntimeError: CPU out of memory while allocating the KV cache", flush=True)
                 os._exit(1)  # the connection drops without an answer, as a crashing engine's does
-            self._json(200, {"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}})
+            self._json(200, {"choices": [{"text": "x", "token_ids": [11, 12, 13]}], "usage": {"completion_tokens": 3}})
 
     print("ready", flush=True)
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

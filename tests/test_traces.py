@@ -192,18 +192,22 @@ def test_vllm_endpoint_traces_on_demo_deepseek(tmp_path, target_dirs, tiny_promp
     _check_traces(store, "e", tiny_prompts, target_dirs["deepseek"], min_agreement=0.9)
 
 
-def test_an_endpoint_that_drops_trace_requests_is_one_sentence_and_publishes_nothing(tmp_path, target_dirs,
-                                                                                      tiny_prompts):
+def _misbehaving_endpoint(mode: str, tmp_path: Path):
     import sys
 
     from draftline.engines.launch import ServerSpec, launch
+
+    script = Path(__file__).with_name("misbehaving_server.py")
+    spec = ServerSpec(name=mode, first_request=lambda url, timeout: None,
+                      command=lambda port: [sys.executable, str(script), "--port", str(port), "--mode", mode])
+    return launch(spec, EngineConfig(engine="vllm", retries=0), tmp_path / "logs")
+
+
+def test_an_endpoint_that_drops_trace_requests_is_one_sentence_and_publishes_nothing(tmp_path, target_dirs,
+                                                                                      tiny_prompts):
     from draftline.errors import EngineError
 
-    server_script = Path(__file__).with_name("misbehaving_server.py")
-    spec = ServerSpec(name="dropping", first_request=lambda url, timeout: None,
-                      command=lambda port: [sys.executable, str(server_script), "--port", str(port), "--mode",
-                                            "drop-posts"])
-    with launch(spec, EngineConfig(engine="vllm", retries=0), tmp_path / "logs") as server:
+    with _misbehaving_endpoint("drop-posts", tmp_path) as server:
         store = open_store(str(tmp_path / "store"))
         cfg = TracesConfig(prompts=str(tiny_prompts), backend="vllm", endpoint=server.base_url, max_prompts=2)
         with pytest.raises(EngineError) as info:
@@ -212,6 +216,34 @@ def test_an_endpoint_that_drops_trace_requests_is_one_sentence_and_publishes_not
                                       "Server disconnected without sending a response"), info.value
     assert "\n" not in str(info.value) and info.value.transient
     assert not [k for k in store.list("t/") if "shard-" in k]
+
+
+def test_a_trace_request_whose_connection_dropped_once_is_sent_again(tmp_path, target_dirs, tiny_prompts, caplog):
+    with _misbehaving_endpoint("drop-first-post", tmp_path) as server:
+        store = open_store(str(tmp_path / "store"))
+        cfg = TracesConfig(prompts=str(tiny_prompts), backend="vllm", endpoint=server.base_url, max_prompts=2)
+        with caplog.at_level("WARNING", logger="draftline.traces"):
+            stats = generate_traces(cfg, target_dirs["llama"], store, "t")
+    assert stats["count"] == 2
+    # Each trace ends with the answer the server gave, trained on (loss mask 1).
+    assert [(t["input_ids"][-3:], t["loss_mask"][-3:]) for t in iter_traces(store, "t")] == [([11, 12, 13], [1, 1, 1])] * 2
+    assert any("dropped a request (RemoteProtocolError" in r.getMessage() for r in caplog.records)
+
+
+def test_a_traces_server_that_dies_mid_stage_is_named_with_its_exit_and_cause(tmp_path, target_dirs):
+    from draftline.errors import EngineError
+    from draftline.traces import _Answerer
+
+    cfg = TracesConfig(prompts="unused.jsonl", backend="vllm", batch_size=2)
+    with pytest.raises(EngineError) as info:
+        with _Answerer(cfg, target_dirs["llama"], "float32", "cpu") as answerer:
+            # The server the stage started (here one that answers one request, then dies as an engine does).
+            answerer.endpoint = answerer._stack.enter_context(_misbehaving_endpoint("die-serving", tmp_path)).base_url
+            answerer([[1, 2], [1, 3]], [0, 1], [3, 3])
+    first_line = str(info.value).split("\n", 1)[0]
+    assert first_line.startswith("die-serving exited with status 1 while serving: RuntimeError: CPU out of memory"), \
+        first_line
+    assert "stopped answering trace requests" in first_line  # what the request saw, after it was sent again
 
 
 def test_a_gpu_asked_for_on_a_machine_without_one_is_one_sentence_naming_the_field(tmp_path, target_dirs,
