@@ -234,9 +234,11 @@ def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[in
     """Ask a running vLLM OpenAI server (/v1/completions with token-id prompts) and read back the token ids."""
     import httpx
 
+    from draftline.engines.client import KEEPALIVE_EXPIRY_S
+
     base = endpoint.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    with httpx.Client(timeout=600.0) as client:
+    with httpx.Client(timeout=600.0, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)) as client:
         model = _served_model(client, base, endpoint)
 
         def one(i: int) -> list[int]:
@@ -260,9 +262,11 @@ def _chat_vllm_at(endpoint: str, cfg: TracesConfig, messages: list[list[dict]], 
     the prompt's token ids, media tokens expanded, and the answer's."""
     import httpx
 
+    from draftline.engines.client import KEEPALIVE_EXPIRY_S
+
     base = endpoint.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    with httpx.Client(timeout=600.0) as client:
+    with httpx.Client(timeout=600.0, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)) as client:
         model = _served_model(client, base, endpoint)
 
         def one(i: int) -> tuple[list[int], list[int]]:

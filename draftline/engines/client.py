@@ -20,6 +20,10 @@ from pydantic import BaseModel
 
 from draftline.errors import EngineError
 
+# Seconds an idle kept-alive connection is reused for: below the engines' own 5 s (uvicorn's keep-alive, vLLM's
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a request never goes out on a connection the server is closing at that moment.
+KEEPALIVE_EXPIRY_S = 2.0
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -193,7 +197,8 @@ Requester = Callable[[httpx.AsyncClient, str, Prompt], Any]
 async def _run(base_url: str, prompts: list[Prompt], concurrency: int, requester: Requester,
                timeout_s: float) -> tuple[list[RequestResult], float]:
     semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
         async def one(prompt: Prompt) -> RequestResult:
             async with semaphore:
