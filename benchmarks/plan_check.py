@@ -218,7 +218,8 @@ def cpu_rows(rows: list) -> list:
 
 def probed_rows(rows: list) -> list:
     """The demo's stages run right after a plan calibrated on the same machine (benchmarks/plan_calibrated.py), idle
-    and with every core busy; the row's predicted time is the calibrated plan's."""
+    and with every core busy, and a fresh clone's `make demo` planned with --calibrate on its quiet machine; the row's
+    predicted time is the calibrated plan's."""
     path = RESULTS / "plan-calibrated-cpu.json"
     data = json.loads(path.read_text())
     for c in data["conditions"]:
@@ -228,6 +229,10 @@ def probed_rows(rows: list) -> list:
                  same_machine=c["busy_processes"] == 0,
                  note=f"calibrated: the engine's rates x {c['calibration']['engine_speed']:.2f}, torch's x "
                       f"{c['calibration']['torch_speed']:.2f}; uncalibrated {r['ratio_uncalibrated']:.2f}")
+    demo = json.loads((RESULTS / "make-demo-calibrated-cpu.json").read_text())
+    for r in demo["stages"]:
+        _row(rows, f"make demo {demo['commit']} (AMD EPYC), plan --calibrate", r["stage"], r["predicted_s"],
+             r["measured_s"], "benchmarks/results/make-demo-calibrated-cpu.json", probed=True, note=r["note"])
     return rows
 
 
