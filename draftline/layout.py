@@ -52,6 +52,11 @@ def hidden_plan_key(run: str) -> str:
     return f"{hidden_prefix(run)}/_plan.json"
 
 
+def traces_logs_prefix(run: str) -> str:
+    """`<run>/traces/logs`: the logs of the vLLM servers the traces stage started, a folder per start time."""
+    return f"{traces_prefix(run)}/logs"
+
+
 def hidden_logs_prefix(run: str) -> str:
     """`<run>/hidden/logs`: the capturing vLLM server's logs."""
     return f"{hidden_prefix(run)}/logs"

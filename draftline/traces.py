@@ -19,7 +19,7 @@ from draftline.conversations import BadRecord, Origin, PromptSet, read_prompt_se
 from draftline.errors import ConfigError, EngineError
 from draftline.images import (engine_messages, image_parts, mask_media, media_token_ids, part_source, prompts_base,
                               target_takes_images)
-from draftline.layout import TRACES_STAGE, trace_stats_key, traces_prefix
+from draftline.layout import TRACES_STAGE, trace_stats_key, traces_logs_prefix, traces_prefix
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,12 @@ class _Answerer:
     first prompts, so work without any (the dataset's answers, prompts all too long) starts none, and it answers
     every round of turns until the block ends."""
 
-    def __init__(self, cfg: TracesConfig, target_dir: str, dtype: str, device: str):
+    def __init__(self, cfg: TracesConfig, target_dir: str, dtype: str, device: str, store=None, run: str | None = None):
         self.cfg, self.target_dir, self.dtype, self.device = cfg, target_dir, dtype, device
+        # Where the server's log goes when it stops: <run>/traces/logs/<UTC start time>/, one folder per attempt of
+        # the stage, so that a retry keeps the log of the attempt that failed.
+        started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self.store, self.log_prefix = store, f"{traces_logs_prefix(run)}/{started}" if run else None
         self.endpoint = cfg.endpoint
         self._stack = contextlib.ExitStack()
 
@@ -193,7 +197,8 @@ class _Answerer:
         limit = _length_limit(self.cfg, self.target_dir)
         spec = generation_server_spec(settings, Path(self.target_dir), settings.max_model_len or limit)
         logs = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="draftline-traces-"))
-        return self._stack.enter_context(launch(spec, settings, logs)).base_url + "/v1"
+        return self._stack.enter_context(launch(spec, settings, logs, store=self.store,
+                                                log_key_prefix=self.log_prefix)).base_url + "/v1"
 
 
 def _served_model(client, base: str, endpoint: str) -> str:
@@ -342,7 +347,7 @@ def generate_trace_shard(cfg: TracesConfig, target_dir: str | Path, prompts: lis
     if done is not None:
         return {**done.metadata, "computed": False}
     started = time.monotonic()
-    with _Answerer(cfg, target_dir, dtype, device) as answerer:
+    with _Answerer(cfg, target_dir, dtype, device, store, run) as answerer:
         answered = _answer(cfg, target_dir, prompts, mine, answerer)
     return _publish_trace_shard(cfg, target_dir, mine, store, run, shard_index, spec, answered, started)
 
@@ -522,7 +527,7 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
     if cfg.backend == "vllm" and not cfg.endpoint and len(pending) > 1:
         # Starting vLLM costs a minute: answer all pending shards through one server, then split them back.
         everything = [p for _, mine, _ in pending for p in mine]
-        with _Answerer(cfg, target_dir, dtype, device) as answerer:
+        with _Answerer(cfg, target_dir, dtype, device, store, run) as answerer:
             dialogues, tok = _answer(cfg, target_dir, prompts, everything, answerer)
         at = 0
         for i, mine, spec in pending:
@@ -533,7 +538,7 @@ def generate_traces(cfg: TracesConfig, target_dir: str | Path, store, run: str, 
     else:
         for i, mine, spec in pending:
             began = time.monotonic()
-            with _Answerer(cfg, target_dir, dtype, device) as answerer:
+            with _Answerer(cfg, target_dir, dtype, device, store, run) as answerer:
                 answered = _answer(cfg, target_dir, prompts, mine, answerer)
             _publish_trace_shard(cfg, target_dir, mine, store, run, i, spec, answered, began)
     stats = finalize_traces(cfg, prompts, store, run, target_dir)

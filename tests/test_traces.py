@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,10 @@ def test_vllm_server_traces_on_demo_llama(tmp_path, target_dirs, tiny_prompts):
     stats = generate_traces(cfg, target_dirs["llama"], store, "v")
     assert stats["count"] == 11 and stats["computed_shards"] == [0, 1, 2]
     _check_traces(store, "v", tiny_prompts, target_dirs["llama"], min_agreement=0.9)
+    # The server's log is kept in the store, under the stage's start time, beside the shards.
+    logs = [k for k in store.list("v/traces/logs")]
+    assert len(logs) == 1 and re.fullmatch(r"v/traces/logs/\d{8}T\d{6}Z/vllm-traces-attempt1\.log", logs[0]), logs
+    assert store.get_bytes(logs[0]).decode().startswith("$ ")
     assert generate_traces(cfg, target_dirs["llama"], store, "v")["computed_shards"] == []
 
 
