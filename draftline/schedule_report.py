@@ -98,6 +98,49 @@ def _table(r: EvalResult) -> list[str]:
     return lines
 
 
+def break_even(r: EvalResult) -> dict[tuple[int, int], tuple[float, float]]:
+    """(k, concurrency) -> (the acceptance length at which k pays at that load, the drafter's there). A speculative
+    step yields its acceptance length in tokens where a step without speculation yields one, so its time in such
+    steps is its acceptance length over its speedup, and k breaks even at an acceptance length of that much."""
+    base = {p.concurrency: p.tokens_per_s for p in r.sweep if p.k == 0}
+    out = {}
+    for p in r.sweep:
+        if p.k > 0 and p.acceptance_length and p.tokens_per_s > 0 and base.get(p.concurrency):
+            out[(p.k, p.concurrency)] = (p.acceptance_length * base[p.concurrency] / p.tokens_per_s,
+                                         p.acceptance_length)
+    return out
+
+
+def _break_even_table(r: EvalResult) -> list[str]:
+    costs = break_even(r)
+    if not costs:
+        return []
+    ks = sorted({k for k, _ in costs})
+    lines = ["", "The acceptance length at which each k breaks even (a speculative step's time in steps without "
+             "speculation: its acceptance length over its speedup), the drafter's own in brackets. Where the drafter's "
+             "is the lower, that k costs more than it saves: a drafter that accepts more, or a cheaper speculative "
+             "step on this engine and hardware, would change it.", "",
+             "| concurrency | " + " | ".join(f"k={k}" for k in ks) + " |", "|" + "---|" * (len(ks) + 1)]
+    for c in sorted({c for _, c in costs}):
+        cells = [f"{costs[k, c][0]:.2f} ({costs[k, c][1]:.2f})" if (k, c) in costs else "n/a" for k in ks]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _no_k_pays(r: EvalResult) -> list[str]:
+    """For the terminal: each measured load where every k served slower than no speculation, and how far the k
+    closest to paying is from breaking even."""
+    costs = break_even(r)
+    out = []
+    for c in sorted({c for _, c in costs}):
+        at_c = {k: cost for (k, cc), cost in costs.items() if cc == c}
+        if all(needed > has for needed, has in at_c.values()):
+            k, (needed, has) = min(at_c.items(), key=lambda kv: kv[1][0] / kv[1][1])
+            out.append(f"  no k pays at concurrency {c}: k={k} breaks even at an acceptance length of {needed:.2f}, "
+                       f"the drafter's is {has:.2f}")
+    return out
+
+
 def schedule_markdown(results: list[EvalResult], run: str | None = None) -> list[str]:
     """The section: how schedules are derived, then per engine its schedule, table, verification and command lines."""
     shown = with_schedule(results)
@@ -132,7 +175,7 @@ def schedule_markdown(results: list[EvalResult], run: str | None = None) -> list
                       "below are the best single setting of the sweep, which replaced it."]
         if s.support_note:
             lines += ["", f"**{s.support_note}**"]
-        lines += [""] + _table(r)
+        lines += [""] + _table(r) + _break_even_table(r)
         where = f"`{export_prefix(run or r.run, r.engine)}/{SERVE_FOLDER}/`"
         lines += ["", f"To serve it (also in the {r.engine} export's {where}):", ""]
         for when, command in s.commands:
@@ -149,6 +192,7 @@ def summary_lines(results: list[EvalResult]) -> list[str]:
         out.append(schedule_summary(r.schedule))
         if r.schedule.support_note:
             out.append(f"  {r.schedule.support_note}")
+        out += _no_k_pays(r)
         for when, command in r.schedule.commands:
             out.append(f"  serve ({when}): {command}")
     return out

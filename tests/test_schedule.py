@@ -470,3 +470,19 @@ def test_a_schedule_its_own_server_serves_slower_than_no_speculation_is_replaced
     assert cause.kind == "schedule-below-baseline"
     assert cause.explanation.endswith("; the evaluation replaced it with off (k=0) at every batch size, which "
                                       "the export carries")
+
+
+def test_the_report_gives_the_acceptance_each_k_needs_to_pay_and_the_terminal_names_a_load_where_none_pays(tmp_path):
+    from draftline.report import report_markdown
+    from draftline.schedule_report import summary_lines
+
+    r = _result(tmp_path)  # every drafting server accepted 1.5 tokens a step
+    section = report_markdown([r]).split("## Speculation by load")[1].split("\n## ")[0]
+    # Break-even = acceptance length x no speculation's tok/s / the k's tok/s: at 1, 1.5 x 101 / 122 and / 145.
+    assert "| 1 | 1.24 (1.50) | 1.04 (1.50) |" in section
+    assert "| 4 | 1.44 (1.50) | 2.21 (1.50) |" in section
+    assert not any("no k pays" in line for line in summary_lines([r]))  # k=1 pays at 4, if within the spread
+    slower = r.model_copy(update={"sweep": [p.model_copy(update={"tokens_per_s": 250.0})
+                                            if (p.k, p.concurrency) == (1, 4) else p for p in r.sweep]})
+    assert ("  no k pays at concurrency 4: k=1 breaks even at an acceptance length of 1.81, the drafter's is 1.50"
+            in summary_lines([slower]))
