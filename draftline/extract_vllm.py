@@ -27,7 +27,7 @@ from draftline.hidden_shards import (
     length_buckets, plan_hidden_shards, shard_spec, write_hidden_shard,
 )
 from draftline.images import media_placeholder_id
-from draftline.layout import hidden_logs_prefix
+from draftline.layout import hidden_logs_prefix, this_start
 from draftline.shards import finished_shard
 from draftline.safetensors_io import map_safetensors
 from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STATE_NAMES
@@ -284,7 +284,8 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
 
     spool = Path(tempfile.mkdtemp(prefix=f"draftline-spool-{re.sub(r'[^A-Za-z0-9_.-]', '_', run)}-",
                                   dir=_spool_root(cfg)))
-    # The server's log goes to the store (<run>/hidden/logs); the local copy lives as long as the stage.
+    # The server's log goes to the store (<run>/hidden/logs/<UTC start time>/); the local copy lives as long as the
+    # stage.
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="draftline-capture-logs-"))
     try:
         media = any(t.get("images") for _, traces in jobs for t in traces)
@@ -292,7 +293,7 @@ def _run_server(settings, target_dir, layer_ids, max_model_len, cfg, store, run,
                                    write_final_norm(target_dir, spool), token_in=media)
         say(f"starting vLLM to capture layers {layer_ids} of {target_dir} (tensor parallel {settings.tensor_parallel_size})")
         started = time.perf_counter()
-        with launch(spec, settings, logs, store=store, log_key_prefix=hidden_logs_prefix(run)) as server:
+        with launch(spec, settings, logs, store=store, log_key_prefix=this_start(hidden_logs_prefix(run))) as server:
             timing["engine_start_s"] = round(time.perf_counter() - started, 3)
             say(f"vLLM ready after {timing['engine_start_s']:.0f} s")
             client = SpoolClient(server.base_url, spool, workers=cfg.requests_in_flight, storage=source.storage,

@@ -1,6 +1,8 @@
 """Where each stage's artifacts live under a run in the store."""
 from __future__ import annotations
 
+import time
+
 TRACES_STAGE = "traces"
 HIDDEN_STAGE = "hidden"
 # Online training keeps only its validation's hidden states, captured first so that every estimate reads the same.
@@ -52,13 +54,19 @@ def hidden_plan_key(run: str) -> str:
     return f"{hidden_prefix(run)}/_plan.json"
 
 
+def this_start(logs_prefix: str) -> str:
+    """`<logs_prefix>/<UTC time now>`: a folder of server logs per start of a stage, so that a retry keeps the log of
+    the attempt it retries."""
+    return f"{logs_prefix}/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+
+
 def traces_logs_prefix(run: str) -> str:
     """`<run>/traces/logs`: the logs of the vLLM servers the traces stage started, a folder per start time."""
     return f"{traces_prefix(run)}/logs"
 
 
 def hidden_logs_prefix(run: str) -> str:
-    """`<run>/hidden/logs`: the capturing vLLM server's logs."""
+    """`<run>/hidden/logs`: the capturing vLLM server's logs, a folder per start time (this_start)."""
     return f"{hidden_prefix(run)}/logs"
 
 

@@ -19,7 +19,7 @@ from draftline.conversations import BadRecord, Origin, PromptSet, read_prompt_se
 from draftline.errors import ConfigError, EngineError
 from draftline.images import (engine_messages, image_parts, mask_media, media_token_ids, part_source, prompts_base,
                               target_takes_images)
-from draftline.layout import TRACES_STAGE, trace_stats_key, traces_logs_prefix, traces_prefix
+from draftline.layout import TRACES_STAGE, this_start, trace_stats_key, traces_logs_prefix, traces_prefix
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 
 log = logging.getLogger(__name__)
@@ -154,10 +154,8 @@ class _Answerer:
 
     def __init__(self, cfg: TracesConfig, target_dir: str, dtype: str, device: str, store=None, run: str | None = None):
         self.cfg, self.target_dir, self.dtype, self.device = cfg, target_dir, dtype, device
-        # Where the server's log goes when it stops: <run>/traces/logs/<UTC start time>/, one folder per attempt of
-        # the stage, so that a retry keeps the log of the attempt that failed.
-        started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        self.store, self.log_prefix = store, f"{traces_logs_prefix(run)}/{started}" if run else None
+        # Where the server's log goes when it stops: <run>/traces/logs/<UTC start time>/.
+        self.store, self.log_prefix = store, this_start(traces_logs_prefix(run)) if run else None
         self.endpoint = cfg.endpoint
         self._stack = contextlib.ExitStack()
 

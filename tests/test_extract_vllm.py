@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -194,6 +195,10 @@ def test_a_killed_vllm_extraction_resumes_without_recomputing_finished_shards(tm
     done_before = {int(n.split("-")[1].split(".")[0]) for n in finished}
     assert set(result["computed_shards"]) == set(range(result["shards"])) - done_before
     assert store.read_manifest("k/hidden") is not None
+    # The resuming run's server log is in the store, in a folder of its start time (the killed run had no time to
+    # upload its own).
+    logs = store.list("k/hidden/logs")
+    assert len(logs) == 1 and re.fullmatch(r"k/hidden/logs/\d{8}T\d{6}Z/[\w-]+-attempt1\.log", logs[0]), logs
     assert extract_hidden_states(cfg, target_dirs["llama"], store, "k")["computed_shards"] == []
 
 
