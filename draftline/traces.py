@@ -232,9 +232,9 @@ def _stopped_answering(endpoint: str, exc: Exception) -> EngineError:
                        "already published are kept and a rerun resumes after them", transient=True)
 
 
-def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],
-                      budgets: list[int]) -> list[list[int]]:
-    """Ask a running vLLM OpenAI server (/v1/completions with token-id prompts) and read back the token ids."""
+def _ask_all(endpoint: str, cfg: TracesConfig, path: str, bodies: list[dict], answered: str, read) -> list:
+    """POST each body, with the served model's name, to a running vLLM server's /v1/`path`, cfg.batch_size at a time,
+    and read each answer's JSON with `read`; a refusal is one sentence beginning with `answered`."""
     import httpx
 
     from draftline.engines.client import KEEPALIVE_EXPIRY_S
@@ -244,50 +244,48 @@ def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[in
     with httpx.Client(timeout=600.0, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)) as client:
         model = _served_model(client, base, endpoint)
 
-        def one(i: int) -> list[int]:
-            body = {"model": model, "prompt": prompt_ids[i], "max_tokens": budgets[i], "temperature": cfg.temperature,
-                    "top_p": cfg.top_p, "seed": seeds[i], "return_token_ids": True, "skip_special_tokens": False}
-            resp = _post(client, f"{base}/completions", body, endpoint)
+        def one(body: dict):
+            resp = _post(client, f"{base}/{path}", {"model": model, **body}, endpoint)
             if resp.status_code != 200:
-                raise EngineError(f"{endpoint} answered HTTP {resp.status_code}: {resp.text[:300]}")
-            choice = resp.json()["choices"][0]
-            if choice.get("token_ids") is None:
-                raise EngineError(f"{endpoint} returned no token_ids; it must be vLLM >= 0.10.2")
-            return list(choice["token_ids"])
+                raise EngineError(f"{answered} HTTP {resp.status_code}: {resp.text[:300]}")
+            return read(resp.json())
 
         with ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
-            return list(pool.map(one, range(len(prompt_ids))))
+            return list(pool.map(one, bodies))
+
+
+def _generate_vllm_at(endpoint: str, cfg: TracesConfig, prompt_ids: list[list[int]], seeds: list[int],
+                      budgets: list[int]) -> list[list[int]]:
+    """Ask a running vLLM OpenAI server (/v1/completions with token-id prompts) and read back the token ids."""
+
+    def token_ids(data: dict) -> list[int]:
+        choice = data["choices"][0]
+        if choice.get("token_ids") is None:
+            raise EngineError(f"{endpoint} returned no token_ids; it must be vLLM >= 0.10.2")
+        return list(choice["token_ids"])
+
+    bodies = [{"prompt": ids, "max_tokens": budget, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": seed,
+               "return_token_ids": True, "skip_special_tokens": False}
+              for ids, seed, budget in zip(prompt_ids, seeds, budgets)]
+    return _ask_all(endpoint, cfg, "completions", bodies, f"{endpoint} answered", token_ids)
 
 
 def _chat_vllm_at(endpoint: str, cfg: TracesConfig, messages: list[list[dict]], seeds: list[int], budgets: list[int]
                   ) -> list[tuple[list[int], list[int]]]:
     """Ask a running vLLM server's chat API (the target's own template; images as data or http(s) URLs) and read back
     the prompt's token ids, media tokens expanded, and the answer's."""
-    import httpx
 
-    from draftline.engines.client import KEEPALIVE_EXPIRY_S
+    def token_ids(data: dict) -> tuple[list[int], list[int]]:
+        if data.get("prompt_token_ids") is None or data["choices"][0].get("token_ids") is None:
+            raise EngineError(f"{endpoint} returned no token ids for a chat prompt; it must be vLLM >= 0.11")
+        return list(data["prompt_token_ids"]), list(data["choices"][0]["token_ids"])
 
-    base = endpoint.rstrip("/")
-    base = base if base.endswith("/v1") else base + "/v1"
-    with httpx.Client(timeout=600.0, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)) as client:
-        model = _served_model(client, base, endpoint)
-
-        def one(i: int) -> tuple[list[int], list[int]]:
-            body = {"model": model, "messages": messages[i], "max_tokens": budgets[i],
-                    "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": seeds[i], "return_token_ids": True,
-                    "skip_special_tokens": False, **({"chat_template_kwargs": cfg.chat_template_kwargs}
-                                                     if cfg.chat_template_kwargs else {})}
-            resp = _post(client, f"{base}/chat/completions", body, endpoint)
-            if resp.status_code != 200:
-                raise EngineError(f"{endpoint} answered a chat prompt with images with HTTP {resp.status_code}: "
-                                  f"{resp.text[:300]}")
-            data = resp.json()
-            if data.get("prompt_token_ids") is None or data["choices"][0].get("token_ids") is None:
-                raise EngineError(f"{endpoint} returned no token ids for a chat prompt; it must be vLLM >= 0.11")
-            return list(data["prompt_token_ids"]), list(data["choices"][0]["token_ids"])
-
-        with ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
-            return list(pool.map(one, range(len(messages))))
+    kwargs = {"chat_template_kwargs": cfg.chat_template_kwargs} if cfg.chat_template_kwargs else {}
+    bodies = [{"messages": chat, "max_tokens": budget, "temperature": cfg.temperature, "top_p": cfg.top_p,
+               "seed": seed, "return_token_ids": True, "skip_special_tokens": False, **kwargs}
+              for chat, seed, budget in zip(messages, seeds, budgets)]
+    return _ask_all(endpoint, cfg, "chat/completions", bodies,
+                    f"{endpoint} answered a chat prompt with images with", token_ids)
 
 
 def image_refusal(cfg: TracesConfig, target_dir: str | Path) -> str | None:
