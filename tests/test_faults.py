@@ -70,9 +70,11 @@ def test_an_s3_server_restarted_mid_upload_publishes_nothing_and_the_repeated_wr
         writer.join(120)
         error = outcome.get("error")
         assert isinstance(error, StoreError), outcome
-        assert str(error) == (f"Could not reach the S3 endpoint {s3.endpoint_url} for {store.uri('run/hidden/shard-00001.safetensors')} "
-                              "(EndpointConnectionError); check that it is running and that AWS_ENDPOINT_URL points "
-                              "at it.")
+        uri = store.uri("run/hidden/shard-00001.safetensors")
+        # A server caught while shutting down may still answer the part with its own 500 before its port closes.
+        assert str(error) == (f"Could not reach the S3 endpoint {s3.endpoint_url} for {uri} (EndpointConnectionError); "
+                              "check that it is running and that AWS_ENDPOINT_URL points at it.") or \
+            str(error).startswith(f"The S3 request for {uri} failed at {s3.endpoint_url} (InternalError): "), error
         assert is_transient(error)
 
         s3.start()  # same folder, port and credentials
