@@ -41,7 +41,8 @@ def vllm_acceptance(config, exports: dict, store, log_dir: Path, label: str, cha
     engine = engine.model_copy(update={"concurrency": [4], "repeats": 1})
     prompts = load_prompts(config.eval.prompts, config.eval.max_prompts)
     runs = eval_lib.measure(VllmAdapter(), engine, Path(config.target.path), store.get_dir(exports["vllm"]), prompts,
-                            config.eval, log_dir, store, f"{config.run}/{label}", chat_template)
+                            config.eval, log_dir, store, f"{config.run}/{label}", chat_template,
+                            logs_prefix=f"{config.run}/{label}/logs")
     metrics, acceptance, results = runs.runs[0]
     summary = {"engine_version": VllmAdapter().version(), "server_args": engine.extra_args,
                "mean_acceptance_length": acceptance.mean_acceptance_length if acceptance else None,

@@ -22,7 +22,7 @@ from draftline.engines.preflight import EngineUnavailable, check_drafter, prefli
 from draftline.images import image_parts
 from draftline.errors import ConfigError, EngineError
 from draftline.eval_result import ConcurrencyPoint, EngineWarning, EvalResult, timestamp
-from draftline.layout import eval_prefix, eval_result_key
+from draftline.layout import eval_logs_prefix, eval_prefix, eval_result_key, this_start
 from draftline.parity import AUX_IDS_FAULT, with_parity
 from draftline.schedule import Schedule
 from draftline.sweep import label_of, schedule_of, serve_further_ks
@@ -116,20 +116,19 @@ class ServerRuns(NamedTuple):
 def measure(adapter: EngineAdapter, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None,
             prompts: list[Prompt], eval_cfg: EvalConfig, log_dir: Path, store, prefix: str | None,
             template: ChatTemplate | None = None, schedule: Schedule | None = None,
-            label: str | None = None) -> ServerRuns:
+            label: str | None = None, logs_prefix: str | None = None) -> ServerRuns:
     """Start one server (baseline, EAGLE-3, or EAGLE-3 by load as `schedule` says), run every configured concurrency
     against it (one warm-up wave, then `cfg.repeats` measured runs of the same requests), keep the engine's raw
     answers (`prefix`/responses/<server>.json), stop it, and read its log. `template`: the chat template and kwargs
     the chat prompts are rendered with (traces.chat_template and chat_template_kwargs); `label` names the server
-    ("eagle3-k5")."""
+    ("eagle3-k5"); `logs_prefix`: the store folder its log is kept in (None: the local `log_dir` only)."""
     served = _served_name(target_dir)
     spec = adapter.server_spec(cfg, target_dir, drafter_dir, served, template=template, schedule=schedule)
     if label:
         spec = dataclasses.replace(spec, name=f"{adapter.name}-{label}")
     requester = adapter.requester(served, target_dir, eval_cfg.max_new_tokens, eval_cfg.temperature, template)
     out, repeats, repeat_acceptance = [], [], []
-    log_prefix = f"{prefix}/logs" if prefix else None
-    with launch(spec, cfg, log_dir, store=store, log_key_prefix=log_prefix) as server:
+    with launch(spec, cfg, log_dir, store=store, log_key_prefix=logs_prefix) as server:
         for c in cfg.concurrency:
             # One unmeasured wave at this concurrency first: an engine meets a new batch size with one-off work
             # (kernel selection, graph capture, allocator growth), and a point of a few seconds would count it.
@@ -254,10 +253,11 @@ def evaluate_engine(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str 
     if facts["gpu"]:
         result.hardware = facts["gpu"]
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"draftline-{cfg.engine}-logs-"))
+    logs_prefix = this_start(eval_logs_prefix(run, cfg.engine))  # a retried evaluation keeps the logs it retries
 
     def serve(drafter: Path | None, engine_cfg: EngineConfig, schedule: Schedule | None, label: str) -> ServerRuns:
         return measure(adapter, engine_cfg, target_dir, drafter, prompts, eval_cfg, logs, store, prefix, template,
-                       schedule, label)
+                       schedule, label, logs_prefix)
 
     try:  # the sweep: the target alone, the configured k, then any further k; then the schedule derived from them
         base = (baselines or {}).get(cfg.engine)

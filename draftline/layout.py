@@ -110,6 +110,11 @@ def eval_prefix(run: str, engine: str) -> str:
     return f"{stage_prefix(run, EVAL_STAGE)}/{engine}"
 
 
+def eval_logs_prefix(run: str, engine: str) -> str:
+    """`<run>/eval/<engine>/logs`: the logs of the servers an evaluation started, a folder per start time."""
+    return f"{eval_prefix(run, engine)}/logs"
+
+
 def eval_result_key(run: str, engine: str) -> str:
     """`<run>/eval/<engine>/result.json`: one engine's EvalResult."""
     return f"{eval_prefix(run, engine)}/result.json"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -297,6 +298,10 @@ def test_baseline_and_eagle3_serve_the_same_prompts_at_each_concurrency(vllm_eva
     assert stored["points"][0]["speculative"]["output_tokens"] == result.points[0].speculative.output_tokens
     logs = store.list(f"{trained_demo.run}/eval/vllm/logs")
     assert any(k.endswith("vllm-baseline-attempt1.log") for k in logs)
+    # One folder per start of the evaluation, so that a retried evaluation keeps the logs of the one it retries.
+    assert len({k.rsplit("/", 1)[0] for k in logs}) == 1, logs
+    assert all(re.fullmatch(rf"{trained_demo.run}/eval/vllm/logs/\d{{8}}T\d{{6}}Z/vllm-[\w-]+-attempt\d\.log", k)
+               for k in logs), logs
     eagle_log = store.get_bytes(next(k for k in logs if "vllm-eagle3" in k)).decode()
     assert '"method": "eagle3"' in eagle_log and "Starting vLLM server" in eagle_log
     # The eval prompts are chat prompts: every chat request the server saw was a measured one (each repeat) or one
@@ -362,7 +367,8 @@ def test_the_schedule_the_export_carries_is_served_and_vllm_takes_its_batch_size
     s = result.schedule.rejected or result.schedule
     assert s.ranges == FORCED_SCHEDULE and result.schedule.supported is True
     assert s.verification.source == "server" and [c.concurrency for c in s.comparisons] == [1, 4]
-    log = store.get_bytes(f"{trained_demo.run}/eval/vllm/logs/vllm-schedule-attempt1.log").decode()
+    (log_key,) = [k for k in store.list(f"{trained_demo.run}/eval/vllm/logs") if k.endswith("/vllm-schedule-attempt1.log")]
+    log = store.get_bytes(log_key).decode()
     argv = log.splitlines()[0].split()
     served = json.loads(log.splitlines()[0].split("--speculative-config ", 1)[1].split(" --enforce-eager")[0])
     forced = forced_schedule(result.sweep, "vllm")
