@@ -122,9 +122,9 @@ def test_warm_start_continues_from_an_exported_drafter(trained, tiny_hidden_run)
 def test_ddp_with_two_gloo_processes_matches_a_single_process(tiny_hidden_run, tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(textwrap.dedent(f"""
-        import hashlib, json, os, sys
+        import faulthandler, json, os, sys
+        faulthandler.enable(all_threads=True)  # a crashing rank's stacks, in the assertion's message
         sys.path.insert(0, {str(REPO)!r})
-        import torch
         from draftline.config import DrafterConfig, TrainConfig
         from draftline.drafter import train as T
         from draftline.store import open_store
@@ -137,8 +137,7 @@ def test_ddp_with_two_gloo_processes_matches_a_single_process(tiny_hidden_run, t
         with open(f"{{sys.argv[2]}}-{{rank}}.json", "w") as f:
             json.dump({{"rank": rank, "digest": s["weights_digest"],
                        "losses": [e["loss"] for e in s["history"]["train"]]}}, f)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        T.exit_rank(0)
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",

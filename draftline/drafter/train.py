@@ -99,6 +99,22 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
+def exit_rank(code: int) -> None:
+    """End a torchrun rank: leave the process group, flush, and exit without the interpreter's teardown.
+
+    DDP's reducer keeps the process group alive past destroy_process_group, so gloo's worker threads outlive the
+    interpreter; one still releasing a finished collective's tensors while the interpreter tears down aborts the
+    process (SIGABRT, "terminate called without an active exception") after every result was written. Outside
+    torchrun this returns without exiting."""
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 # ---- schedule ---------------------------------------------------------------------------------------------------
 def lr_lambda(cfg: TrainConfig):
     def f(step: int) -> float:
@@ -412,11 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train_drafter(store, cfg.run, cfg.target.path, cfg.drafter, cfg.train,
                                 replay_answer_tokens=cfg.eval.max_new_tokens, data=data)
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: summary[k] for k in ("steps", "final_val", "drafter")}))
+    exit_rank(0)
     return 0
 
 
