@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO))
 from draftline import stages  # noqa: E402
 from draftline.config import PipelineConfig  # noqa: E402
 from draftline.config_loading import load_config, merge_overrides, parse_config  # noqa: E402
-from draftline.plan import build_plan, calibration  # noqa: E402
+from draftline.plan import build_plan  # noqa: E402
+from draftline.plan_model import calibration  # noqa: E402
 from draftline.plan_probe import probe  # noqa: E402
 from draftline.store import open_store  # noqa: E402
 

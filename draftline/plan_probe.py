@@ -6,7 +6,7 @@ The planner's CPU rates were measured on one idle 2-core machine; the same kind 
 1.6x apart, and 3x slower while other work shared its cores. Tokens per CPU-second give the cores' speed whatever the
 load; the CPU time each process gets per wall second is the share of the cores an engine's threads get beside the
 other work; torch's threads in one process lose more than that share when they share the cores, as they wait for each
-other. `draftline plan --calibrate` scales the CPU rates by these (draftline.plan.calibration).
+other. `draftline plan --calibrate` scales the CPU rates by these (draftline.plan_model.calibration).
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ import pytest
 from draftline.cli import main
 from draftline.config_loading import load_config
 from draftline.errors import ConfigError
-from draftline.plan import build_plan, calibration, model_for, render
+from draftline.plan import build_plan, render
+from draftline.plan_model import calibration, model_for
 from draftline.plan_data import DEMO, DEMO_1B, DEMO_8B, PUBLISHED_SHAPES, RATES
 from draftline.plan_shape import hidden_state_bytes, target_shape
 
@@ -126,6 +127,22 @@ def test_more_gpus_shorten_the_engine_stages_and_a_measured_rate_replaces_the_pl
     with pytest.raises(ConfigError, match="--rate nonsense: no such rate"):
         model_for("h200", {"nonsense": 1.0})
     assert "GPU-hours" in render(eight)
+
+
+def test_an_h100_plan_decodes_at_the_h100s_measured_speed_and_trains_at_the_h200s():
+    """Decoding's overhead terms come from the H100's own baselines (its scaled-bandwidth step reproduces them), the
+    compute-bound training rate is the H200's, and the weights' read is slower by the bandwidths' ratio."""
+    from draftline.plan_data import DEMO_1B, DEMO_8B, rate
+    from draftline.plan_shape import target_shape
+
+    h100, h200 = model_for("h100"), model_for("h200")
+    one_b, eight_b = target_shape(DEMO_1B, "1b"), target_shape(DEMO_8B, "8b")
+    for c, name in ((1, "decode_1b_c1_tokens_per_s_h100"), (32, "decode_1b_c32_tokens_per_s_h100")):
+        assert c / h100.decode_step_s(one_b, c, 1, False, 0) == pytest.approx(rate(name).value, rel=1e-9)
+    assert h100.decode_bytes_per_s / h200.decode_bytes_per_s == pytest.approx(3.35 / 4.8)
+    assert h100.train_points == h200.train_points
+    # A target whose weights dominate the step decodes slower on the H100's slower memory.
+    assert h100.decode_step_s(eight_b, 1, 1, False, 0) > h200.decode_step_s(eight_b, 1, 1, False, 0)
 
 
 def test_calibrate_probes_this_machine_and_scales_the_cpu_times_by_its_speed_and_load(tmp_path, capsys):
