@@ -99,6 +99,16 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
+def _no_buffer_sync() -> dict:
+    """DDP's flag that skips syncing buffers each forward (they are the same on every rank): torch 2.13 renamed it
+    and warns at the old name."""
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def exit_rank(code: int) -> None:
     """End a torchrun rank: leave the process group, flush, and exit without the interpreter's teardown.
 
@@ -209,7 +219,7 @@ def train_drafter(store, run: str, target_dir, drafter_cfg: DrafterConfig | None
     net = ttt
     if d.world > 1:
         net = nn.parallel.DistributedDataParallel(
-            ttt, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+            ttt, device_ids=[device.index] if device.type == "cuda" else None, **_no_buffer_sync())
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
                                   **({"fused": True} if device.type == "cuda" else {}))
