@@ -64,6 +64,14 @@ def _row(rows: list, run: str, stage: str, predicted: float, measured: float, so
                  **({"note": note} if note else {})})
 
 
+def _llama_capture_tokens_per_s(m, layout: str) -> float:
+    """The plan's transformers-backend capture rate of the Llama-1B shape (2,048-token sequences): its forward or its
+    shard writes, whichever is slower."""
+    llama = target_shape(LLAMA_1B, "llama-1b")
+    return min(m.transformers_flops_per_s / llama.prefill_flops(2048),
+               m.disk_bytes_per_s / (bytes_per_token(2048, layout) + 9))
+
+
 # ---------------------------------------------------------------- the H200 runs
 
 def h200_rows(rows: list) -> list:
@@ -95,14 +103,12 @@ def h200_rows(rows: list) -> list:
                         m.disk_bytes_per_s / (bytes_per_token(4096, layout) + 9))
         _row(rows, f"extract-vllm-h200 ({layout})", "extraction capture", x["tokens"] / predicted,
              x["tokens"] / measured, "benchmarks/results/extract-vllm-h200.json", calibration=calibrated)
-    llama = target_shape(LLAMA_1B, "llama-1b")
     for path, layouts in (("extract-h200.json", {"bf16": None}), ("extract-compact-h200.json",
                                                                  {"bf16": "bf16", "fp8-e4m3": "fp8-e4m3"})):
         d = _json(path)
         for layout, key in layouts.items():
             measured = (d if key is None else d["layouts"][key])["full_extraction_tokens_per_s"]
-            predicted = min(m.transformers_flops_per_s / llama.prefill_flops(2048),
-                            m.disk_bytes_per_s / (bytes_per_token(2048, layout) + 9))
+            predicted = _llama_capture_tokens_per_s(m, layout)
             tokens = 1e6
             _row(rows, f"{path.removesuffix('.json')} ({layout})", "extraction capture", tokens / predicted,
                  tokens / measured, f"benchmarks/results/{path}",
@@ -139,10 +145,8 @@ def h100_rows(rows: list) -> list:
          note="the H200's rate: the same benchmark ran there at "
               f"{rate('train_tokens_per_s').value:,.0f} tokens/s")
     d = _json("extract-compact-h100.json")
-    llama = target_shape(LLAMA_1B, "llama-1b")
     for layout in ("bf16", "fp8-e4m3"):
-        predicted = min(m.transformers_flops_per_s / llama.prefill_flops(2048),
-                        m.disk_bytes_per_s / (bytes_per_token(2048, layout) + 9))
+        predicted = _llama_capture_tokens_per_s(m, layout)
         tokens = 1e6
         _row(rows, f"extract-compact-h100 ({layout})", "extraction capture", tokens / predicted,
              tokens / d["layouts"][layout]["full_extraction_tokens_per_s"], "benchmarks/results/extract-compact-h100.json",
