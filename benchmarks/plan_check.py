@@ -80,7 +80,7 @@ def h200_rows(rows: list) -> list:
         ("pipeline-h200-2026-12-02/summary.json", 395, 26819, 40098,
          {"traces": 202.0, "extraction": 89.4}, (), "pipeline-h200-2026-12-02/pipeline-run1.log"),
         ("pipeline-h200-engines-2026-12-03/summary-run3.json", 256, 18287, 26304,
-         {"traces": 193.3, "extraction": 91.1, "training": 126.1}, ("traces", "training"),
+         {"traces": 193.3, "extraction": 91.1, "training": 126.1}, ("traces", "extraction", "training"),
          "pipeline-h200-engines-2026-12-03/pipeline-run1.log"),
         ("pipeline-h200-sglang-2026-12-02/summary-run2.json", 256, 18287, 26192,
          {"extraction": 8.0, "training": 123.7}, ("extraction",),
@@ -160,6 +160,14 @@ def h100_rows(rows: list) -> list:
         _row(rows, f"schedule-h100 no speculation c={c}", "decoding",
              tokens / c * m.decode_step_s(shape, c, 1, False, 100), tokens / point["tokens_per_s"],
              "benchmarks/results/schedule-h100.json", calibration=c in (1, 32))
+    starts = _json("engine-start-h100.json")
+    shape = target_shape(DEMO_8B, "8b")
+    for point in starts["starts"][0]["decoding"]:
+        c, tokens = point["concurrency"], point["output_tokens"]
+        _row(rows, f"engine-start-h100 6.88B no speculation c={c}", "decoding",
+             tokens / c * m.decode_step_s(shape, c, 1, False, 200), tokens / point["tokens_per_s"],
+             "benchmarks/results/engine-start-h100.json",
+             note="used to fit nothing: the bandwidth term's first check on a target whose weights dominate the step")
     online = _json("online-h100.json")
     run = next(r for r in online["runs"] if r["mode"] == "offline" and r["seed"] == 0)
     cfg = load_config(ROOT / online["config"]).model_dump(mode="json")
@@ -178,31 +186,50 @@ def h100_rows(rows: list) -> list:
     return rows
 
 
+# Each H200 extraction benchmark's start: was it that machine's first vLLM start (its log says so: a fresh machine, a
+# cold compile cache), or did the machine keep what an earlier start compiled?
+FIRST_ON_MACHINE = {"extract-vllm-h200.json": True, "extract-vllm-h200-1b-run1.json": True,
+                    "extract-vllm-h200-1b-run2-pinned-pool.json": False, "extract-vllm-h200-8b-2026-12-02-a.json": True,
+                    "extract-vllm-h200-8b-2026-12-02-b.json": True, "extract-vllm-h200-8b-2026-12-02-c.json": False,
+                    "extract-vllm-h200-8b-run1.json": False, "extract-vllm-h200-8b-run2.json": False}
+
+
 def engine_starts() -> dict:
+    """Every measured vLLM start against the plan's: a machine's first or a later one, CUDA graphs or eager."""
     m = model_for("h200")
-    starts = []
-    for path in ["extract-vllm-h200.json"] + sorted(p.name for p in (RESULTS / "extract-vllm-h200").glob("*.json")):
+    one_b, eight_b = target_shape(DEMO_1B, "1b"), target_shape(DEMO_8B, "8b")
+    fixed = {"first": m.engine_first_start_s, "later": m.engine_later_start_s,
+             "capture after traces": m.engine_capture_after_traces_s}
+    starts = []  # (run, measured, shape, which, eager)
+    for path, first in FIRST_ON_MACHINE.items():
         full = RESULTS / path if (RESULTS / path).exists() else RESULTS / "extract-vllm-h200" / path
         d = json.loads(full.read_text())
-        shape = target_shape(DEMO_8B if "8b" in d["target"] else DEMO_1B, path)
-        starts.append((path, d["engine_start_s"], shape))
-    one_b = target_shape(DEMO_1B, "1b")
-    starts += [("pipeline-h200-engines-2026-12-03 traces server", 172.0, one_b),
-               ("pipeline-h200-engines-2026-12-03 capture server", 81.0, one_b)]
-    online = _json("online-h100.json")["runs"]
-    starts += [(f"online-h100 {r['mode']} seed {r['seed']} capture server (H100, --enforce-eager)",
-                r.get("engine_start_s") or r["engine"]["engine_start_s"], one_b)
+        starts.append((path, d["engine_start_s"], eight_b if "8b" in d["target"] else one_b,
+                       "first" if first else "later", "--enforce-eager" in d["server_args"]))
+    starts += [("pipeline-h200-engines-2026-12-03 traces server", 172.0, one_b, "first", True),
+               ("pipeline-h200-engines-2026-12-03 capture server", 81.0, one_b, "capture after traces", True)]
+    online = _json("online-h100.json")["runs"]  # traces through vLLM first, then the offline run, then the online
+    starts += [(f"online-h100 {r['mode']} seed {r['seed']} capture server (H100)",
+                r.get("engine_start_s") or r["engine"]["engine_start_s"], one_b,
+                "capture after traces" if r["mode"] == "offline" else "later", True)
                for r in online if r.get("engine_start_s") or (r.get("engine") or {}).get("engine_start_s")]
+    for s in _json("engine-start-h100.json")["starts"]:
+        starts.append((f"engine-start-h100 start {s['order']} ({s['mode']})", s["start_s"], eight_b,
+                       "first" if s["order"] == 1 else "later", s["mode"] == "eager"))
     rows = []
-    for name, measured, shape in starts:
-        predicted = m.engine_start_s + shape.weight_bytes / m.weights_read_bytes_per_s
-        rows.append({"run": name, "predicted_s": round(predicted, 1), "measured_s": round(measured, 1),
-                     "ratio": round(predicted / measured, 3)})
+    for name, measured, shape, which, eager in starts:
+        predicted = (fixed[which] + (0.0 if eager else m.engine_graphs_extra_s)
+                     + shape.weight_bytes / m.weights_read_bytes_per_s)
+        rows.append({"run": name, "start": which, "eager": eager, "predicted_s": round(predicted, 1),
+                     "measured_s": round(measured, 1), "ratio": round(predicted / measured, 3)})
     return {"rows": rows, "max_abs_log_ratio": round(max(abs(math.log(r["ratio"])) for r in rows), 3),
-            "note": "vLLM 0.25 starts of 2 to 14 GB targets on the H200 ranged 45 to 219 s: a fresh machine's first "
-                    "start compiles and caches, later ones reuse the caches; no single figure is within 1.5x of both. "
-                    "Three starts on the lent H100 (--enforce-eager, the 1.04B target, after the machine had served "
-                    "it once) took 39 to 68 s"}
+            "rows_within_1_5x": sum(abs(math.log(r["ratio"])) <= GOAL_LOG_RATIO for r in rows),
+            "note": "vLLM 0.25 on the H200 and the H100: a machine's first start took 151 to 219 s, later ones of a "
+                    "kind it had started 38 to 75 s, the capture server right after the traces server 68 and 81 s. "
+                    "engine-start-h100.json's logs say where the first start's extra 100 s went: the engine "
+                    "process's imports (+16 s), torch.compile without its cache (+12 s) and a silent kernel warm-up "
+                    "after graph capture (77 s against 6 s). The plan's rates: the medians of the H200's eager first "
+                    "and later starts, and its one capture server after a traces server; the rest are checks"}
 
 
 # ---------------------------------------------------------------- the CPU runs
@@ -379,8 +406,10 @@ def story() -> dict:
     out["reported_extraction_capture_s"] = round(10000 * tokens_per_trace / 3165)
     out["reported_shard_write_mb_per_s"] = round(3165 * (bytes_per_token(h, "bf16") + 9) / 1e6, 1)
     out["reported_training_tokens_per_s"] = round(cfg.train.max_steps * cfg.train.tokens_per_batch / (2.6 * 3600))
-    start = model_for("h200").engine_start_s
-    out["reported_load_read_gb_per_s"] = round(plan["shape"]["weight_bytes"] / 1e9 / (25 * 60 - start), 2)
+    # The story's 25-minute loads, taken as the extraction server's: its planned start less the weights' read.
+    weights = plan["shape"]["weight_bytes"]
+    fixed = ex["engine_start_s"] - weights / model_for("h200").weights_read_bytes_per_s
+    out["reported_load_read_gb_per_s"] = round(weights / 1e9 / (25 * 60 - fixed), 2)
     # The same plan with the shard writes and the checkpoint read at the rates the report implies.
     slow = build_plan(cfg, traces=10000, prompt_tokens=tokens_per_trace * 0.2, answer_tokens=tokens_per_trace * 0.8,
                       hardware="h200", rates={"disk_bytes_per_s": out["reported_shard_write_mb_per_s"] * 1e6,

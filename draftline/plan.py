@@ -174,8 +174,12 @@ def _engine_memory(shape: TargetShape, hw: Hardware, settings: ServerSettings, s
             "tokens_in_flight": int(room / per_token) if per_token else None}
 
 
-def _start(model: Model, shape: TargetShape) -> float:
-    return model.engine_start_s + shape.weight_bytes / model.weights_read_bytes_per_s
+def _start(model: Model, shape: TargetShape, settings: ServerSettings, which: str) -> float:
+    """A vLLM server's start: the machine's first (JIT and imports cold) or the capture server's after the traces
+    server's; graphs or eager."""
+    fixed = model.engine_first_start_s if which == "first" else model.engine_capture_after_traces_s
+    graphs = 0.0 if _eager(settings) else model.engine_graphs_extra_s
+    return fixed + graphs + shape.weight_bytes / model.weights_read_bytes_per_s
 
 
 def _eager(settings: ServerSettings) -> bool:
@@ -217,14 +221,15 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
     trace_stage = {"stage": "traces", "tokens": work.tokens, "generated_tokens": work.traces * work.answer_tokens,
                    "gpus": t_dev, "bytes": trace_bytes(work.tokens, work.traces * work.answer_tokens, work.traces,
                                                         shape.vocab, work.text_bytes_per_token)}
-    if t_cfg.backend == "vllm" and not t_cfg.endpoint:
+    traces_on_vllm = t_cfg.backend == "vllm" and not t_cfg.endpoint
+    if traces_on_vllm:
         conc = min(t_cfg.batch_size, work.traces)
         g = max(1, t_dev)
         step = model.decode_step_s(shape, conc, g, _eager(t_cfg.vllm), ctx)
         generation = work.traces * work.answer_tokens / conc * step
         prefill_flops = work.traces * work.prompt_tokens * shape.prefill_flops(work.prompt_tokens)
         prefill = prefill_flops / (g * model.prefill_flops_per_s)
-        start = _start(model, shape)
+        start = _start(model, shape, t_cfg.vllm, "first")
         trace_stage.update(engine_start_s=start, work_s=generation + prefill, wall_s=start + generation + prefill,
                            concurrency=conc, step_ms=step * 1e3)
         if on_gpu:
@@ -241,7 +246,9 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
         e_dev, e_split = server_gpus(e_cfg.vllm, gpus)
         e_dev = e_dev if on_gpu else 0
         compute = max(1, e_dev) * model.prefill_flops_per_s / shape.prefill_flops(ctx)
-        start = _start(model, shape)
+        # After the traces server the engine's caches are filled (one machine, or a team deployment's kept cache
+        # folder), but the capture server is a new kind; without a vLLM traces stage this is the run's first start.
+        start = _start(model, shape, e_cfg.vllm, "capture" if traces_on_vllm else "first")
     else:
         e_dev, e_split = (1 if on_gpu else 0), 1
         compute = model.transformers_flops_per_s / shape.prefill_flops(ctx)
@@ -291,6 +298,11 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
                      "data-parallel training are taken as free and experts as running at a dense model's measured "
                      "FLOP/s, so for this target the times are lower bounds; --rate replaces a constant with your "
                      "own measurement")
+    if on_gpu and traces_on_vllm and e_cfg.backend == "vllm":
+        notes.append(f"the traces server's start is a machine's first ({model.engine_first_start_s:.0f} s besides the "
+                     "weights: kernels compiled); the capture server's after it finds the caches it filled "
+                     f"({model.engine_capture_after_traces_s:.0f} s): one machine, or a kept cache folder (the "
+                     "Kubernetes templates' engine_cache_path); a pod without one pays the first start again")
     if config.store.root.startswith("s3://"):
         notes.append("store.root is S3: shards are written at the local disk's measured rate here; an upload to S3 "
                      "is often slower (--rate disk_bytes_per_s=...)")

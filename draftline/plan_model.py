@@ -16,7 +16,11 @@ The rules (each rate is a measurement in draftline.plan_data, on named hardware)
 - Training is matmul FLOPs per token of the TTT step over the measured training FLOP/s of a head of that width
   (interpolated between the measured widths in log scale, the nearest outside them), times the processes; plus
   validation passes (forward only) and, on GPUs, the measured compile warm-up.
-- An engine start is the median measured start plus the weights read at the measured disk rate.
+- An engine start is a measured start plus the weights read at the measured disk rate: a machine's first start
+  (kernels JIT-compiled, imports cold; the median of those measured) for the run's first server, and for the
+  extraction's capture server after the traces server the one such start measured (a new kind of server warms up
+  anew); CUDA graphs (no --enforce-eager) add torch.compile's and the graph capture's measured time. On the CPU all
+  are the traces stage's start.
 - With a calibration (CPU plans, `draftline plan --calibrate`), the CPU rates are scaled by this machine's readings
   of draftline.plan_probe against the probe's readings on the rates' machine: the engine's by its cores' speed and
   the share other work leaves them, torch's by its thread-per-core speed. The same machine kind ran the same stages
@@ -60,7 +64,10 @@ class Model:
     decode_bytes_per_s: float | None
     decode_request_s: float
     decode_eager_layer_s: float
-    engine_start_s: float
+    engine_first_start_s: float  # a machine's first start, --enforce-eager (the plan adds the weights' read)
+    engine_later_start_s: float  # a start of a kind the machine started before (plan-check's starts; not planned)
+    engine_capture_after_traces_s: float  # the capture server's start after the traces server's, likewise
+    engine_graphs_extra_s: float  # torch.compile and CUDA graphs (no --enforce-eager)
     transformers_load_s: float
     weights_read_bytes_per_s: float  # reading the target's checkpoint at a start
     sources: dict[str, str]
@@ -137,7 +144,8 @@ def _h200_model(hw: Hardware) -> Model:
                                          disk / (bytes_per_token(one_b.hidden, BF16) + 9))
     load = x.value - extraction - one_b.weight_bytes / disk  # the model's load besides reading its weights
     return Model(hw, prefill, transformers, disk, train, rate("train_warmup_s").value, fixed, bandwidth, per_request,
-                 eager_layer, rate("engine_start_s").value, load, disk,
+                 eager_layer, rate("engine_first_start_s").value, rate("engine_later_start_s").value,
+                 rate("engine_capture_after_traces_start_s").value, rate("engine_graphs_extra_s").value, load, disk,
                  {"extraction": r.source, "training": rate("train_tokens_per_s").source,
                   "decoding": "benchmarks/results/eval-h200.json, eval-vllm-h200-8b.json", "disk": r.source})
 
@@ -160,7 +168,8 @@ def _scale_to_machine(model: Model, machine: dict) -> None:
     transformers backend's forward) times the torch speed."""
     engine, torch_speed = machine["engine_speed"], machine["torch_speed"]
     model.prefill_flops_per_s *= engine
-    for name in ("decode_fixed_s", "decode_request_s", "engine_start_s", "transformers_load_s"):
+    for name in ("decode_fixed_s", "decode_request_s", "engine_first_start_s", "engine_later_start_s",
+                 "engine_capture_after_traces_s", "transformers_load_s"):
         setattr(model, name, getattr(model, name) / engine)
     model.transformers_flops_per_s *= torch_speed
     model.train_points = [(width, flops * torch_speed) for width, flops in model.train_points]
@@ -213,5 +222,5 @@ def _cpu_model(hw: Hardware) -> Model:
     (c1, s1), (c2, s2) = sorted(step.items())
     per_request = (s2 - s1) / (c2 - c1)
     return Model(hw, prefill, transformers, float("inf"), train, 0.0, s1 - c1 * per_request, None, per_request, 0.0,
-                 start, load, float("inf"),
+                 start, start, start, 0.0, load, float("inf"),
                  {"extraction": t.source, "training": tr.source, "decoding": g.source, "disk": "not measured"})

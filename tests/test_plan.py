@@ -4,6 +4,7 @@ and it refuses a target larger than the devices in one sentence. No model runs: 
 from __future__ import annotations
 
 import json
+import statistics
 import re
 from pathlib import Path
 
@@ -22,6 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _field(data, path: str):
+    if " - " in path:  # a difference of two fields of the same file
+        first, second = path.split(":")[0].split(" - ")
+        return _field(data, first) - _field(data, second)
     for part in path.split("."):
         data = data[int(part)] if isinstance(data, list) else data[part]
     return data
@@ -38,13 +42,13 @@ def test_every_json_rate_is_the_number_in_its_source_file(r):
 
 @pytest.mark.parametrize("r", [r for r in RATES if not _from_json(r)], ids=lambda r: r.name)
 def test_every_rate_read_from_a_log_names_lines_that_are_there(r):
-    if r.name == "engine_start_s":
-        starts = [json.loads(p.read_text())["engine_start_s"]
-                  for p in [REPO / "benchmarks/results/extract-vllm-h200.json",
-                            *sorted((REPO / "benchmarks/results/extract-vllm-h200").glob("*.json"))]]
-        assert sorted(starts) == sorted(r.setup["starts"])
-        ordered = sorted(starts)
-        assert r.value == pytest.approx((ordered[3] + ordered[4]) / 2, abs=0.05)
+    if r.name in ("engine_first_start_s", "engine_later_start_s"):
+        folder = REPO / "benchmarks/results/extract-vllm-h200"
+        names = [n.strip().lstrip("*") for n in r.source.split("/")[-1].split(",")]
+        starts = [json.loads(next(folder.glob(f"*{n}")).read_text()) for n in names]
+        assert all("--enforce-eager" in s["server_args"] for s in starts)
+        assert sorted(s["engine_start_s"] for s in starts) == sorted(r.setup["starts"])
+        assert r.value == pytest.approx(statistics.median(r.setup["starts"]), abs=0.05)
         return
     text = (REPO / r.source).read_text()
     for stamp in re.findall(r"\d\d:\d\d:\d\d\.\d\d\d", r.field):
@@ -105,6 +109,30 @@ def test_kimi_plans_from_its_published_shape_and_its_bytes_follow_the_story(tmp_
     assert all(s["gpus"] == 8 for s in plan["stages"])
     assert "planned with Kimi-K2.5's published shape" in out and "lower bounds" in out
     assert plan["stages"][0]["memory_per_device"]["weights_gb"] == pytest.approx(595 / 8, rel=0.02)
+
+
+def test_a_runs_first_vllm_server_is_planned_as_a_machines_first_start_and_cuda_graphs_cost_their_capture():
+    """Measured on the H200 and the H100: a machine's first vLLM start (kernels JIT-compiled) took 151-219 s, the
+    capture server right after the traces server 68-81 s."""
+    cfg = load_config(REPO / "configs/kimi-k2.5.yaml")
+    m = model_for("h200")
+
+    def starts(config) -> dict:
+        plan = build_plan(config, traces=100, prompt_tokens=100, answer_tokens=100)
+        return {s["stage"]: s.get("engine_start_s") for s in plan["stages"]}, plan["shape"]["weight_bytes"]
+
+    graphs, weight_bytes = starts(cfg)  # the config runs vLLM with CUDA graphs in both stages
+    weights = weight_bytes / m.weights_read_bytes_per_s
+    assert graphs["traces"] == pytest.approx(m.engine_first_start_s + m.engine_graphs_extra_s + weights)
+    assert graphs["extraction"] == pytest.approx(m.engine_capture_after_traces_s + m.engine_graphs_extra_s + weights)
+    assert m.engine_first_start_s > 2 * m.engine_capture_after_traces_s > 2 * m.engine_graphs_extra_s
+    eager = cfg.model_dump(mode="json")
+    eager["extract"]["vllm"]["extra_args"].append("--enforce-eager")
+    assert starts(PipelineConfig.model_validate(eager))[0]["extraction"] == pytest.approx(
+        graphs["extraction"] - m.engine_graphs_extra_s)
+    no_vllm_traces = cfg.model_dump(mode="json")
+    no_vllm_traces["traces"]["backend"] = "transformers"
+    assert starts(PipelineConfig.model_validate(no_vllm_traces))[0]["extraction"] == pytest.approx(graphs["traces"])
 
 
 def test_a_target_larger_than_the_devices_is_refused_in_one_sentence(tmp_path, capsys):
