@@ -153,6 +153,18 @@ def test_gpu_workers_request_separate_nvidia_gpus_and_a_large_shm(compose):
     assert "deploy" not in compose["services"]["worker-cpu"]
 
 
+def test_gpu_workers_keep_the_compile_caches_their_image_points_at_in_a_named_volume(compose):
+    """The engines' and torch's compile caches and Triton's kernels outlive a worker container's restart: a later
+    engine start skips a first start's compilation and kernel warm-up."""
+    for service in GPU_WORKERS:
+        build = compose["services"][service]["build"]
+        image = ((INFRA / build["context"]).resolve() / build["dockerfile"]).read_text()
+        folders = re.findall(r"(?:XDG_CACHE_HOME|TRITON_CACHE_DIR|TORCHINDUCTOR_CACHE_DIR)=(\S+)", image)
+        assert len(folders) == 3
+        mounts = dict(v.split(":", 1)[::-1] for v in compose["services"][service]["volumes"])
+        assert all(any(Path(f).is_relative_to(m) and mounts[m] in compose["volumes"] for m in mounts) for f in folders)
+
+
 def test_no_secret_is_committed_and_missing_ones_stop_compose_with_a_clear_message(compose):
     text = (INFRA / "compose.yaml").read_text()
     for name, op, message in _VAR.findall(text):
