@@ -2,6 +2,7 @@
 machine's first vLLM start), and decoding without speculation on the first server at the given concurrencies.
 
     python3 benchmarks/engine_start.py --target-shape 8b --starts graphs graphs eager --out engine-start.json
+    (--starts eager capture capture: the pipeline's order, a traces server then the extraction's capture server)
 
 Each start is timed from the process's launch to its first answered completion; its phases come from the
 timestamps of vLLM's own log lines (whole seconds): the API process's imports, the engine process's start, the
