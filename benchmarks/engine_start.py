@@ -40,8 +40,9 @@ MARKS = [
     ("engine_ready", r"init engine \(profile, create kv cache, warmup model\) took"),
     ("api_ready", r"Application startup complete"),
 ]
-# Where vLLM, torch's inductor and Triton keep what a start compiles (each has a default under the home folder).
-CACHE_ENV = ("XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+# Where vLLM, FlashInfer, torch's inductor and Triton keep what a start compiles (each defaults under the home folder).
+CACHE_ENV = ("XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TORCHINDUCTOR_CACHE_DIR",
+             "TRITON_CACHE_DIR")
 STAMP = re.compile(r"(?:INFO|WARNING|ERROR|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d)")
 FIGURES = {
     "weights_load_s": r"Model loading took [\d.]+ GiB and ([\d.]+) seconds",

@@ -300,7 +300,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
                      "own measurement")
     if on_gpu and traces_on_vllm and e_cfg.backend == "vllm":
         notes.append(f"the traces server's start is a machine's first ({model.engine_first_start_s:.0f} s besides the "
-                     "weights: kernels compiled); the capture server's after it finds the caches it filled "
+                     "weights: FlashInfer's kernels built); the capture server's after it finds the caches it filled "
                      f"({model.engine_capture_after_traces_s:.0f} s): one machine, or a kept cache folder (the "
                      "Kubernetes templates' engine_cache_path); a pod without one pays the first start again")
     if config.store.root.startswith("s3://"):

@@ -117,8 +117,8 @@ RATES = (
          "lines 'vllm-traces: ready after 172 s' (12:44:41.159) to '256 prompts answered' (12:44:57.541)",
          {"shape": DEMO_1B, "concurrency": 16, "answer_tokens": 26304, "prompt_tokens": 18287, "traces": 256},
          "the traces stage's generation with --enforce-eager: 256 prompts, 16 requests in flight"),
-    # vLLM's start, from process start to a served first request. A machine's first start JIT-compiles kernels (its
-    # warm-up ran 70-100 s silent in the logs) and imports cold; later starts read those from the engine's caches.
+    # vLLM's start, from process start to a served first request. A machine's first start builds FlashInfer's JIT
+    # kernels (a warm-up 70-100 s silent in the logs) and imports cold; later starts read those from the caches.
     Rate("engine_first_start_s", "h200", 179.6, "s", f"{RESULTS}/extract-vllm-h200/*-1b-run1.json, *-8b-2026-12-02-a.json",
          "the median of their engine_start_s: each that machine's first vLLM start, --enforce-eager",
          {"starts": (162.53373262099998, 196.73615528599998)}, "a machine's first start, --enforce-eager"),

@@ -17,7 +17,7 @@ The rules (each rate is a measurement in draftline.plan_data, on named hardware)
   (interpolated between the measured widths in log scale, the nearest outside them), times the processes; plus
   validation passes (forward only) and, on GPUs, the measured compile warm-up.
 - An engine start is a measured start plus the weights read at the measured disk rate: a machine's first start
-  (kernels JIT-compiled, imports cold; the median of those measured) for the run's first server, and for the
+  (FlashInfer's kernels built, imports cold; the median of those measured) for the run's first server, and for the
   extraction's capture server after the traces server the one such start measured (a new kind of server warms up
   anew); CUDA graphs (no --enforce-eager) add torch.compile's and the graph capture's measured time. On the CPU all
   are the traces stage's start.

@@ -159,8 +159,9 @@ def test_gpu_workers_keep_the_compile_caches_their_image_points_at_in_a_named_vo
     for service in GPU_WORKERS:
         build = compose["services"][service]["build"]
         image = ((INFRA / build["context"]).resolve() / build["dockerfile"]).read_text()
-        folders = re.findall(r"(?:XDG_CACHE_HOME|TRITON_CACHE_DIR|TORCHINDUCTOR_CACHE_DIR)=(\S+)", image)
-        assert len(folders) == 3
+        folders = re.findall(r"(?:XDG_CACHE_HOME|FLASHINFER_WORKSPACE_BASE|TRITON_CACHE_DIR|TORCHINDUCTOR_CACHE_DIR)=(\S+)",
+                             image)
+        assert len(folders) == 4
         mounts = dict(v.split(":", 1)[::-1] for v in compose["services"][service]["volumes"])
         assert all(any(Path(f).is_relative_to(m) and mounts[m] in compose["volumes"] for m in mounts) for f in folders)
 

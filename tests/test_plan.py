@@ -112,8 +112,8 @@ def test_kimi_plans_from_its_published_shape_and_its_bytes_follow_the_story(tmp_
 
 
 def test_a_runs_first_vllm_server_is_planned_as_a_machines_first_start_and_cuda_graphs_cost_their_capture():
-    """Measured on the H200 and the H100: a machine's first vLLM start (kernels JIT-compiled) took 151-219 s, the
-    capture server right after the traces server 68-81 s."""
+    """Measured on the H200 and the H100: a machine's first vLLM start (FlashInfer's kernels built) took 138-219 s, the
+    capture server right after the traces server 61-81 s."""
     cfg = load_config(REPO / "configs/kimi-k2.5.yaml")
     m = model_for("h200")
 

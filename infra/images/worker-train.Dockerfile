@@ -10,10 +10,12 @@ ARG PREFECT_VERSION=3.9.1
 ENV DRAFTLINE_HOME=/opt/draftline \
     PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
-# What an engine start compiles (vLLM's and torch's compile caches, Triton's kernels) and Hugging Face downloads go
-# under /var/cache/draftline, a volume kept between flow runs (compose's model-cache, the Kubernetes templates'
-# engine_cache_path): with them a later start skips the first start's compilation and kernel warm-up.
+# What an engine start compiles (FlashInfer's JIT kernels, vLLM's and torch's compile caches, Triton's kernels) and
+# Hugging Face downloads go under /var/cache/draftline, a volume kept between flow runs (compose's model-cache, the
+# Kubernetes templates' engine_cache_path): with them a later vLLM start skips the first start's 74-s kernel build.
+# FlashInfer keeps its kernels under FLASHINFER_WORKSPACE_BASE/.cache, not under XDG_CACHE_HOME.
 ENV XDG_CACHE_HOME=/var/cache/draftline \
+    FLASHINFER_WORKSPACE_BASE=/var/cache/draftline \
     TRITON_CACHE_DIR=/var/cache/draftline/triton \
     TORCHINDUCTOR_CACHE_DIR=/var/cache/draftline/inductor
 WORKDIR /opt/draftline
