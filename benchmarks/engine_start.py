@@ -172,7 +172,18 @@ def main(argv=None) -> int:
                                            args.repeats)
         result["starts"].append(entry)
         out.write_text(json.dumps(result, indent=1) + "\n")  # what finished survives a call's time limit
+    print(table(result["starts"]))
     return 0
+
+
+def table(starts: list[dict]) -> str:
+    """The starts side by side: seconds to each phase's end, the total last."""
+    names = [name for name, _ in MARKS] + ["first_request"]
+    rows = [["phase"] + [f"{s['order']}. {s['mode']}" for s in starts]]
+    rows += [[name] + [str(s["phases_s"].get(name, "-")) for s in starts] for name in names]
+    rows.append(["start"] + [str(s["start_s"]) for s in starts])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
 if __name__ == "__main__":

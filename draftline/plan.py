@@ -174,10 +174,10 @@ def _engine_memory(shape: TargetShape, hw: Hardware, settings: ServerSettings, s
             "tokens_in_flight": int(room / per_token) if per_token else None}
 
 
-def _start(model: Model, shape: TargetShape, settings: ServerSettings, which: str) -> float:
+def _start(model: Model, shape: TargetShape, settings: ServerSettings, first: bool) -> float:
     """A vLLM server's start: the machine's first (JIT and imports cold) or the capture server's after the traces
     server's; graphs or eager."""
-    fixed = model.engine_first_start_s if which == "first" else model.engine_capture_after_traces_s
+    fixed = model.engine_first_start_s if first else model.engine_capture_after_traces_s
     graphs = 0.0 if _eager(settings) else model.engine_graphs_extra_s
     return fixed + graphs + shape.weight_bytes / model.weights_read_bytes_per_s
 
@@ -229,7 +229,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
         generation = work.traces * work.answer_tokens / conc * step
         prefill_flops = work.traces * work.prompt_tokens * shape.prefill_flops(work.prompt_tokens)
         prefill = prefill_flops / (g * model.prefill_flops_per_s)
-        start = _start(model, shape, t_cfg.vllm, "first")
+        start = _start(model, shape, t_cfg.vllm, first=True)
         trace_stage.update(engine_start_s=start, work_s=generation + prefill, wall_s=start + generation + prefill,
                            concurrency=conc, step_ms=step * 1e3)
         if on_gpu:
@@ -248,7 +248,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
         compute = max(1, e_dev) * model.prefill_flops_per_s / shape.prefill_flops(ctx)
         # After the traces server the engine's caches are filled (one machine, or a team deployment's kept cache
         # folder), but the capture server is a new kind; without a vLLM traces stage this is the run's first start.
-        start = _start(model, shape, e_cfg.vllm, "capture" if traces_on_vllm else "first")
+        start = _start(model, shape, e_cfg.vllm, first=not traces_on_vllm)
     else:
         e_dev, e_split = (1 if on_gpu else 0), 1
         compute = model.transformers_flops_per_s / shape.prefill_flops(ctx)

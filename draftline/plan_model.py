@@ -65,7 +65,6 @@ class Model:
     decode_request_s: float
     decode_eager_layer_s: float
     engine_first_start_s: float  # a machine's first start, --enforce-eager (the plan adds the weights' read)
-    engine_later_start_s: float  # a start of a kind the machine started before (plan-check's starts; not planned)
     engine_capture_after_traces_s: float  # the capture server's start after the traces server's, likewise
     engine_graphs_extra_s: float  # torch.compile and CUDA graphs (no --enforce-eager)
     transformers_load_s: float
@@ -144,7 +143,7 @@ def _h200_model(hw: Hardware) -> Model:
                                          disk / (bytes_per_token(one_b.hidden, BF16) + 9))
     load = x.value - extraction - one_b.weight_bytes / disk  # the model's load besides reading its weights
     return Model(hw, prefill, transformers, disk, train, rate("train_warmup_s").value, fixed, bandwidth, per_request,
-                 eager_layer, rate("engine_first_start_s").value, rate("engine_later_start_s").value,
+                 eager_layer, rate("engine_first_start_s").value,
                  rate("engine_capture_after_traces_start_s").value, rate("engine_graphs_extra_s").value, load, disk,
                  {"extraction": r.source, "training": rate("train_tokens_per_s").source,
                   "decoding": "benchmarks/results/eval-h200.json, eval-vllm-h200-8b.json", "disk": r.source})
@@ -168,8 +167,8 @@ def _scale_to_machine(model: Model, machine: dict) -> None:
     transformers backend's forward) times the torch speed."""
     engine, torch_speed = machine["engine_speed"], machine["torch_speed"]
     model.prefill_flops_per_s *= engine
-    for name in ("decode_fixed_s", "decode_request_s", "engine_first_start_s", "engine_later_start_s",
-                 "engine_capture_after_traces_s", "transformers_load_s"):
+    for name in ("decode_fixed_s", "decode_request_s", "engine_first_start_s", "engine_capture_after_traces_s",
+                 "transformers_load_s"):
         setattr(model, name, getattr(model, name) / engine)
     model.transformers_flops_per_s *= torch_speed
     model.train_points = [(width, flops * torch_speed) for width, flops in model.train_points]
@@ -222,5 +221,5 @@ def _cpu_model(hw: Hardware) -> Model:
     (c1, s1), (c2, s2) = sorted(step.items())
     per_request = (s2 - s1) / (c2 - c1)
     return Model(hw, prefill, transformers, float("inf"), train, 0.0, s1 - c1 * per_request, None, per_request, 0.0,
-                 start, start, start, 0.0, load, float("inf"),
+                 start, start, 0.0, load, float("inf"),
                  {"extraction": t.source, "training": tr.source, "decoding": g.source, "disk": "not measured"})
