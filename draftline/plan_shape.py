@@ -92,11 +92,21 @@ class TargetShape:
         return self.layers * self.kv_width * dtype_bytes
 
 
+def _is_moe_layer(text: dict):
+    """Whether layer i (from 0) routes to experts: DeepSeek's first_k_dense_replace layers and moe_layer_freq, Qwen's
+    mlp_only_layers and decoder_sparse_step; Mixtral's every layer."""
+    first_dense = int(_get(text, "first_k_dense_replace", 0))
+    freq = int(_get(text, "moe_layer_freq", 1))
+    dense_only = set(_get(text, "mlp_only_layers", []))
+    step = int(_get(text, "decoder_sparse_step", 1))
+    return lambda i: i >= first_dense and i % freq == 0 and i not in dense_only and (i + 1) % step == 0
+
+
 def target_shape(config: dict, name: str, weight_bytes: int | None = None, weight_bytes_source: str | None = None,
                  quantization: dict | None = None) -> TargetShape:
-    """The shape of a Llama-like or DeepSeek-V3-like (MLA, MoE) target from its config.json (a multimodal wrapper's
-    text_config is read). Weight bytes: the checkpoint's files when given, else parameters x 2 bytes, with routed
-    experts at quantization's expert_bits plus one bf16 scale per group_size when given."""
+    """The shape of a Llama-like, a Qwen or Mixtral MoE, or a DeepSeek-V3-like (MLA, MoE) target from its config.json
+    (a multimodal wrapper's text_config is read). Weight bytes: the checkpoint's files when given, else parameters x 2
+    bytes, with routed experts at quantization's expert_bits plus one bf16 scale per group_size when given."""
     text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
     h, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
     heads = int(text["num_attention_heads"])
@@ -113,14 +123,18 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None, weigh
         kv_heads = int(_get(text, "num_key_value_heads", heads))
         attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
         score, mla_kv, kv_width = heads * 2 * head_dim, None, 2 * kv_heads * head_dim
-    experts = int(_get(text, "n_routed_experts", 0) or _get(text, "num_local_experts", 0) or 0)
+    # DeepSeek names its routed experts n_routed_experts, Mixtral num_local_experts, Qwen's MoE num_experts.
+    experts = int(_get(text, "n_routed_experts", 0) or _get(text, "num_local_experts", 0)
+                  or _get(text, "num_experts", 0) or 0)
     per_token = int(_get(text, "num_experts_per_tok", 0) or 0)
     if experts:
-        moe_inter = int(text["moe_intermediate_size"])
-        dense_layers = int(_get(text, "first_k_dense_replace", 0))
-        moe_layers = layers - dense_layers
-        shared = int(_get(text, "n_shared_experts", 0))
-        dense_mlp = dense_layers * 3 * h * inter + moe_layers * (shared * 3 * h * moe_inter + h * experts)
+        moe_inter = int(_get(text, "moe_intermediate_size", inter))  # Mixtral's experts are intermediate_size wide
+        moe_layers = sum(map(_is_moe_layer(text), range(layers)))
+        dense_layers = layers - moe_layers
+        # Shared experts every token runs: DeepSeek's n_shared_experts of the routed width, Qwen2-MoE's one of its own.
+        shared = (int(_get(text, "n_shared_experts", 0)) * moe_inter
+                  + int(_get(text, "shared_expert_intermediate_size", 0)))
+        dense_mlp = dense_layers * 3 * h * inter + moe_layers * (3 * h * shared + h * experts)
         expert_params = moe_layers * experts * 3 * h * moe_inter
         active_experts = moe_layers * per_token * 3 * h * moe_inter
     else:

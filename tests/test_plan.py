@@ -73,6 +73,33 @@ def test_parameter_counts_match_the_checkpoints_and_the_published_sizes():
     assert shape.decode_step_bytes(1) < 0.1 * shape.weight_bytes < shape.decode_step_bytes(256)
 
 
+# Published config.json sizes of two MoE families that name their experts differently from DeepSeek.
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                     vocab_size=151936)
+MIXTRAL_8X7B = dict(architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                    num_experts_per_tok=2, vocab_size=32000)
+
+
+@pytest.mark.parametrize("config, total, active", [(QWEN3_30B_A3B, 30.5e9, 3.3e9), (MIXTRAL_8X7B, 46.7e9, 12.9e9)],
+                         ids=["Qwen3-30B-A3B", "Mixtral-8x7B"])
+def test_qwen_and_mixtral_moe_configs_count_their_published_total_and_active_parameters(config, total, active):
+    shape = target_shape(config, config["architectures"][0])
+    assert shape.total_params == pytest.approx(total, rel=0.01)
+    assert shape.active_layer_params + 2 * shape.embedding_params == pytest.approx(active, rel=0.02)
+    # Every layer routes: a plan reads only the picked experts' bytes at one sequence.
+    assert shape.decode_step_bytes(1) < 0.5 * shape.weight_bytes
+
+
+def test_a_layer_qwen_keeps_dense_runs_an_intermediate_size_mlp_for_every_token():
+    shape = target_shape(QWEN3_30B_A3B, "Qwen3-30B-A3B")
+    one_dense = target_shape({**QWEN3_30B_A3B, "mlp_only_layers": [0]}, "one dense layer")
+    assert one_dense.expert_params == shape.expert_params * 47 // 48
+    assert one_dense.dense_mlp_params - shape.dense_mlp_params == 3 * 2048 * 6144 - 2048 * 128
+
+
 def test_hidden_state_bytes_match_measured_shards_within_a_tenth_of_a_percent():
     runs = json.loads((REPO / "benchmarks/results/storage-acceptance-cpu.json").read_text())["runs"]
     for run in runs.values():
