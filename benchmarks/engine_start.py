@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from extract_vllm import build_target  # noqa: E402  (benchmarks/extract_vllm.py)
+from extract_vllm import build_target, describe_target, target_folder  # noqa: E402  (benchmarks/extract_vllm.py)
 
 # (phase that ends at this line, the line's pattern), in the order vLLM 0.25 logs them.
 MARKS = [
@@ -122,9 +122,11 @@ def main(argv=None) -> int:
     from draftline.engines.client import load_prompts
     from draftline.engines.launch import launch
     from draftline.engines.vllm import generation_server_spec, installed_version
+    from draftline.target import read_target_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target-shape", default="8b", help="the demo Llama inflated to this shape (1b, 8b), or demo: as it is (a CPU smoke run)")
+    p.add_argument("--target-shape", default="8b", help="the demo Llama inflated to this shape (1b, 8b), or demo: as it is (a CPU smoke run); or a "
+                        "random Qwen3-MoE: moe (GPU), moe-tiny (CPU)")
     p.add_argument("--starts", nargs="+", default=["graphs", "graphs", "eager"], choices=["graphs", "eager", "capture"],
                    help="one server per word, in this order: CUDA graphs and torch.compile, --enforce-eager, or the "
                         "extraction's capture server (--enforce-eager, draftline's connector)")
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="engine-start-", dir=args.workdir))
     t = time.perf_counter()
     shape = None if args.target_shape == "demo" else args.target_shape
-    built = Path(args.target_dir or work) / f"demo-llama-{shape}"
+    built = target_folder(Path(args.target_dir or work), shape)
     target = built if shape and (built / "config.json").exists() else build_target(Path(args.target_dir or work), shape)
     build_s = time.perf_counter() - t
     if torch.cuda.is_available():
@@ -151,7 +153,8 @@ def main(argv=None) -> int:
     weight_bytes = sum(f.stat().st_size for f in target.glob("*.safetensors"))
     prompts = load_prompts(args.prompts, args.max_prompts)
     result = {"hardware": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(), "host": platform.node(), "torch": torch.__version__,
-              "vllm": installed_version(), "target": f"demo Llama inflated to the {args.target_shape} shape",
+              "vllm": installed_version(), "target": describe_target(shape),
+              "target_config": read_target_config(target),
               "weight_bytes": weight_bytes, "target_build_s": round(build_s, 1), "label": args.label,
               "cache_env": {k: os.environ[k] for k in CACHE_ENV if k in os.environ}, "starts": []}
     out = Path(args.out)

@@ -507,7 +507,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/extract-<hw>.json)")
     ap.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
                     help="vllm: the vLLM backend against the transformers backend side by side (benchmarks/extract_vllm.py)")
-    ap.add_argument("--target-shape", choices=["1b", "8b"], default="1b", help="--backend vllm: the inflated demo shape")
+    ap.add_argument("--target-shape", choices=["1b", "8b", "moe", "moe-tiny"], default="1b",
+                    help="--backend vllm: the inflated demo shape, or a random Qwen3-MoE (moe-tiny: with --cpu)")
     ap.add_argument("--sequences", type=int, default=None, help="--backend vllm: traces (128; --cpu: 24)")
     ap.add_argument("--requests-in-flight", type=int, default=64, help="--backend vllm: extract.requests_in_flight")
     ap.add_argument("--warmup-sequences", type=int, default=64,

@@ -24,17 +24,36 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def target_folder(folder: Path, shape: str | None) -> Path:
+    """Where build_target writes the target of `shape` under `folder`."""
+    from benchmarks.moe_target import MOE_SHAPES
+
+    return folder / (f"qwen3-moe-{shape}" if shape in MOE_SHAPES else f"demo-llama-{shape}")
+
+
+def describe_target(shape: str | None) -> str:
+    from benchmarks.moe_target import MOE_SHAPES
+
+    if shape in MOE_SHAPES:
+        return f"random-weight Qwen3-MoE of the {shape} shape (benchmarks/moe_target.py)"
+    return "demo Llama" if shape is None else f"demo Llama inflated to the {shape} shape"
+
+
 def build_target(folder: Path, shape: str | None) -> Path:
-    """The demo Llama (shape None) or the demo Llama inflated to `shape`, saved with the demo tokenizer."""
+    """The demo Llama (shape None), the demo Llama inflated to `shape` (1b, 8b), or a random-weight Qwen3-MoE (moe,
+    moe-tiny), saved with the demo tokenizer."""
+    from benchmarks.moe_target import MOE_SHAPES, build_moe_target
     from draftline.demo.inflate import SHAPES, inflate_llama
     from draftline.target import load_target
 
     demo = REPO / "assets" / "demo-llama"
     if shape is None:
         return demo
+    if shape in MOE_SHAPES:
+        return build_moe_target(folder, shape)
     small, _ = load_target(demo, "float32", "cpu")
     model = inflate_llama(small, SHAPES[shape], dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
-    target = folder / f"demo-llama-{shape}"
+    target = target_folder(folder, shape)
     model.save_pretrained(target)
     del model
     for f in demo.iterdir():
@@ -86,6 +105,7 @@ def median_difference(a_path: Path, b_path: Path) -> dict:
 
 def bench_vllm(args) -> dict:
     from benchmarks.extract_workload import disk_bandwidth, random_sequences
+    from benchmarks.moe_target import MOE_SHAPES
     from draftline.config import ExtractConfig, ServerSettings
     from draftline.engines.launch import launch
     from draftline.engines.vllm import capture_server_spec, installed_version
@@ -106,7 +126,8 @@ def bench_vllm(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="extract-vllm-", dir=args.workdir))
     try:
         t = time.perf_counter()
-        target = build_target(work, None if cpu else args.target_shape)
+        shape_name = args.target_shape if not cpu or args.target_shape in MOE_SHAPES else None
+        target = build_target(work, shape_name)
         build_s = time.perf_counter() - t
         text = read_target_config(target)
         L, H, vocab = text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]
@@ -193,7 +214,7 @@ def bench_vllm(args) -> dict:
     hw = torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or platform.machine())
     return {
         "hardware": hw, "torch": torch.__version__, "vllm": installed_version(),
-        "target": f"demo Llama inflated to the {args.target_shape} shape" if not cpu else "demo Llama (CPU smoke)",
+        "target": describe_target(shape_name), "target_config": text,
         "layers": L, "hidden": H, "aux_layer_ids": aux, "sequences": n_seq, "seq_len": seq_len, "tokens": tokens,
         "tokens_per_shard": per_shard * seq_len, "writer_threads": args.writer_threads,
         "requests_in_flight": args.requests_in_flight, "warmup_sequences": args.warmup_sequences, "server_args": list(args.server_arg),
