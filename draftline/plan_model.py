@@ -4,8 +4,9 @@ The rules (each rate is a measurement in draftline.plan_data, on named hardware)
 
 - Extraction is a forward over every token: its rate is the measured FLOP/s of the capture (FLOPs per token counted
   from the shape that ran) divided by the target's FLOPs per token, times the GPUs of the server; capped by the
-  measured disk write rate over the shard bytes per token. Tensor and expert parallelism are taken as free (an upper
-  bound: no multi-GPU run was measured).
+  measured disk write rate over the shard bytes per token. Captures and writes overlap shard by shard: one shard
+  runs at the faster of the two alone. Tensor and expert parallelism are taken as free (an upper bound: no
+  multi-GPU run was measured).
 - Decoding (traces) runs in steps of `concurrency` sequences: a step costs a fixed overhead, the weights it reads
   over the GPUs' memory bandwidth (routed experts: those the step's tokens pick), and per sequence the larger of a
   per-request overhead and its FLOPs; --enforce-eager adds a launch overhead per layer. The overhead, bandwidth and
@@ -13,6 +14,9 @@ The rules (each rate is a measurement in draftline.plan_data, on named hardware)
   eager term to one measured trace stage; on the CPU the fixed and per-request terms to the traces stage at two batch
   sizes. On the H100 the bandwidth term scales with the memory bandwidth and the
   overhead terms, the host's and vLLM's work, are fitted to that machine's own baselines (one target).
+- A mixture of experts: its routed experts' FLOPs run at a measured fraction of the dense FLOP/s (vLLM's prefill
+  and the transformers backend's forward apart), and an --enforce-eager MoE layer adds a measured launch overhead;
+  both from one Qwen3-MoE (64 experts, 8 a token) on an H100. Expert parallelism is taken as free.
 - Training is matmul FLOPs per token of the TTT step over the measured training FLOP/s of a head of that width
   (interpolated between the measured widths in log scale, the nearest outside them), times the processes; plus
   validation passes (forward only) and, on GPUs, the measured compile warm-up.
@@ -70,6 +74,17 @@ class Model:
     transformers_load_s: float
     weights_read_bytes_per_s: float  # reading the target's checkpoint at a start
     sources: dict[str, str]
+    expert_flops_fraction: float = 1.0  # routed experts' FLOP/s over the dense rate, vLLM's prefill
+    transformers_expert_fraction: float = 1.0  # the same in the transformers backend's forward
+    decode_eager_moe_layer_s: float = 0.0  # --enforce-eager's launch overhead of an MoE layer beyond a dense one's
+
+    def prefill_s(self, shape: TargetShape, context: float, transformers: bool = False) -> float:
+        """Seconds of one token's whole-sequence forward on one device: the routed experts' FLOPs at their fraction
+        of the dense rate, the rest at the dense rate."""
+        dense, fraction = ((self.transformers_flops_per_s, self.transformers_expert_fraction) if transformers
+                           else (self.prefill_flops_per_s, self.expert_flops_fraction))
+        experts = shape.expert_flops()
+        return (shape.prefill_flops(context) - experts) / dense + experts / (dense * fraction)
 
     def train_flops_per_s(self, width: int) -> float:
         points = sorted(self.train_points)
@@ -88,7 +103,17 @@ class Model:
         t = self.decode_fixed_s + concurrency * max(self.decode_request_s, flops)
         if self.decode_bytes_per_s:
             t += shape.decode_step_bytes(concurrency) / (gpus * self.decode_bytes_per_s)
-        return t + (shape.layers * self.decode_eager_layer_s if eager else 0.0)
+        eager_s = shape.layers * self.decode_eager_layer_s + shape.moe_layers * self.decode_eager_moe_layer_s
+        return t + (eager_s if eager else 0.0)
+
+
+def pipelined_s(tokens: float, shard_tokens: float, capture_per_s: float, write_per_s: float) -> float:
+    """Seconds to capture and write `tokens` in shards: captures and writes overlap shard by shard, so all but one
+    shard go at the slower rate, and the first shard's capture or the last one's write, the faster, runs alone."""
+    shard = min(shard_tokens, tokens)
+    if not math.isfinite(write_per_s):
+        return tokens / capture_per_s
+    return tokens / min(capture_per_s, write_per_s) + shard / max(capture_per_s, write_per_s)
 
 
 def model_for(hardware_key: str, overrides: dict[str, float] | None = None, machine: dict | None = None) -> Model:
@@ -113,7 +138,12 @@ def model_for(hardware_key: str, overrides: dict[str, float] | None = None, mach
 
 def _h200_model(hw: Hardware) -> Model:
     r = rate("extract_vllm_tokens_per_s")
-    prefill = r.value * _shape(r.setup["shape"], "8b").prefill_flops(r.setup["context"])
+    disk = rate("disk_write_gb_per_s").value * GB
+    written = disk / (bytes_per_token(r.setup["shape"]["hidden_size"], BF16) + 9)
+    # The run's capture rate: its time less the last shard's write, which ran alone (its disk was the faster).
+    capture = r.setup["tokens"] / (r.setup["tokens"] / r.value - r.setup["tokens_per_shard"] / written)
+    assert capture < written, "the extraction rate's run was bound by its disk: fit the capture rate otherwise"
+    prefill = capture * _shape(r.setup["shape"], "8b").prefill_flops(r.setup["context"])
     t = rate("extract_transformers_forward_tokens_per_s")
     transformers = t.value * _shape(t.setup["shape"], "1b").prefill_flops(t.setup["context"])
     train = []
@@ -136,17 +166,37 @@ def _h200_model(hw: Hardware) -> Model:
     steps = e.setup["answer_tokens"] / e.setup["concurrency"]
     graph_step = fixed + shape.weight_bytes / bandwidth + e.setup["concurrency"] * per_request
     eager_layer = (e.value / steps - graph_step) / shape.layers
-    disk = rate("disk_write_gb_per_s").value * GB
     x = rate("extract_transformers_stage_s")
     one_b = _shape(x.setup["shape"], "1b")
     extraction = x.setup["tokens"] / min(transformers / one_b.prefill_flops(x.setup["context"]),
                                          disk / (bytes_per_token(one_b.hidden, BF16) + 9))
     load = x.value - extraction - one_b.weight_bytes / disk  # the model's load besides reading its weights
-    return Model(hw, prefill, transformers, disk, train, rate("train_warmup_s").value, fixed, bandwidth, per_request,
-                 eager_layer, rate("engine_first_start_s").value,
-                 rate("engine_capture_after_traces_start_s").value, rate("engine_graphs_extra_s").value, load, disk,
-                 {"extraction": r.source, "training": rate("train_tokens_per_s").source,
-                  "decoding": "benchmarks/results/eval-h200.json, eval-vllm-h200-8b.json", "disk": r.source})
+    model = Model(hw, prefill, transformers, disk, train, rate("train_warmup_s").value, fixed, bandwidth, per_request,
+                  eager_layer, rate("engine_first_start_s").value,
+                  rate("engine_capture_after_traces_start_s").value, rate("engine_graphs_extra_s").value, load, disk,
+                  {"extraction": r.source, "training": rate("train_tokens_per_s").source,
+                   "decoding": "benchmarks/results/eval-h200.json, eval-vllm-h200-8b.json", "disk": r.source})
+    _moe_terms(model)
+    return model
+
+
+def _moe_terms(model: Model) -> None:
+    """The routed experts' share of the dense FLOP/s in each backend's forward, and --enforce-eager's extra launch
+    overhead of an MoE layer, from one Qwen3-MoE measured on an H100 (the same tensor cores as the H200's)."""
+    dense = rate("extract_vllm_engine_tokens_per_s")
+    dense_flops = dense.value * _shape(dense.setup["shape"], "8b").prefill_flops(dense.setup["context"])
+    v, t = rate("extract_vllm_moe_engine_tokens_per_s_h100"), rate("extract_transformers_moe_tokens_per_s_h100")
+    moe = _shape(v.setup["shape"], "moe")
+    experts, other = moe.expert_flops(), moe.prefill_flops(v.setup["context"]) - moe.expert_flops()
+    # vLLM: its engine alone against the dense engine alone; transformers: its whole stage against the dense rate
+    # the plan uses for that stage (the measured MoE stage wrote fp8 shards far below the disk's rate).
+    model.expert_flops_fraction = experts / (1 / v.value - other / dense_flops) / dense_flops
+    tf = model.transformers_flops_per_s
+    model.transformers_expert_fraction = experts / (1 / t.value - other / tf) / tf
+    eager, graphs = rate("decode_moe_eager_c1_tokens_per_s_h100"), rate("decode_moe_graphs_c1_tokens_per_s_h100")
+    per_layer = (1 / eager.value - 1 / graphs.value) / moe.layers
+    model.decode_eager_moe_layer_s = per_layer - model.decode_eager_layer_s
+    model.sources["mixture of experts"] = f"{v.source}, {eager.source}, {graphs.source}"
 
 
 def _h100_decoding(model: Model) -> None:

@@ -43,6 +43,7 @@ class TargetShape:
     weight_bytes_source: str
     mla_kv_width: int | None  # MLA's latent cache per token and layer (kv_lora_rank + rope dim), None for GQA
     kv_width: int  # per layer: values a token keeps in the KV cache (keys and values, or MLA's latent)
+    moe_layers: int  # layers that route to experts
 
     @property
     def embedding_params(self) -> int:
@@ -66,6 +67,10 @@ class TargetShape:
         """FLOPs of one token of a whole-sequence forward whose sequences are `context` tokens long (the causal
         mask halves the keys on average); no lm_head: extraction asks for one generated token."""
         return 2.0 * self.active_layer_params + self.score_width * 2.0 * context / 2.0
+
+    def expert_flops(self) -> float:
+        """FLOPs of one token in its routed experts (part of prefill_flops and decode_flops)."""
+        return 2.0 * self.active_expert_params
 
     def decode_flops(self, context: float) -> float:
         """FLOPs of one generated token at `context` tokens of history, lm_head included."""
@@ -138,12 +143,12 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None, weigh
         expert_params = moe_layers * experts * 3 * h * moe_inter
         active_experts = moe_layers * per_token * 3 * h * moe_inter
     else:
-        dense_mlp, expert_params, active_experts = layers * 3 * h * inter, 0, 0
+        dense_mlp, expert_params, active_experts, moe_layers = layers * 3 * h * inter, 0, 0, 0
     shape = TargetShape(name=name, layers=layers, hidden=h, vocab=vocab, intermediate=inter,
                         attention_params=layers * attention, dense_mlp_params=dense_mlp, expert_params=expert_params,
                         active_expert_params=active_experts, score_width=layers * score, experts=experts,
                         experts_per_token=per_token, weight_bytes=0, weight_bytes_source="", mla_kv_width=mla_kv,
-                        kv_width=kv_width)
+                        kv_width=kv_width, moe_layers=moe_layers)
     if weight_bytes is None:
         other = shape.total_params - expert_params
         if quantization and expert_params:

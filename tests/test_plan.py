@@ -201,6 +201,51 @@ def test_an_h100_plan_decodes_at_the_h100s_measured_speed_and_trains_at_the_h200
     assert h100.decode_step_s(eight_b, 1, 1, False, 0) > h200.decode_step_s(eight_b, 1, 1, False, 0)
 
 
+def test_a_mixture_of_experts_is_planned_at_the_speeds_measured_for_one():
+    """The measured Qwen3-MoE's prefill and eager decoding come back from the model's MoE terms; a plan of an MoE
+    target says which fraction of the dense rate its experts got, and --rate sets it as a team measured it."""
+    from draftline.plan_data import QWEN3_MOE_7B, rate
+
+    m = model_for("h100")
+    moe = target_shape(QWEN3_MOE_7B, "moe")
+    assert moe.moe_layers == 24 and 0.3 < m.expert_flops_fraction < 0.6
+    # The plan's dense capture rate is its engine alone's, less the writes; the MoE's engine alone scales the same.
+    dense = target_shape(DEMO_8B, "8b")
+    capture_over_engine = 1 / m.prefill_s(dense, 2047) / rate("extract_vllm_engine_tokens_per_s").value
+    assert 1 / m.prefill_s(moe, 2048) / capture_over_engine == pytest.approx(
+        rate("extract_vllm_moe_engine_tokens_per_s_h100").value, rel=1e-9)
+    eager_extra = m.decode_step_s(moe, 1, 1, True, 0) - m.decode_step_s(moe, 1, 1, False, 0)
+    assert eager_extra == pytest.approx(1 / rate("decode_moe_eager_c1_tokens_per_s_h100").value
+                                        - 1 / rate("decode_moe_graphs_c1_tokens_per_s_h100").value, rel=1e-9)
+    assert dense.moe_layers == 0 and m.decode_step_s(dense, 1, 1, True, 0) - m.decode_step_s(
+        dense, 1, 1, False, 0) == pytest.approx(dense.layers * m.decode_eager_layer_s)
+    cfg = load_config(REPO / "configs/kimi-k2.5.yaml")
+    plan = build_plan(cfg, traces=1000, prompt_tokens=200, answer_tokens=800, rates={"disk_bytes_per_s": 1e12})
+    assert any(f"routed experts run at {m.expert_flops_fraction:.2f}" in n for n in plan["assumptions"])
+    dense_rate = build_plan(cfg, traces=1000, prompt_tokens=200, answer_tokens=800,
+                            rates={"disk_bytes_per_s": 1e12, "expert_flops_fraction": 1.0})
+    extraction = [next(s for s in p["stages"] if s["stage"] == "extraction") for p in (plan, dense_rate)]
+    assert extraction[0]["tokens_per_s"] < extraction[1]["tokens_per_s"]
+
+
+def test_an_extraction_of_one_shard_captures_and_writes_in_turn_and_of_many_overlaps_them():
+    from draftline.config_loading import merge_overrides
+    from draftline.plan_model import pipelined_s
+
+    assert pipelined_s(1000, 1000, 100.0, 50.0) == pytest.approx(10 + 20)  # one shard: captured, then written
+    assert pipelined_s(1000, 100, 100.0, 50.0) == pytest.approx(20 + 1)  # ten: at the writes' pace, one capture alone
+    assert pipelined_s(1000, 100, 100.0, float("inf")) == pytest.approx(10)  # no disk rate (CPU plans)
+
+    def extraction(tokens_per_shard: int) -> dict:
+        cfg = PipelineConfig.model_validate(merge_overrides(load_config(REPO / "configs/kimi-k2.5.yaml").model_dump(
+            mode="json"), {"extract": {"tokens_per_shard": tokens_per_shard}}))
+        plan = build_plan(cfg, traces=1000, prompt_tokens=200, answer_tokens=800)
+        return next(s for s in plan["stages"] if s["stage"] == "extraction")
+
+    one, many = extraction(10**9), extraction(1000)
+    assert one["tokens_per_s"] == many["tokens_per_s"] and one["work_s"] > 1.2 * many["work_s"]
+
+
 def test_a_cpu_plan_of_the_traces_stage_follows_its_batch_size():
     """The CPU step's fixed and per-request terms reproduce the traces stages they were fitted to, one and 16
     requests in flight; fewer requests in flight take longer but less than in proportion."""
