@@ -298,9 +298,11 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
                      "taken as free, so for this target the times are lower bounds; --rate replaces a constant with "
                      "your own measurement")
     if on_gpu and shape.experts:
+        measured = rate("extract_vllm_moe_engine_tokens_per_s_h100").setup["shape"]
         notes.append(f"routed experts run at {model.expert_flops_fraction:.2f} of the dense FLOP/s in vLLM's prefill "
-                     f"({model.transformers_expert_fraction:.2f} in the transformers backend), as measured with 8 of "
-                     f"64 experts a token on one H100; this target picks {shape.experts_per_token} of {shape.experts}")
+                     f"({model.transformers_expert_fraction:.2f} in the transformers backend), as measured with "
+                     f"{measured['num_experts_per_tok']} of {measured['num_experts']} experts a token on one H100; "
+                     f"this target picks {shape.experts_per_token} of {shape.experts}")
     if on_gpu and traces_on_vllm and e_cfg.backend == "vllm":
         notes.append(f"the traces server's start is a machine's first ({model.engine_first_start_s:.0f} s besides the "
                      "weights: FlashInfer's kernels built); the capture server's after it finds the caches it filled "
