@@ -190,7 +190,8 @@ def h100_rows(rows: list) -> list:
 def moe_rows(rows: list, m) -> None:
     """A random-weight Qwen3-MoE (7.7B, 8 of 64 experts a token) on the H100: decoding without speculation, eager and
     with CUDA graphs, and extraction through both backends, the plan's disk rate replaced by the one each run
-    measured (as a team would pass its own with --rate). The rows the MoE terms were fitted to are calibration."""
+    measured (as a team would pass its own with --rate). The MoE terms were fitted to the 256-sequence extraction
+    and to concurrency 1 of both decoding servers: those rows are calibration."""
     for name, eager in (("engine-start-moe-h100.json", True), ("engine-start-moe-graphs-h100.json", False)):
         d = _json(name)
         moe = target_shape(d["target_config"], "qwen3-moe")
@@ -213,9 +214,10 @@ def moe_rows(rows: list, m) -> None:
                 predicted = pipelined_s(d["tokens"], d["tokens_per_shard"], capture, written)
                 _row(rows, f"{name.removesuffix('.json')} {backend} ({layout})", "extraction capture",
                      predicted, d["tokens"] / figures[key], f"benchmarks/results/{name}",
-                     calibration=fitted and backend == "transformers" and layout == "fp8-e4m3",
+                     calibration=fitted,
                      note=f"{d['sequences']} sequences in {d['tokens'] // d['tokens_per_shard']} shards; its disk "
-                          f"wrote {disk:.2f} GB/s")
+                          f"wrote {disk:.2f} GB/s" + ("; the run the expert fractions were fitted to" if fitted
+                                                      else "; another machine, fitted to nothing"))
 
 
 # Each H200 extraction benchmark's start: was it that machine's first vLLM start (its log says so: a fresh machine, a
@@ -282,7 +284,9 @@ def engine_starts() -> dict:
     return {"rows": rows, "max_abs_log_ratio": round(max(abs(math.log(r["ratio"])) for r in rows), 3),
             "rows_within_1_5x": sum(abs(math.log(r["ratio"])) <= GOAL_LOG_RATIO for r in rows),
             "note": "vLLM 0.25 on the H200 and the H100: a machine's first start took 138 to 219 s, later ones of a "
-                    "kind it had started 38 to 75 s, the capture server right after the traces server 61 to 81 s. "
+                    "kind it had started 38 to 97 s, the capture server right after the traces server 61 to 81 s. "
+                    "A CUDA-graphs server after eager ones is counted as a new kind of server, like the capture "
+                    "server after the traces server (as a later start it would be planned at 0.57 of its time). "
                     "engine-start-h100.json's logs say where the first start's extra 100 s went: the engine "
                     "process's imports (+16 s), torch.compile without its cache (+12 s) and a silent kernel warm-up "
                     "(77 s against 6 s), which engine-start-flashinfer-empty-h100.json pins on FlashInfer's JIT "

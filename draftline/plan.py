@@ -301,7 +301,8 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
         measured = rate("extract_vllm_moe_engine_tokens_per_s_h100").setup["shape"]
         notes.append(f"routed experts run at {model.expert_flops_fraction:.2f} of the dense FLOP/s in vLLM's prefill "
                      f"({model.transformers_expert_fraction:.2f} in the transformers backend), as measured with "
-                     f"{measured['num_experts_per_tok']} of {measured['num_experts']} experts a token on one H100; "
+                     f"{measured['num_experts_per_tok']} of {measured['num_experts']} experts a token on an H100 "
+                     "against an H200's dense rate; "
                      f"this target picks {shape.experts_per_token} of {shape.experts}")
     if on_gpu and traces_on_vllm and e_cfg.backend == "vllm":
         notes.append(f"the traces server's start is a machine's first ({model.engine_first_start_s:.0f} s besides the "

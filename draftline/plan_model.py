@@ -108,8 +108,8 @@ class Model:
 
 
 def pipelined_s(tokens: float, shard_tokens: float, capture_per_s: float, write_per_s: float) -> float:
-    """Seconds to capture and write `tokens` in shards: captures and writes overlap shard by shard, so all but one
-    shard go at the slower rate, and the first shard's capture or the last one's write, the faster, runs alone."""
+    """Seconds to capture and write `tokens` in shards: captures and writes overlap shard by shard, so every shard
+    goes at the slower rate, plus the first shard's capture or the last one's write, the faster, alone."""
     shard = min(shard_tokens, tokens)
     if not math.isfinite(write_per_s):
         return tokens / capture_per_s
@@ -168,8 +168,9 @@ def _h200_model(hw: Hardware) -> Model:
     eager_layer = (e.value / steps - graph_step) / shape.layers
     x = rate("extract_transformers_stage_s")
     one_b = _shape(x.setup["shape"], "1b")
-    extraction = x.setup["tokens"] / min(transformers / one_b.prefill_flops(x.setup["context"]),
-                                         disk / (bytes_per_token(one_b.hidden, BF16) + 9))
+    extraction = pipelined_s(x.setup["tokens"], x.setup["tokens_per_shard"],
+                             transformers / one_b.prefill_flops(x.setup["context"]),
+                             disk / (bytes_per_token(one_b.hidden, BF16) + 9))
     load = x.value - extraction - one_b.weight_bytes / disk  # the model's load besides reading its weights
     model = Model(hw, prefill, transformers, disk, train, rate("train_warmup_s").value, fixed, bandwidth, per_request,
                   eager_layer, rate("engine_first_start_s").value,
@@ -182,20 +183,24 @@ def _h200_model(hw: Hardware) -> Model:
 
 def _moe_terms(model: Model) -> None:
     """The routed experts' share of the dense FLOP/s in each backend's forward, and --enforce-eager's extra launch
-    overhead of an MoE layer, from one Qwen3-MoE measured on an H100 (the same tensor cores as the H200's)."""
+    overhead of an MoE layer, from one Qwen3-MoE measured on an H100, set against the dense rates measured on an
+    H200 (the same tensor cores: an H100 ran the dense benchmarks at 0.97-0.99 of the H200)."""
     dense = rate("extract_vllm_engine_tokens_per_s")
     dense_flops = dense.value * _shape(dense.setup["shape"], "8b").prefill_flops(dense.setup["context"])
     v, t = rate("extract_vllm_moe_engine_tokens_per_s_h100"), rate("extract_transformers_moe_tokens_per_s_h100")
     moe = _shape(v.setup["shape"], "moe")
     experts, other = moe.expert_flops(), moe.prefill_flops(v.setup["context"]) - moe.expert_flops()
-    # vLLM: its engine alone against the dense engine alone; transformers: its whole stage against the dense rate
-    # the plan uses for that stage (the measured MoE stage wrote fp8 shards far below the disk's rate).
+    # vLLM: its engine alone against the dense engine alone. Transformers: its whole stage, less the last shard's
+    # write (its disk was the faster), against the dense forward's rate the plan uses for that stage.
     model.expert_flops_fraction = experts / (1 / v.value - other / dense_flops) / dense_flops
+    written = t.setup["disk_gb_per_s"] * GB / (bytes_per_token(moe.hidden, t.setup["storage"]) + 9)
+    capture = t.setup["tokens"] / (t.setup["tokens"] / t.value - t.setup["tokens_per_shard"] / written)
     tf = model.transformers_flops_per_s
-    model.transformers_expert_fraction = experts / (1 / t.value - other / tf) / tf
+    model.transformers_expert_fraction = experts / (1 / capture - other / tf) / tf
+    assert model.expert_flops_fraction > 0 and model.transformers_expert_fraction > 0, "dense part outran the MoE"
     eager, graphs = rate("decode_moe_eager_c1_tokens_per_s_h100"), rate("decode_moe_graphs_c1_tokens_per_s_h100")
-    per_layer = (1 / eager.value - 1 / graphs.value) / moe.layers
-    model.decode_eager_moe_layer_s = per_layer - model.decode_eager_layer_s
+    launches = 1 / eager.value - 1 / graphs.value - moe.layers * model.decode_eager_layer_s
+    model.decode_eager_moe_layer_s = launches / moe.moe_layers
     model.sources["mixture of experts"] = f"{v.source}, {eager.source}, {graphs.source}"
 
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftline.errors import ConfigError
 from draftline.state_storage import bytes_per_token
 
 # Bytes a shard stores per token besides the states: int64 input id and uint8 loss mask.
@@ -97,6 +98,12 @@ class TargetShape:
         return self.layers * self.kv_width * dtype_bytes
 
 
+# MoE layouts of other families (Llama 4's interleaved layers and dense width, Jamba's expert period): counted as
+# Mixtral's they would give wrong sizes without a word.
+UNREAD_MOE_LAYOUT_KEYS = ("interleave_moe_layer_step", "intermediate_size_mlp", "expert_layer_period",
+                          "expert_layer_offset")
+
+
 def _is_moe_layer(text: dict):
     """Whether layer i (from 0) routes to experts: DeepSeek's first_k_dense_replace layers and moe_layer_freq, Qwen's
     mlp_only_layers and decoder_sparse_step; Mixtral's every layer."""
@@ -133,6 +140,11 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None, weigh
                   or _get(text, "num_experts", 0) or 0)
     per_token = int(_get(text, "num_experts_per_tok", 0) or 0)
     if experts:
+        unread = [k for k in UNREAD_MOE_LAYOUT_KEYS if k in text]
+        if unread:
+            raise ConfigError(f"the target's config.json lays out its experts with {', '.join(unread)}, which the "
+                              "planner does not count; it plans Llama-like, Qwen and Mixtral MoE and DeepSeek-V3-like "
+                              "targets only")
         moe_inter = int(_get(text, "moe_intermediate_size", inter))  # Mixtral's experts are intermediate_size wide
         moe_layers = sum(map(_is_moe_layer(text), range(layers)))
         dense_layers = layers - moe_layers

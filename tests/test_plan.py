@@ -87,10 +87,29 @@ MIXTRAL_8X7B = dict(architectures=["MixtralForCausalLM"], hidden_size=4096, inte
                          ids=["Qwen3-30B-A3B", "Mixtral-8x7B"])
 def test_qwen_and_mixtral_moe_configs_count_their_published_total_and_active_parameters(config, total, active):
     shape = target_shape(config, config["architectures"][0])
+    assert shape.moe_layers == config["num_hidden_layers"]
     assert shape.total_params == pytest.approx(total, rel=0.01)
     assert shape.active_layer_params + 2 * shape.embedding_params == pytest.approx(active, rel=0.02)
     # Every layer routes: a plan reads only the picked experts' bytes at one sequence.
     assert shape.decode_step_bytes(1) < 0.5 * shape.weight_bytes
+
+
+def test_sparse_steps_and_layer_frequencies_route_the_layers_their_families_route():
+    # Qwen: layer i routes when (i + 1) % decoder_sparse_step == 0; DeepSeek: from first_k_dense_replace on, every
+    # moe_layer_freq-th layer.
+    assert target_shape({**QWEN3_30B_A3B, "decoder_sparse_step": 2}, "q").moe_layers == 24
+    assert target_shape({**QWEN3_30B_A3B, "decoder_sparse_step": 3, "mlp_only_layers": [2]}, "q").moe_layers == 15
+    kimi = PUBLISHED_SHAPES["Kimi-K2.5"]["config"]
+    assert target_shape(kimi, "k").moe_layers == 60
+    assert target_shape({**kimi, "moe_layer_freq": 2}, "k").moe_layers == 30  # layers 2, 4, ..., 60
+
+
+def test_an_moe_layout_the_planner_does_not_count_is_refused_in_one_sentence():
+    llama4_like = {**MIXTRAL_8X7B, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 16384}
+    with pytest.raises(ConfigError, match="interleave_moe_layer_step, intermediate_size_mlp, which the planner does "
+                                          "not count") as caught:
+        target_shape(llama4_like, "llama4-like")
+    assert "\n" not in str(caught.value)
 
 
 def test_a_layer_qwen_keeps_dense_runs_an_intermediate_size_mlp_for_every_token():
@@ -205,6 +224,8 @@ def test_a_mixture_of_experts_is_planned_at_the_speeds_measured_for_one():
     """The measured Qwen3-MoE's prefill and eager decoding come back from the model's MoE terms; a plan of an MoE
     target says which fraction of the dense rate its experts got, and --rate sets it as a team measured it."""
     from draftline.plan_data import QWEN3_MOE_7B, rate
+    from draftline.plan_model import pipelined_s
+    from draftline.state_storage import bytes_per_token
 
     m = model_for("h100")
     moe = target_shape(QWEN3_MOE_7B, "moe")
@@ -214,6 +235,10 @@ def test_a_mixture_of_experts_is_planned_at_the_speeds_measured_for_one():
     capture_over_engine = 1 / m.prefill_s(dense, 2047) / rate("extract_vllm_engine_tokens_per_s").value
     assert 1 / m.prefill_s(moe, 2048) / capture_over_engine == pytest.approx(
         rate("extract_vllm_moe_engine_tokens_per_s_h100").value, rel=1e-9)
+    t = rate("extract_transformers_moe_tokens_per_s_h100")
+    written = t.setup["disk_gb_per_s"] * 1e9 / (bytes_per_token(moe.hidden, t.setup["storage"]) + 9)
+    assert pipelined_s(t.setup["tokens"], t.setup["tokens_per_shard"], 1 / m.prefill_s(moe, 2048, transformers=True),
+                       written) == pytest.approx(t.setup["tokens"] / t.value, rel=1e-9)
     eager_extra = m.decode_step_s(moe, 1, 1, True, 0) - m.decode_step_s(moe, 1, 1, False, 0)
     assert eager_extra == pytest.approx(1 / rate("decode_moe_eager_c1_tokens_per_s_h100").value
                                         - 1 / rate("decode_moe_graphs_c1_tokens_per_s_h100").value, rel=1e-9)
