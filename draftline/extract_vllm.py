@@ -20,7 +20,6 @@ import torch
 
 from draftline.aux_ids import VLLM, AuxLayerIds
 from draftline.config import ExtractConfig, ServerSettings
-from draftline.engines.client import KEEPALIVE_EXPIRY_S
 from draftline.errors import ConfigError, EngineError
 from draftline.hidden_shards import (
     STAGE, HostShard, check_traces, load_shard_traces, trace_entries, finalize_hidden_states,
@@ -131,8 +130,10 @@ class SpoolClient:
                  wait_s: float = SPOOL_WAIT_S, storage: str = BF16, media_placeholder: int | None = None):
         self.base_url, self.spool_dir, self.served_name, self.wait_s = base_url, spool_dir, served_name, wait_s
         self.storage, self.media_placeholder = storage, media_placeholder
+        # A connection per request: a capture request is a whole trace's forward, so a connect costs nothing, and a
+        # kept-alive connection the server closes while a starved client still reuses it drops the request.
         self.http = httpx.Client(timeout=600.0, limits=httpx.Limits(max_connections=workers,
-                                                                    keepalive_expiry=KEEPALIVE_EXPIRY_S))
+                                                                    max_keepalive_connections=0))
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="draftline-capture")
 
     def close(self) -> None:
