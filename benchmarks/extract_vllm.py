@@ -42,7 +42,7 @@ def describe_target(shape: str | None) -> str:
 def build_target(folder: Path, shape: str | None) -> Path:
     """The demo Llama (shape None), the demo Llama inflated to `shape` (1b, 8b), or a random-weight Qwen3-MoE (moe,
     moe-tiny), saved with the demo tokenizer."""
-    from benchmarks.moe_target import MOE_SHAPES, build_moe_target
+    from benchmarks.moe_target import MOE_SHAPES, build_moe_target, copy_demo_tokenizer
     from draftline.demo.inflate import SHAPES, inflate_llama
     from draftline.target import load_target
 
@@ -56,9 +56,7 @@ def build_target(folder: Path, shape: str | None) -> Path:
     target = target_folder(folder, shape)
     model.save_pretrained(target)
     del model
-    for f in demo.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(f, target / f.name)
+    copy_demo_tokenizer(target)
     return target
 
 

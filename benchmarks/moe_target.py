@@ -100,7 +100,12 @@ def build_moe_target(folder: Path, shape: str, seed: int = 0) -> Path:
     (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                      "weight_map": index}, indent=1))
     (target / "config.json").write_text(json.dumps(config, indent=1))
+    copy_demo_tokenizer(target)
+    return target
+
+
+def copy_demo_tokenizer(target: Path) -> None:
+    """The demo's tokenizer and generation config, beside a target built from its vocabulary."""
     for f in DEMO.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(f, target / f.name)
-    return target
