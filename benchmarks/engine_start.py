@@ -106,14 +106,14 @@ def decode(server, served: str, prompts, concurrency: list[int], tokens: int, re
 
 def _capture_spec(settings, target: Path):
     """The extraction stage's server: the target with draftline's capture connector (the default aux layers)."""
-    from draftline.aux_ids import default_aux_layer_ids
+    from draftline.aux_ids import AuxLayerIds
     from draftline.engines.vllm import capture_server_spec
     from draftline.extract_vllm import write_final_norm
     from draftline.target import read_target_config
 
     layers = read_target_config(target)["num_hidden_layers"]
     spool = Path(tempfile.mkdtemp(prefix="spool-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    return capture_server_spec(settings, target, default_aux_layer_ids(layers) + [layers], spool, 2048,
+    return capture_server_spec(settings, target, AuxLayerIds.for_target(None, layers).as_list() + [layers], spool, 2048,
                                write_final_norm(target, spool))
 
 

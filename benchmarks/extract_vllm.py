@@ -112,7 +112,7 @@ def bench_vllm(args) -> dict:
     from draftline.extract_vllm import CapturedTarget, SpoolClient, _capture_shards, check_architecture, write_final_norm
     from draftline.state_storage import bytes_per_token
     from draftline.store import LocalStore
-    from draftline.aux_ids import default_aux_layer_ids
+    from draftline.aux_ids import AuxLayerIds
     from draftline.target import read_target_config, target_fingerprint
 
     cpu = args.cpu
@@ -129,7 +129,7 @@ def bench_vllm(args) -> dict:
         build_s = time.perf_counter() - t
         text = read_target_config(target)
         L, H, vocab = text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]
-        aux = default_aux_layer_ids(L)
+        aux = AuxLayerIds.for_target(None, L).as_list()  # the pipeline's defaults and refusal
         # Each measured pass gets its own random traces: vLLM's prefix cache would serve a repeat of earlier traces
         # (their states included) without running the target, which measures the cache instead of the engine.
         passes = {layout: random_sequences(n_seq, seq_len, vocab, seed=k + 1) for k, layout in enumerate(layouts)}

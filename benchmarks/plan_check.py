@@ -220,6 +220,29 @@ def moe_rows(rows: list, m) -> None:
                                                       else "; another machine, fitted to nothing"))
 
 
+def kimi_shaped_rows(rows: list) -> None:
+    """Kimi-K2.5's own layers (MLA, 384 experts of width 2,048, 8 a token; routed experts in bf16 and in INT4) and the
+    dense 8B reference, cut to what one GPU holds and run with vLLM's dummy weights (benchmarks/engine_rates.py):
+    prefill alone and decoding without speculation, each against the plan of its machine. Fitted to nothing: the
+    expert fractions come from the Qwen3-MoE runs."""
+    for path in sorted(RESULTS.glob("engine-rates-*.json")):
+        d = json.loads(path.read_text())
+        hw = "h100" if "H100" in d["hardware"] else "h200"
+        m = model_for(hw)
+        quantization = d["target_config"].get("quantization_config")
+        shape = target_shape(d["target_config"], d["shape"], quantization=None if quantization is None else {
+            "expert_bits": 4, "group_size": quantization["config_groups"]["group_0"]["weights"]["group_size"]})
+        tokens = d["sequences"] * d["seq_len"]
+        run = f"{path.stem} ({shape.moe_layers} MoE of {shape.layers} layers)" if shape.moe_layers else path.stem
+        _row(rows, run, "prefill", tokens * m.prefill_s(shape, d["seq_len"]), tokens / d["prefill_tokens_per_s"],
+             f"benchmarks/results/{path.name}", note=f"{d['sequences']} sequences of {d['seq_len']}, {d['in_flight']} "
+             "in flight; vLLM's dummy weights")
+        for point in d["decoding"]:
+            c, out = point["concurrency"], point["output_tokens"]
+            _row(rows, f"{run} c={c}", "decoding", out / c * m.decode_step_s(shape, c, 1, False, 200),
+                 out / point["tokens_per_s"], f"benchmarks/results/{path.name}", note="CUDA graphs")
+
+
 # Each H200 extraction benchmark's start: was it that machine's first vLLM start (its log says so: a fresh machine, a
 # cold compile cache), or did the machine keep what an earlier start compiled?
 FIRST_ON_MACHINE = {"extract-vllm-h200.json": True, "extract-vllm-h200-1b-run1.json": True,
@@ -492,6 +515,7 @@ def main() -> int:
     rows: list = []
     h200_rows(rows)
     h100_rows(rows)
+    kimi_shaped_rows(rows)
     first_cpu = len(rows)
     cpu_rows(rows)
     first_probed = len(rows)

@@ -1,0 +1,141 @@
+"""vLLM's prefill and decoding rates for a target known by its config alone, its weights vLLM's dummy ones.
+
+    python3 benchmarks/engine_rates.py --shape kimi-bf16 --out engine-rates-kimi-bf16.json
+    (kimi-bf16, kimi-int4: Kimi-K2.5's text layers, cut to what one GPU holds; llama-8b: the dense reference)
+
+Kimi's layers: MLA, 384 routed experts (8 a token, in bf16 or in its INT4 scheme), one shared expert, the first layer
+dense, the demo's vocabulary. With dummy weights the router's own random scores spread the tokens over the experts
+(Kimi's routing bias is left out: a dummy bias would send every token to the same 8). Only the rates mean anything.
+One server (CUDA graphs, prefix caching off): prefill alone (max_tokens 1), then decoding without speculation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from engine_start import decode, phases  # noqa: E402  (benchmarks/engine_start.py)
+
+DEMO = ROOT / "assets" / "demo-llama"
+LAYERS = {"kimi-bf16": 2, "kimi-int4": 4}  # the first dense, the rest MoE: what an 80 GB GPU holds of each
+# Kimi-K2.5's quantization scheme: 4-bit symmetric integers with a scale per 32 weights in the routed experts only
+# (attention, the dense MLP, the shared expert, the router and lm_head stay bf16).
+INT4_EXPERTS = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                              "group_size": 32, "dynamic": False, "actorder": None,
+                                              "block_structure": None, "observer": "minmax",
+                                              "observer_kwargs": {}}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None,
+}
+
+
+def target_config(shape: str) -> dict:
+    """The config.json of `shape`, with the demo tokenizer's vocabulary and special tokens."""
+    from draftline.demo.inflate import EIGHT_B_SHAPE
+    from draftline.plan_data import PUBLISHED_SHAPES
+
+    demo = json.loads((DEMO / "config.json").read_text())
+    tokens = {k: demo[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    if shape == "llama-8b":
+        return {**demo, **EIGHT_B_SHAPE, **tokens, "max_position_embeddings": 8192}
+    kimi = dict(PUBLISHED_SHAPES["Kimi-K2.5"]["config"])
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **kimi, **tokens,
+              "num_hidden_layers": LAYERS[shape], "max_position_embeddings": 8192, "hidden_act": "silu",
+              "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "sigmoid",
+              "norm_topk_prob": True, "routed_scaling_factor": 2.827, "moe_layer_freq": 1, "attention_bias": False,
+              "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True}
+    if shape == "kimi-int4":
+        config["quantization_config"] = INT4_EXPERTS
+    return config
+
+
+def write_target(folder: Path, shape: str) -> Path:
+    from moe_target import copy_demo_tokenizer  # benchmarks/moe_target.py
+
+    target = folder / f"dummy-{shape}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(target_config(shape), indent=1))
+    copy_demo_tokenizer(target)
+    return target
+
+
+def prefill(base_url: str, sequences: list[list[int]], in_flight: int) -> float:
+    """Tokens per second of completions of max_tokens 1 over `sequences`, `in_flight` at a time."""
+    body = lambda seq: {"model": "target", "prompt": seq, "max_tokens": 1, "temperature": 0.0}  # noqa: E731
+    with httpx.Client(timeout=600) as http, ThreadPoolExecutor(in_flight) as pool:
+        t = time.perf_counter()
+        list(pool.map(lambda seq: http.post(f"{base_url}/v1/completions", json=body(seq)).raise_for_status(),
+                      sequences))
+        return sum(map(len, sequences)) / (time.perf_counter() - t)
+
+
+def main(argv=None) -> int:
+    from benchmarks.extract_workload import random_sequences
+    from draftline.config import ServerSettings
+    from draftline.engines.client import load_prompts
+    from draftline.engines.launch import launch
+    from draftline.engines.vllm import generation_server_spec, installed_version
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", required=True, choices=["kimi-bf16", "kimi-int4", "llama-8b"])
+    p.add_argument("--sequences", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--in-flight", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 32])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--batched-tokens", type=int, default=32768)
+    p.add_argument("--gpu-memory-utilization", default="0.85")
+    p.add_argument("--logs", default=None, help="where the server's log goes (default: a temporary folder)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="engine-rates-"))
+    target = write_target(work, args.shape)
+    config = json.loads((target / "config.json").read_text())
+    extra = ["--load-format", "dummy", "--no-enable-prefix-caching", "--max-num-batched-tokens",
+             str(args.batched_tokens), "--gpu-memory-utilization", args.gpu_memory_utilization]
+    settings = ServerSettings(dtype="bfloat16", extra_args=extra, retries=0, ready_timeout_s=900)
+    spec = generation_server_spec(settings, target, args.seq_len + 64)
+    spec.name = f"vllm-{args.shape}"
+    vocab = config["vocab_size"]
+    result = {"hardware": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+              "torch": torch.__version__, "vllm": installed_version(), "shape": args.shape, "target_config": config,
+              "server_args": extra, "sequences": args.sequences, "seq_len": args.seq_len, "in_flight": args.in_flight}
+    logs = Path(args.logs) if args.logs else work / "logs"
+    launched_at = time.time()
+    with launch(spec, settings, logs) as server:
+        ready_at = time.time()
+        log = (logs / f"{spec.name}-attempt1.log").read_text(errors="replace")
+        result["start_s"] = round(ready_at - launched_at, 1)
+        result["start"] = phases(log, launched_at, ready_at)
+        result["moe_kernel_log"] = sorted({line.split("] ", 1)[-1][:200] for line in log.splitlines()
+                                           if "MoE" in line or "Marlin" in line or "quantiz" in line})[:12]
+        prefill(server.base_url, random_sequences(8, args.seq_len, vocab, seed=99), args.in_flight)  # warm-up
+        rates = [prefill(server.base_url, random_sequences(args.sequences, args.seq_len, vocab, seed=k + 1),
+                         args.in_flight) for k in range(args.repeats)]
+        result["prefill_tokens_per_s_runs"] = rates
+        result["prefill_tokens_per_s"] = sum(rates) / len(rates)
+        print(json.dumps({"prefill_tokens_per_s": rates}), flush=True)
+        prompts = load_prompts(ROOT / "assets" / "prompts" / "eval_prompts.jsonl", 64)
+        result["decoding"] = decode(server, "target", prompts, args.concurrency, args.max_new_tokens, args.repeats)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
