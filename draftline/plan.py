@@ -11,7 +11,7 @@ from draftline.config import PipelineConfig, ServerSettings
 from draftline.errors import ConfigError
 from draftline.plan_data import HARDWARE, PUBLISHED_SHAPES, Hardware, rate
 from draftline.plan_model import Model, drafter_from_rate_tuple, model_for, pipelined_s
-from draftline.plan_shape import (DrafterShape, TargetShape, checkpoint_bytes, hidden_state_bytes, target_shape,
+from draftline.plan_shape import (DrafterShape, TargetShape, hidden_state_bytes, stored_weight_bytes, target_shape,
                                   trace_bytes)
 from draftline.state_storage import BF16, FP8_E4M3, bytes_per_token
 
@@ -55,8 +55,8 @@ def target_for_plan(config: PipelineConfig) -> tuple[dict, TargetShape, list[str
     name = config.target.display_name
     if (root / "config.json").is_file():
         cfg = read_target_config(root)
-        size = checkpoint_bytes(root)
-        return cfg, target_shape(cfg, name, size, None if size is None else f"{root}'s safetensors files"), []
+        size, source = stored_weight_bytes(root) or (None, None)
+        return cfg, target_shape(cfg, name, size, source), []
     for known, spec in PUBLISHED_SHAPES.items():
         if known.lower() == name.lower():
             cfg = {"text_config": spec["config"]}

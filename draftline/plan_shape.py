@@ -162,17 +162,85 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None, weigh
                         experts_per_token=per_token, weight_bytes=0, weight_bytes_source="", mla_kv_width=mla_kv,
                         kv_width=kv_width, moe_layers=moe_layers)
     if weight_bytes is None:
-        other = shape.total_params - expert_params
-        if quantization and expert_params:
-            bits, group = float(quantization["expert_bits"]), int(quantization["group_size"])
-            weight_bytes = int(other * 2 + expert_params * (bits / 8 + 2 / group))
-            weight_bytes_source = (f"parameters: bf16, routed experts {bits:g}-bit with a bf16 scale per "
-                                   f"{group} weights")
+        quantization = quantization or read_quantization(config)
+        if quantization:
+            per = _bytes_per_weight(quantization)
+            embeddings = shape.total_params - shape.layer_params
+            weight_bytes = int(embeddings * 2 + shape.attention_params * per["attention"]
+                               + shape.dense_mlp_params * per["dense"] + expert_params * per["experts"])
+            weight_bytes_source = f"parameters: {per['source']}"
         else:
             weight_bytes = int(shape.total_params * 2)
             weight_bytes_source = "parameters x 2 bytes (bf16)"
     return TargetShape(**{**shape.__dict__, "weight_bytes": int(weight_bytes),
                           "weight_bytes_source": weight_bytes_source or "the checkpoint's files"})
+
+
+def _bytes_per_weight(q: dict) -> dict:
+    """Bytes a weight takes per kind of layer: routed experts at expert_bits with a bf16 scale per group_size (a
+    published shape's form), or read_quantization's answer as it is."""
+    if "experts" in q:
+        return q
+    bits, group = float(q["expert_bits"]), int(q["group_size"])
+    return {"attention": 2.0, "dense": 2.0, "experts": bits / 8 + 2 / group,
+            "source": f"bf16, routed experts {bits:g}-bit with a bf16 scale per {group} weights"}
+
+
+# Module names of each kind, as the quantization's ignore lists name them (DeepSeek's and Qwen's layouts).
+_SAMPLE_MODULES = {"attention": "model.layers.1.self_attn.o_proj", "dense": "model.layers.0.mlp.down_proj",
+                   "experts": "model.layers.1.mlp.experts.0.down_proj"}
+
+
+def read_quantization(config: dict) -> dict | None:
+    """Bytes per weight of attention, dense MLPs and routed experts from the config's quantization_config (in its
+    text_config or at its top), None when it has none: compressed-tensors (one weight scheme; the modules its ignore
+    list names stay bf16) and fp8 with block scales. Another method is refused in one sentence."""
+    import re
+
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    q = text.get("quantization_config") or config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        per = 1 + (4 / (block[0] * block[1]) if block else 0.0)  # a float32 scale per block
+        return {"attention": per, "dense": per, "experts": per,
+                "source": f"bf16 embeddings, every other matrix fp8 (blocks {block or 'per tensor'})"}
+    schemes = [g.get("weights") for g in (q.get("config_groups") or {}).values() if g.get("weights")]
+    if method == "compressed-tensors" and len(schemes) == 1 and schemes[0].get("num_bits"):
+        w = schemes[0]
+        bits, group = int(w["num_bits"]), w.get("group_size") if w.get("strategy") == "group" else None
+        per = bits / 8 + (2 / group if group else 0.0)  # a bf16 scale per group
+
+        def ignored(name: str) -> bool:
+            return any(re.match(e[3:], name) if e.startswith("re:") else name == e or name.endswith("." + e)
+                       for e in q.get("ignore") or [])
+        sizes = {kind: 2.0 if ignored(name) else per for kind, name in _SAMPLE_MODULES.items()}
+        kept = [kind for kind, size in sizes.items() if size == 2.0]
+        return {**sizes, "source": f"compressed-tensors {w.get('type', 'int')}{bits} with "
+                                   + (f"a bf16 scale per {group} weights" if group else "per-channel scales")
+                                   + (f", {' and '.join(kept)} kept in bf16" if kept else "")}
+    raise ConfigError(f"the target's config.json quantizes its weights with quant_method {method!r}, which the planner "
+                      "does not read; put the checkpoint's model.safetensors.index.json (its total_size) beside "
+                      "config.json")
+
+
+def stored_weight_bytes(target_dir: str | Path) -> tuple[int, str] | None:
+    """Bytes of a local checkpoint and where they were read: its safetensors files, else the total_size of its
+    model.safetensors.index.json (a team plans before it downloads the weights); None when it has neither."""
+    import json
+
+    root = Path(target_dir)
+    size = checkpoint_bytes(root)
+    if size is not None:
+        return size, f"{root}'s safetensors files"
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if total:
+            return int(total), f"{index.name}'s total_size"
+    return None
 
 
 def checkpoint_bytes(target_dir: str | Path) -> int | None:

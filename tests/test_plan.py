@@ -181,6 +181,66 @@ def test_a_runs_first_vllm_server_is_planned_as_a_machines_first_start_and_cuda_
     assert starts(PipelineConfig.model_validate(no_vllm_traces))[0]["extraction"] == pytest.approx(graphs["traces"])
 
 
+# Kimi-K2.5's quantization_config (its published config.json): 4-bit integer routed experts with a scale per 32
+# weights; attention, shared experts, dense MLPs and lm_head stay bf16.
+KIMI_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
+             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
+
+
+def _config_only(tmp_path, name: str, config: dict, index_total: int | None = None) -> PipelineConfig:
+    """configs/kimi-k2.5.yaml pointed at a folder holding only the target's config.json (and its safetensors index):
+    what a team downloads first, to plan before it rents the GPUs."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    if index_total is not None:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": index_total},
+                                                                         "weight_map": {}}))
+    cfg = load_config(REPO / "configs/kimi-k2.5.yaml").model_dump(mode="json")
+    cfg["target"]["path"] = str(folder)
+    return PipelineConfig.model_validate(cfg)
+
+
+def test_a_config_only_target_is_planned_with_the_bytes_its_quantization_stores(tmp_path):
+    kimi = PUBLISHED_SHAPES["Kimi-K2.5"]
+    published = target_shape({"text_config": kimi["config"]}, "Kimi-K2.5", quantization=kimi["quantization"])
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": {**kimi["config"], "model_type": "kimi_k2", "quantization_config": KIMI_INT4}}
+    plan = build_plan(_config_only(tmp_path, "Kimi-K2.5", wrapper), traces=100, prompt_tokens=100, answer_tokens=100)
+    assert plan["shape"]["weight_bytes"] == published.weight_bytes
+    assert "int4 with a bf16 scale per 32 weights" in plan["shape"]["weight_bytes_source"]
+    # DeepSeek-V3's fp8 checkpoint (every matrix fp8 in 128 x 128 blocks) fits 8 H200s; counted in bf16 it would not.
+    v3 = {**kimi["config"], "model_type": "deepseek_v3", "n_routed_experts": 256, "num_attention_heads": 128,
+          "num_key_value_heads": 128,
+          "vocab_size": 129280, "first_k_dense_replace": 3}
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    plan = build_plan(_config_only(tmp_path, "v3-fp8", {**v3, "quantization_config": fp8}), traces=100,
+                      prompt_tokens=100, answer_tokens=100)
+    assert plan["shape"]["total_params"] == pytest.approx(671e9, rel=0.01)
+    assert plan["shape"]["weight_bytes"] == pytest.approx(671e9 + 2 * 129280 * 7168, rel=0.01)
+    with pytest.raises(ConfigError, match="on each of 8 devices"):
+        build_plan(_config_only(tmp_path, "v3-bf16", v3), traces=100)
+
+
+def test_a_safetensors_index_gives_the_bytes_and_an_unread_quantization_is_refused_in_one_sentence(tmp_path):
+    kimi = PUBLISHED_SHAPES["Kimi-K2.5"]
+    v3_shaped = {**kimi["config"], "model_type": "deepseek_v3"}
+    plan = build_plan(_config_only(tmp_path, "indexed", v3_shaped, index_total=600 * 10**9), traces=100,
+                      prompt_tokens=100, answer_tokens=100)
+    assert plan["shape"]["weight_bytes"] == 600 * 10**9
+    assert plan["shape"]["weight_bytes_source"] == "model.safetensors.index.json's total_size"
+    awq = {**v3_shaped, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}
+    with pytest.raises(ConfigError, match="quant_method 'awq', which the planner does not read; put the checkpoint's "
+                                          "model.safetensors.index.json"):
+        build_plan(_config_only(tmp_path, "awq", awq), traces=100)
+    # With the index beside it, the same config plans.
+    assert build_plan(_config_only(tmp_path, "awq-indexed", awq, index_total=5 * 10**11), traces=100, prompt_tokens=100,
+                      answer_tokens=100)["shape"]["weight_bytes"] == 5 * 10**11
+
+
 def test_a_target_larger_than_the_devices_is_refused_in_one_sentence(tmp_path, capsys):
     assert main(["plan", "configs/kimi-k2.5.yaml", "--hardware", "h100", "--json", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip()
