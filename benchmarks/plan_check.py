@@ -229,9 +229,7 @@ def kimi_shaped_rows(rows: list) -> None:
         d = json.loads(path.read_text())
         hw = "h100" if "H100" in d["hardware"] else "h200"
         m = model_for(hw)
-        quantization = d["target_config"].get("quantization_config")
-        shape = target_shape(d["target_config"], d["shape"], quantization=None if quantization is None else {
-            "expert_bits": 4, "group_size": quantization["config_groups"]["group_0"]["weights"]["group_size"]})
+        shape = target_shape(d["target_config"], d["shape"])  # INT4 experts: read from its quantization_config
         tokens = d["sequences"] * d["seq_len"]
         run = f"{path.stem} ({shape.moe_layers} MoE of {shape.layers} layers)" if shape.moe_layers else path.stem
         _row(rows, run, "prefill", tokens * m.prefill_s(shape, d["seq_len"]), tokens / d["prefill_tokens_per_s"],
