@@ -4,8 +4,9 @@
     (kimi-bf16, kimi-int4: Kimi-K2.5's text layers, cut to what one GPU holds; llama-8b: the dense reference)
 
 Kimi's layers: MLA, 384 routed experts (8 a token, in bf16 or in its INT4 scheme), one shared expert, the first layer
-dense, the demo's vocabulary. With dummy weights the router's own random scores spread the tokens over the experts
-(Kimi's routing bias is left out: a dummy bias would send every token to the same 8). Only the rates mean anything.
+dense, the demo's vocabulary. Dummy weights are tiny, so the router runs in float32 (in bf16 every score rounds to
+the same value) and Kimi's routing bias is left out (a dummy one would outweigh the scores): its random scores then
+spread the tokens over all 384 experts about as evenly as random picks. Only the rates mean anything.
 One server (CUDA graphs, prefix caching off): prefill alone (max_tokens 1), then decoding without speculation.
 """
 from __future__ import annotations
@@ -56,6 +57,7 @@ def target_config(shape: str) -> dict:
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **kimi, **tokens,
               "num_hidden_layers": LAYERS[shape], "max_position_embeddings": 8192, "hidden_act": "silu",
               "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "sigmoid",
+              "moe_router_dtype": "float32",
               "norm_topk_prob": True, "routed_scaling_factor": 2.827, "moe_layer_freq": 1, "attention_bias": False,
               "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True}
     if shape == "kimi-int4":
@@ -104,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="engine-rates-"))
     target = write_target(work, args.shape)
     config = json.loads((target / "config.json").read_text())

@@ -227,7 +227,9 @@ def kimi_shaped_rows(rows: list) -> None:
     expert fractions come from the Qwen3-MoE runs."""
     for path in sorted(RESULTS.glob("engine-rates-*.json")):
         d = json.loads(path.read_text())
-        hw = "h100" if "H100" in d["hardware"] else "h200"
+        hw = next((key for key in ("h100", "h200") if key.upper() in d["hardware"]), None)
+        if hw is None:  # a CPU smoke run: the planner's GPU rates do not apply
+            continue
         m = model_for(hw)
         shape = target_shape(d["target_config"], d["shape"])  # INT4 experts: read from its quantization_config
         tokens = d["sequences"] * d["seq_len"]

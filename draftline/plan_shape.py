@@ -166,8 +166,11 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None, weigh
         if quantization:
             per = _bytes_per_weight(quantization)
             embeddings = shape.total_params - shape.layer_params
+            dense_layer_params = (layers - moe_layers) * 3 * h * inter  # dense_mlp's rest: shared experts, routers
             weight_bytes = int(embeddings * 2 + shape.attention_params * per["attention"]
-                               + shape.dense_mlp_params * per["dense"] + expert_params * per["experts"])
+                               + dense_layer_params * per["dense"]
+                               + (shape.dense_mlp_params - dense_layer_params) * per["shared"]
+                               + expert_params * per["experts"])
             weight_bytes_source = f"parameters: {per['source']}"
         else:
             weight_bytes = int(shape.total_params * 2)
@@ -182,19 +185,21 @@ def _bytes_per_weight(q: dict) -> dict:
     if "experts" in q:
         return q
     bits, group = float(q["expert_bits"]), int(q["group_size"])
-    return {"attention": 2.0, "dense": 2.0, "experts": bits / 8 + 2 / group,
+    return {"attention": 2.0, "dense": 2.0, "shared": 2.0, "experts": bits / 8 + 2 / group,
             "source": f"bf16, routed experts {bits:g}-bit with a bf16 scale per {group} weights"}
 
 
-# Module names of each kind, as the quantization's ignore lists name them (DeepSeek's and Qwen's layouts).
-_SAMPLE_MODULES = {"attention": "model.layers.1.self_attn.o_proj", "dense": "model.layers.0.mlp.down_proj",
-                   "experts": "model.layers.1.mlp.experts.0.down_proj"}
+# A module of each kind under the names quantization ignore lists match (DeepSeek's layout; Qwen's shared expert).
+_SAMPLE_MODULES = {"attention": ["model.layers.1.self_attn.o_proj"], "dense": ["model.layers.0.mlp.down_proj"],
+                   "shared": ["model.layers.1.mlp.shared_experts.down_proj",
+                              "model.layers.1.mlp.shared_expert.down_proj"],
+                   "experts": ["model.layers.1.mlp.experts.0.down_proj"]}
 
 
 def read_quantization(config: dict) -> dict | None:
-    """Bytes per weight of attention, dense MLPs and routed experts from the config's quantization_config (in its
-    text_config or at its top), None when it has none: compressed-tensors (one weight scheme; the modules its ignore
-    list names stay bf16) and fp8 with block scales. Another method is refused in one sentence."""
+    """Bytes per weight of attention, dense MLPs, shared and routed experts from the config's quantization_config
+    (in its text_config or at its top), None when it has none: compressed-tensors with one weight scheme (the modules
+    its ignore list names stay bf16) and fp8 with block scales. Anything else is refused in one sentence."""
     import re
 
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
@@ -205,42 +210,47 @@ def read_quantization(config: dict) -> dict | None:
     if method == "fp8":
         block = q.get("weight_block_size")
         per = 1 + (4 / (block[0] * block[1]) if block else 0.0)  # a float32 scale per block
-        return {"attention": per, "dense": per, "experts": per,
+        return {"attention": per, "dense": per, "shared": per, "experts": per,
                 "source": f"bf16 embeddings, every other matrix fp8 (blocks {block or 'per tensor'})"}
     schemes = [g.get("weights") for g in (q.get("config_groups") or {}).values() if g.get("weights")]
     if method == "compressed-tensors" and len(schemes) == 1 and schemes[0].get("num_bits"):
         w = schemes[0]
-        bits, group = int(w["num_bits"]), w.get("group_size") if w.get("strategy") == "group" else None
-        per = bits / 8 + (2 / group if group else 0.0)  # a bf16 scale per group
+        bits, strategy, group = int(w["num_bits"]), w.get("strategy"), w.get("group_size")
+        # A bf16 scale per group; NVFP4's tensor groups an fp8 one (and one per tensor); per channel: negligible.
+        scale = {"group": 2, "tensor_group": 1}.get(strategy, 0) / group if group else 0.0
+        patterns = q.get("ignore") or []
 
-        def ignored(name: str) -> bool:
-            return any(re.match(e[3:], name) if e.startswith("re:") else name == e or name.endswith("." + e)
-                       for e in q.get("ignore") or [])
-        sizes = {kind: 2.0 if ignored(name) else per for kind, name in _SAMPLE_MODULES.items()}
+        def ignored(names: list[str]) -> bool:  # checkpoints name modules with or without a wrapper's prefix
+            return any(re.match(e[3:], n) if e.startswith("re:") else n == e or n.endswith("." + e)
+                       or e.endswith("." + n) for e in patterns for n in names)
+        sizes = {kind: 2.0 if ignored(names) else bits / 8 + scale for kind, names in _SAMPLE_MODULES.items()}
         kept = [kind for kind, size in sizes.items() if size == 2.0]
         return {**sizes, "source": f"compressed-tensors {w.get('type', 'int')}{bits} with "
-                                   + (f"a bf16 scale per {group} weights" if group else "per-channel scales")
-                                   + (f", {' and '.join(kept)} kept in bf16" if kept else "")}
-    raise ConfigError(f"the target's config.json quantizes its weights with quant_method {method!r}, which the planner "
-                      "does not read; put the checkpoint's model.safetensors.index.json (its total_size) beside "
-                      "config.json")
+                                   + (f"a scale per {group} weights" if scale else "per-channel scales")
+                                   + (f", {', '.join(kept)} kept in bf16" if kept else "")}
+    what = f"quant_method {method!r}" + (f" with {len(schemes)} weight schemes" if len(schemes) > 1 else "")
+    raise ConfigError(f"the target's config.json quantizes its weights with {what}, which the planner does not "
+                      "read; put the checkpoint's weight index (model.safetensors.index.json, with its total_size) "
+                      "beside config.json")
+
+
+# Weight indexes that carry a checkpoint's total_size: safetensors', and PyTorch's for .bin checkpoints.
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def stored_weight_bytes(target_dir: str | Path) -> tuple[int, str] | None:
-    """Bytes of a local checkpoint and where they were read: its safetensors files, else the total_size of its
-    model.safetensors.index.json (a team plans before it downloads the weights); None when it has neither."""
+    """Bytes of a local checkpoint and where they were read: its weight index's total_size (the whole checkpoint even
+    while its files are still downloading), else its safetensors files; None when it has neither."""
     import json
 
     root = Path(target_dir)
+    for name in WEIGHT_INDEXES:
+        if (root / name).is_file():
+            total = json.loads((root / name).read_text()).get("metadata", {}).get("total_size")
+            if total:
+                return int(total), f"{name}'s total_size"
     size = checkpoint_bytes(root)
-    if size is not None:
-        return size, f"{root}'s safetensors files"
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-        if total:
-            return int(total), f"{index.name}'s total_size"
-    return None
+    return None if size is None else (size, f"{root}'s safetensors files")
 
 
 def checkpoint_bytes(target_dir: str | Path) -> int | None:

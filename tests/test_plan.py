@@ -211,7 +211,8 @@ def test_a_config_only_target_is_planned_with_the_bytes_its_quantization_stores(
                "text_config": {**kimi["config"], "model_type": "kimi_k2", "quantization_config": KIMI_INT4}}
     plan = build_plan(_config_only(tmp_path, "Kimi-K2.5", wrapper), traces=100, prompt_tokens=100, answer_tokens=100)
     assert plan["shape"]["weight_bytes"] == published.weight_bytes
-    assert "int4 with a bf16 scale per 32 weights" in plan["shape"]["weight_bytes_source"]
+    source = plan["shape"]["weight_bytes_source"]
+    assert "int4 with a scale per 32 weights, attention, dense, shared kept in bf16" in source
     # DeepSeek-V3's fp8 checkpoint (every matrix fp8 in 128 x 128 blocks) fits 8 H200s; counted in bf16 it would not.
     v3 = {**kimi["config"], "model_type": "deepseek_v3", "n_routed_experts": 256, "num_attention_heads": 128,
           "num_key_value_heads": 128,
@@ -220,7 +221,9 @@ def test_a_config_only_target_is_planned_with_the_bytes_its_quantization_stores(
     plan = build_plan(_config_only(tmp_path, "v3-fp8", {**v3, "quantization_config": fp8}), traces=100,
                       prompt_tokens=100, answer_tokens=100)
     assert plan["shape"]["total_params"] == pytest.approx(671e9, rel=0.01)
-    assert plan["shape"]["weight_bytes"] == pytest.approx(671e9 + 2 * 129280 * 7168, rel=0.01)
+    embeddings = 2 * 129280 * 7168  # embed_tokens and lm_head stay bf16; every other matrix a byte and its block scale
+    assert plan["shape"]["weight_bytes"] == pytest.approx(
+        (plan["shape"]["total_params"] - embeddings) * (1 + 4 / 128**2) + 2 * embeddings, rel=1e-6)
     with pytest.raises(ConfigError, match="on each of 8 devices"):
         build_plan(_config_only(tmp_path, "v3-bf16", v3), traces=100)
 
@@ -232,10 +235,23 @@ def test_a_safetensors_index_gives_the_bytes_and_an_unread_quantization_is_refus
                       prompt_tokens=100, answer_tokens=100)
     assert plan["shape"]["weight_bytes"] == 600 * 10**9
     assert plan["shape"]["weight_bytes_source"] == "model.safetensors.index.json's total_size"
+    downloading = _config_only(tmp_path, "downloading", v3_shaped, index_total=600 * 10**9)
+    (Path(downloading.target.path) / "model-00001-of-00064.safetensors").write_bytes(b"0" * 1000)
+    assert build_plan(downloading, traces=100, prompt_tokens=100,
+                      answer_tokens=100)["shape"]["weight_bytes"] == 600 * 10**9  # the index, not the files so far
     awq = {**v3_shaped, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}
-    with pytest.raises(ConfigError, match="quant_method 'awq', which the planner does not read; put the checkpoint's "
-                                          "model.safetensors.index.json"):
+    with pytest.raises(ConfigError, match=r"quant_method 'awq', which the planner does not read; put the checkpoint's "
+                                          r"weight index \(model.safetensors.index.json"):
         build_plan(_config_only(tmp_path, "awq", awq), traces=100)
+    # A checkpoint that names each ignored module in full, under a multimodal wrapper's prefix, keeps them bf16 too.
+    listed = {**KIMI_INT4, "ignore": ["language_model.lm_head", "language_model.model.layers.1.self_attn.o_proj",
+                                      "language_model.model.layers.0.mlp.down_proj",
+                                      "language_model.model.layers.1.mlp.shared_experts.down_proj"]}
+    full = build_plan(_config_only(tmp_path, "listed", {**v3_shaped, "quantization_config": listed}), traces=100,
+                      prompt_tokens=100, answer_tokens=100)
+    published = PUBLISHED_SHAPES["Kimi-K2.5"]
+    expected = target_shape(v3_shaped, "k", quantization=published["quantization"]).weight_bytes
+    assert full["shape"]["weight_bytes"] == expected
     # With the index beside it, the same config plans.
     assert build_plan(_config_only(tmp_path, "awq-indexed", awq, index_total=5 * 10**11), traces=100, prompt_tokens=100,
                       answer_tokens=100)["shape"]["weight_bytes"] == 5 * 10**11
