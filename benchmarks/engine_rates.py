@@ -30,18 +30,6 @@ from engine_start import decode, phases  # noqa: E402  (benchmarks/engine_start.
 
 DEMO = ROOT / "assets" / "demo-llama"
 LAYERS = {"kimi-bf16": 2, "kimi-int4": 4}  # the first dense, the rest MoE: what an 80 GB GPU holds of each
-# Kimi-K2.5's quantization scheme: 4-bit symmetric integers with a scale per 32 weights in the routed experts only
-# (attention, the dense MLP, the shared expert, the router and lm_head stay bf16).
-INT4_EXPERTS = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                              "group_size": 32, "dynamic": False, "actorder": None,
-                                              "block_structure": None, "observer": "minmax",
-                                              "observer_kwargs": {}}}},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
-    "kv_cache_scheme": None,
-}
 
 
 def target_config(shape: str) -> dict:
@@ -53,15 +41,15 @@ def target_config(shape: str) -> dict:
     tokens = {k: demo[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
     if shape == "llama-8b":
         return {**demo, **EIGHT_B_SHAPE, **tokens, "max_position_embeddings": 8192}
-    kimi = dict(PUBLISHED_SHAPES["Kimi-K2.5"]["config"])
+    kimi = dict(PUBLISHED_SHAPES["Kimi-K2.5"]["config"])  # its INT4 experts' quantization_config included
+    if shape == "kimi-bf16":
+        del kimi["quantization_config"]
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **kimi, **tokens,
               "num_hidden_layers": LAYERS[shape], "max_position_embeddings": 8192, "hidden_act": "silu",
               "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "sigmoid",
               "moe_router_dtype": "float32",
               "norm_topk_prob": True, "routed_scaling_factor": 2.827, "moe_layer_freq": 1, "attention_bias": False,
               "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True}
-    if shape == "kimi-int4":
-        config["quantization_config"] = INT4_EXPERTS
     return config
 
 
@@ -85,6 +73,25 @@ def prefill(base_url: str, sequences: list[list[int]], in_flight: int) -> float:
         return sum(map(len, sequences)) / (time.perf_counter() - t)
 
 
+def planned(result: dict) -> list[tuple[str, float, float]] | None:
+    """(what, planned seconds, measured seconds) for the run's prefill and each decoding concurrency, against the plan
+    of its GPU kind; None on hardware the planner has no GPU rates for (a CPU smoke run)."""
+    from draftline.plan_model import model_for
+    from draftline.plan_shape import target_shape
+
+    hw = next((key for key in ("h100", "h200") if key.upper() in result["hardware"]), None)
+    if hw is None:
+        return None
+    m, shape = model_for(hw), target_shape(result["target_config"], result["shape"])
+    tokens, context = result["sequences"] * result["seq_len"], result["seq_len"]
+    rows = [("prefill", tokens * m.prefill_s(shape, context), tokens / result["prefill_tokens_per_s"])]
+    for point in result["decoding"]:
+        c, out = point["concurrency"], point["output_tokens"]
+        planned_s = out / c * m.decode_step_s(shape, c, 1, False, 200)
+        rows.append((f"decoding c={c}", planned_s, out / point["tokens_per_s"]))
+    return rows
+
+
 def main(argv=None) -> int:
     from benchmarks.extract_workload import random_sequences
     from draftline.config import ServerSettings
@@ -94,16 +101,16 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", required=True, choices=["kimi-bf16", "kimi-int4", "llama-8b"])
-    p.add_argument("--sequences", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--in-flight", type=int, default=64)
-    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 32])
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--batched-tokens", type=int, default=32768)
-    p.add_argument("--gpu-memory-utilization", default="0.85")
+    p.add_argument("--sequences", type=int, default=128, help="random sequences per prefill pass")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--in-flight", type=int, default=64, help="prefill requests at a time")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 32], help="decoding's requests in flight")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each decoding request generates")
+    p.add_argument("--repeats", type=int, default=2, help="timed passes of each measure, after a warm-up")
+    p.add_argument("--batched-tokens", type=int, default=32768, help="vLLM's --max-num-batched-tokens")
+    p.add_argument("--gpu-memory-utilization", default="0.85", help="vLLM's share of the GPU's memory")
     p.add_argument("--logs", default=None, help="where the server's log goes (default: a temporary folder)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the result file (JSON)")
     args = p.parse_args(argv)
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +144,13 @@ def main(argv=None) -> int:
         prompts = load_prompts(ROOT / "assets" / "prompts" / "eval_prompts.jsonl", 64)
         result["decoding"] = decode(server, "target", prompts, args.concurrency, args.max_new_tokens, args.repeats)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    rows = planned(result)
+    if rows is None:
+        print(f"no plan to set beside it: the planner has GPU rates for H100 and H200 only, not {result['hardware']!r}")
+        return 0
+    print(f"{'':<16}{'measured s':>12}{'planned s':>12}{'planned/measured':>18}")
+    for what, plan_s, measured_s in rows:
+        print(f"{what:<16}{measured_s:>12.2f}{plan_s:>12.2f}{plan_s / measured_s:>18.2f}")
     return 0
 
 

@@ -225,22 +225,15 @@ def kimi_shaped_rows(rows: list) -> None:
     dense 8B reference, cut to what one GPU holds and run with vLLM's dummy weights (benchmarks/engine_rates.py):
     prefill alone and decoding without speculation, each against the plan of its machine. Fitted to nothing: the
     expert fractions come from the Qwen3-MoE runs."""
+    from benchmarks.engine_rates import planned
+
     for path in sorted(RESULTS.glob("engine-rates-*.json")):
         d = json.loads(path.read_text())
-        hw = next((key for key in ("h100", "h200") if key.upper() in d["hardware"]), None)
-        if hw is None:  # a CPU smoke run: the planner's GPU rates do not apply
-            continue
-        m = model_for(hw)
-        shape = target_shape(d["target_config"], d["shape"])  # INT4 experts: read from its quantization_config
-        tokens = d["sequences"] * d["seq_len"]
-        run = f"{path.stem} ({shape.moe_layers} MoE of {shape.layers} layers)" if shape.moe_layers else path.stem
-        _row(rows, run, "prefill", tokens * m.prefill_s(shape, d["seq_len"]), tokens / d["prefill_tokens_per_s"],
-             f"benchmarks/results/{path.name}", note=f"{d['sequences']} sequences of {d['seq_len']}, {d['in_flight']} "
-             "in flight; vLLM's dummy weights")
-        for point in d["decoding"]:
-            c, out = point["concurrency"], point["output_tokens"]
-            _row(rows, f"{run} c={c}", "decoding", out / c * m.decode_step_s(shape, c, 1, False, 200),
-                 out / point["tokens_per_s"], f"benchmarks/results/{path.name}", note="CUDA graphs")
+        for what, plan_s, measured_s in planned(d) or []:  # none for a CPU smoke run
+            stage, _, concurrency = what.partition(" ")
+            _row(rows, f"{path.stem} {concurrency}".strip(), stage, plan_s, measured_s,
+                 f"benchmarks/results/{path.name}", note=f"vLLM's dummy weights; {d['sequences']} sequences of "
+                 f"{d['seq_len']}, {d['in_flight']} in flight" if stage == "prefill" else "CUDA graphs")
 
 
 # Each H200 extraction benchmark's start: was it that machine's first vLLM start (its log says so: a fresh machine, a

@@ -62,7 +62,7 @@ def target_for_plan(config: PipelineConfig) -> tuple[dict, TargetShape, list[str
             cfg = {"text_config": spec["config"]}
             note = (f"target.path {root} is not on this machine: planned with {known}'s published shape "
                     f"({spec['source']})")
-            return cfg, target_shape(cfg, known, quantization=spec.get("quantization")), [note]
+            return cfg, target_shape(cfg, known), [note]
     raise ConfigError(f"target.path {root} has no config.json here and {name!r} is none of the published shapes "
                       f"({', '.join(PUBLISHED_SHAPES)}); plan on a machine that has the checkpoint's config.json")
 

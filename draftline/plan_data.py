@@ -215,7 +215,17 @@ PUBLISHED_SHAPES = {
                    "n_shared_experts": 1, "first_k_dense_replace": 1, "num_attention_heads": 64,
                    "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
                    "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 262144,
-                   "rms_norm_eps": 1e-5, "rope_theta": 50000.0},
-        "quantization": {"expert_bits": 4, "group_size": 32},
+                   "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
+                   # 4-bit symmetric integers with a scale per 32 weights in the routed experts only.
+                   "quantization_config": {
+                       "quant_method": "compressed-tensors", "format": "pack-quantized",
+                       "quantization_status": "compressed", "kv_cache_scheme": None,
+                       "config_groups": {"group_0": {
+                           "targets": ["Linear"], "input_activations": None, "output_activations": None,
+                           "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                       "group_size": 32, "dynamic": False, "actorder": None,
+                                       "block_structure": None, "observer": "minmax", "observer_kwargs": {}}}},
+                       "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                                  r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}},
     },
 }

@@ -114,11 +114,11 @@ def _is_moe_layer(text: dict):
     return lambda i: i >= first_dense and i % freq == 0 and i not in dense_only and (i + 1) % step == 0
 
 
-def target_shape(config: dict, name: str, weight_bytes: int | None = None, weight_bytes_source: str | None = None,
-                 quantization: dict | None = None) -> TargetShape:
+def target_shape(config: dict, name: str, weight_bytes: int | None = None,
+                 weight_bytes_source: str | None = None) -> TargetShape:
     """The shape of a Llama-like, a Qwen or Mixtral MoE, or a DeepSeek-V3-like (MLA, MoE) target from its config.json
-    (a multimodal wrapper's text_config is read). Weight bytes: the checkpoint's files when given, else parameters x 2
-    bytes, with routed experts at quantization's expert_bits plus one bf16 scale per group_size when given."""
+    (a multimodal wrapper's text_config is read). Weight bytes: the checkpoint's when given, else its parameters at the
+    bytes its quantization_config stores (read_quantization), bf16 without one."""
     text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
     h, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
     heads = int(text["num_attention_heads"])
@@ -162,9 +162,8 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None, weigh
                         experts_per_token=per_token, weight_bytes=0, weight_bytes_source="", mla_kv_width=mla_kv,
                         kv_width=kv_width, moe_layers=moe_layers)
     if weight_bytes is None:
-        quantization = quantization or read_quantization(config)
-        if quantization:
-            per = _bytes_per_weight(quantization)
+        per = read_quantization(config)
+        if per:
             embeddings = shape.total_params - shape.layer_params
             dense_layer_params = (layers - moe_layers) * 3 * h * inter  # dense_mlp's rest: shared experts, routers
             weight_bytes = int(embeddings * 2 + shape.attention_params * per["attention"]
@@ -177,16 +176,6 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None, weigh
             weight_bytes_source = "parameters x 2 bytes (bf16)"
     return TargetShape(**{**shape.__dict__, "weight_bytes": int(weight_bytes),
                           "weight_bytes_source": weight_bytes_source or "the checkpoint's files"})
-
-
-def _bytes_per_weight(q: dict) -> dict:
-    """Bytes a weight takes per kind of layer: routed experts at expert_bits with a bf16 scale per group_size (a
-    published shape's form), or read_quantization's answer as it is."""
-    if "experts" in q:
-        return q
-    bits, group = float(q["expert_bits"]), int(q["group_size"])
-    return {"attention": 2.0, "dense": 2.0, "shared": 2.0, "experts": bits / 8 + 2 / group,
-            "source": f"bf16, routed experts {bits:g}-bit with a bf16 scale per {group} weights"}
 
 
 # A module of each kind under the names quantization ignore lists match (DeepSeek's layout; Qwen's shared expert).

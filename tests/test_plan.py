@@ -64,7 +64,7 @@ def test_parameter_counts_match_the_checkpoints_and_the_published_sizes():
     assert target_shape(DEMO_1B, "1b").total_params == pytest.approx(1.04e9, rel=0.01)
     assert target_shape(DEMO_8B, "8b").total_params == pytest.approx(6.879e9, rel=0.002)
     kimi = PUBLISHED_SHAPES["Kimi-K2.5"]
-    shape = target_shape({"text_config": kimi["config"]}, "Kimi-K2.5", quantization=kimi["quantization"])
+    shape = target_shape({"text_config": kimi["config"]}, "Kimi-K2.5")
     # Published: about 1.04T parameters, 32B of them activated per token, about 595 GB in INT4.
     assert shape.total_params == pytest.approx(1.04e12, rel=0.02)
     assert shape.active_layer_params + 2 * shape.embedding_params == pytest.approx(32.9e9, rel=0.03)
@@ -181,15 +181,6 @@ def test_a_runs_first_vllm_server_is_planned_as_a_machines_first_start_and_cuda_
     assert starts(PipelineConfig.model_validate(no_vllm_traces))[0]["extraction"] == pytest.approx(graphs["traces"])
 
 
-# Kimi-K2.5's quantization_config (its published config.json): 4-bit integer routed experts with a scale per 32
-# weights; attention, shared experts, dense MLPs and lm_head stay bf16.
-KIMI_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
-             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
-
-
 def _config_only(tmp_path, name: str, config: dict, index_total: int | None = None) -> PipelineConfig:
     """configs/kimi-k2.5.yaml pointed at a folder holding only the target's config.json (and its safetensors index):
     what a team downloads first, to plan before it rents the GPUs."""
@@ -206,15 +197,16 @@ def _config_only(tmp_path, name: str, config: dict, index_total: int | None = No
 
 def test_a_config_only_target_is_planned_with_the_bytes_its_quantization_stores(tmp_path):
     kimi = PUBLISHED_SHAPES["Kimi-K2.5"]
-    published = target_shape({"text_config": kimi["config"]}, "Kimi-K2.5", quantization=kimi["quantization"])
+    published = target_shape({"text_config": kimi["config"]}, "Kimi-K2.5")
     wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-               "text_config": {**kimi["config"], "model_type": "kimi_k2", "quantization_config": KIMI_INT4}}
+               "text_config": {**kimi["config"], "model_type": "kimi_k2"}}  # its INT4 quantization_config
     plan = build_plan(_config_only(tmp_path, "Kimi-K2.5", wrapper), traces=100, prompt_tokens=100, answer_tokens=100)
     assert plan["shape"]["weight_bytes"] == published.weight_bytes
     source = plan["shape"]["weight_bytes_source"]
     assert "int4 with a scale per 32 weights, attention, dense, shared kept in bf16" in source
     # DeepSeek-V3's fp8 checkpoint (every matrix fp8 in 128 x 128 blocks) fits 8 H200s; counted in bf16 it would not.
-    v3 = {**kimi["config"], "model_type": "deepseek_v3", "n_routed_experts": 256, "num_attention_heads": 128,
+    bf16 = {k: v for k, v in kimi["config"].items() if k != "quantization_config"}
+    v3 = {**bf16, "model_type": "deepseek_v3", "n_routed_experts": 256, "num_attention_heads": 128,
           "num_key_value_heads": 128,
           "vocab_size": 129280, "first_k_dense_replace": 3}
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -244,13 +236,13 @@ def test_a_safetensors_index_gives_the_bytes_and_an_unread_quantization_is_refus
                                           r"weight index \(model.safetensors.index.json"):
         build_plan(_config_only(tmp_path, "awq", awq), traces=100)
     # A checkpoint that names each ignored module in full, under a multimodal wrapper's prefix, keeps them bf16 too.
-    listed = {**KIMI_INT4, "ignore": ["language_model.lm_head", "language_model.model.layers.1.self_attn.o_proj",
-                                      "language_model.model.layers.0.mlp.down_proj",
-                                      "language_model.model.layers.1.mlp.shared_experts.down_proj"]}
+    listed = {**kimi["config"]["quantization_config"],
+              "ignore": ["language_model.lm_head", "language_model.model.layers.1.self_attn.o_proj",
+                         "language_model.model.layers.0.mlp.down_proj",
+                         "language_model.model.layers.1.mlp.shared_experts.down_proj"]}
     full = build_plan(_config_only(tmp_path, "listed", {**v3_shaped, "quantization_config": listed}), traces=100,
                       prompt_tokens=100, answer_tokens=100)
-    published = PUBLISHED_SHAPES["Kimi-K2.5"]
-    expected = target_shape(v3_shaped, "k", quantization=published["quantization"]).weight_bytes
+    expected = target_shape(v3_shaped, "k").weight_bytes  # the published config's own ignore list
     assert full["shape"]["weight_bytes"] == expected
     # With the index beside it, the same config plans.
     assert build_plan(_config_only(tmp_path, "awq-indexed", awq, index_total=5 * 10**11), traces=100, prompt_tokens=100,
