@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="engine-start-", dir=args.workdir))
     t = time.perf_counter()
     shape = None if args.target_shape == "demo" else args.target_shape
