@@ -9,7 +9,7 @@ from pathlib import Path
 
 from draftline.config import PipelineConfig, ServerSettings
 from draftline.errors import ConfigError
-from draftline.plan_data import HARDWARE, PUBLISHED_SHAPES, Hardware, rate
+from draftline.plan_data import HARDWARE, PUBLISHED_SHAPES, Hardware, published_shape, rate
 from draftline.plan_model import Model, drafter_from_rate_tuple, model_for, pipelined_s
 from draftline.plan_shape import (DrafterShape, TargetShape, hidden_state_bytes, stored_weight_bytes, target_shape,
                                   trace_bytes)
@@ -57,12 +57,13 @@ def target_for_plan(config: PipelineConfig) -> tuple[dict, TargetShape, list[str
         cfg = read_target_config(root)
         size, source = stored_weight_bytes(root) or (None, None)
         return cfg, target_shape(cfg, name, size, source), []
-    for known, spec in PUBLISHED_SHAPES.items():
-        if known.lower() == name.lower():
-            cfg = {"text_config": spec["config"]}
-            note = (f"target.path {root} is not on this machine: planned with {known}'s published shape "
-                    f"({spec['source']})")
-            return cfg, target_shape(cfg, known), [note]
+    published = published_shape(name)
+    if published:
+        known, spec = published
+        cfg = {"text_config": spec["config"]}
+        note = (f"target.path {root} is not on this machine: planned with {known}'s published shape "
+                f"({spec['source']})")
+        return cfg, target_shape(cfg, known, spec.get("weight_bytes"), spec.get("weight_bytes_source")), [note]
     raise ConfigError(f"target.path {root} has no config.json here and {name!r} is none of the published shapes "
                       f"({', '.join(PUBLISHED_SHAPES)}); plan on a machine that has the checkpoint's config.json")
 

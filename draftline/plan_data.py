@@ -205,7 +205,7 @@ def rate(name: str) -> Rate:
 
 
 # Shapes of public targets, to plan before their checkpoint is on the machine: the sizes of the text model's
-# config.json and how its weights are stored.
+# config.json and how its weights are stored. A target folder is matched by its name or one of `names` (any case).
 PUBLISHED_SHAPES = {
     "Kimi-K2.5": {
         "source": "the published config.json of moonshotai/Kimi-K2.5 (text_config: a DeepSeek-V3 model); routed "
@@ -228,4 +228,36 @@ PUBLISHED_SHAPES = {
                        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
                                   r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}},
     },
+    "DeepSeek-V3": {
+        "names": ["DeepSeek-V3-0324", "DeepSeek-V3-Base", "DeepSeek-R1", "DeepSeek-R1-0528"],
+        "source": "the published config.json of deepseek-ai/DeepSeek-V3 (its 61 layers; the one multi-token-prediction "
+                  "layer, which EAGLE-3 serving does not load, left out); every matrix but the embeddings in fp8 with "
+                  "a scale per 128 x 128 block",
+        "config": {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 129280,
+                   "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                   "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 3,
+                   "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                   "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                   "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                           "weight_block_size": [128, 128]}},
+    },
+    "Llama-3.1-8B-Instruct": {
+        "names": ["Meta-Llama-3.1-8B-Instruct", "Llama-3.1-8B", "Meta-Llama-3.1-8B"],
+        "source": "the published config.json of meta-llama/Llama-3.1-8B-Instruct, weights in bf16",
+        "config": {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256,
+                   "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                   "tie_word_embeddings": False},
+        "weight_bytes": 16_060_522_496,
+        "weight_bytes_source": "the published model.safetensors.index.json's total_size",
+    },
 }
+
+
+def published_shape(name: str) -> tuple[str, dict] | None:
+    """The published shape a target folder's name stands for, with its own name; None when it names none."""
+    for known, spec in PUBLISHED_SHAPES.items():
+        if name.lower() in (n.lower() for n in [known, *spec.get("names", [])]):
+            return known, spec
+    return None

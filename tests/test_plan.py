@@ -190,9 +190,7 @@ def _config_only(tmp_path, name: str, config: dict, index_total: int | None = No
     if index_total is not None:
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": index_total},
                                                                          "weight_map": {}}))
-    cfg = load_config(REPO / "configs/kimi-k2.5.yaml").model_dump(mode="json")
-    cfg["target"]["path"] = str(folder)
-    return PipelineConfig.model_validate(cfg)
+    return _with_target(str(folder))
 
 
 def test_a_config_only_target_is_planned_with_the_bytes_its_quantization_stores(tmp_path):
@@ -205,10 +203,7 @@ def test_a_config_only_target_is_planned_with_the_bytes_its_quantization_stores(
     source = plan["shape"]["weight_bytes_source"]
     assert "int4 with a scale per 32 weights, attention, dense, shared kept in bf16" in source
     # DeepSeek-V3's fp8 checkpoint (every matrix fp8 in 128 x 128 blocks) fits 8 H200s; counted in bf16 it would not.
-    bf16 = {k: v for k, v in kimi["config"].items() if k != "quantization_config"}
-    v3 = {**bf16, "model_type": "deepseek_v3", "n_routed_experts": 256, "num_attention_heads": 128,
-          "num_key_value_heads": 128,
-          "vocab_size": 129280, "first_k_dense_replace": 3}
+    v3 = {k: v for k, v in PUBLISHED_SHAPES["DeepSeek-V3"]["config"].items() if k != "quantization_config"}
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     plan = build_plan(_config_only(tmp_path, "v3-fp8", {**v3, "quantization_config": fp8}), traces=100,
                       prompt_tokens=100, answer_tokens=100)
@@ -218,6 +213,29 @@ def test_a_config_only_target_is_planned_with_the_bytes_its_quantization_stores(
         (plan["shape"]["total_params"] - embeddings) * (1 + 4 / 128**2) + 2 * embeddings, rel=1e-6)
     with pytest.raises(ConfigError, match="on each of 8 devices"):
         build_plan(_config_only(tmp_path, "v3-bf16", v3), traces=100)
+
+
+def test_the_shipped_configs_plan_before_their_checkpoints_are_on_the_machine(tmp_path, capsys):
+    """configs/llama-3.1-8b.yaml names /models/Meta-Llama-3.1-8B-Instruct, absent here: its published shape plans it,
+    at the published checkpoint's bytes; DeepSeek-V3 and its renamed releases plan by their folders' names."""
+    assert main(["plan", "configs/llama-3.1-8b.yaml", "--json", str(tmp_path / "llama.json")]) == 0
+    plan = json.loads((tmp_path / "llama.json").read_text())
+    assert plan["shape"]["weight_bytes"] == 16_060_522_496  # the published index's total_size
+    assert plan["shape"]["total_params"] == pytest.approx(8.03e9, rel=1e-3)
+    assert "planned with Llama-3.1-8B-Instruct's published shape" in capsys.readouterr().out
+    for folder in ("DeepSeek-V3", "deepseek-r1-0528"):
+        plan = build_plan(_with_target(f"/models/{folder}"), traces=100, prompt_tokens=100, answer_tokens=100)
+        assert plan["shape"]["total_params"] == pytest.approx(671e9, rel=0.01)  # the 61 layers, not the MTP layer
+        assert plan["shape"]["weight_bytes"] < 700e9  # fp8, not 1.34 TB of bf16
+    with pytest.raises(ConfigError, match="'Llama-3.3-70B-Instruct' is none of the published shapes "
+                                          r"\(Kimi-K2.5, DeepSeek-V3, Llama-3.1-8B-Instruct\)"):
+        build_plan(_with_target("/models/Llama-3.3-70B-Instruct"), traces=100)
+
+
+def _with_target(path: str) -> PipelineConfig:
+    cfg = load_config(REPO / "configs/kimi-k2.5.yaml").model_dump(mode="json")
+    cfg["target"]["path"] = path
+    return PipelineConfig.model_validate(cfg)
 
 
 def test_a_safetensors_index_gives_the_bytes_and_an_unread_quantization_is_refused_in_one_sentence(tmp_path):
