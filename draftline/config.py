@@ -59,8 +59,9 @@ class ServerSettings(Strict):
     """How an engine server is started and supervised: shared by trace generation, extraction and evaluation."""
 
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs the server splits the model over (vLLM "
-                                      "--tensor-parallel-size, SGLang --tp-size); its worker needs tensor x pipeline x "
-                                      "data parallel GPUs, the last two from extra_args.")
+                                      "--tensor-parallel-size, SGLang --tp-size), a size that gives each GPU whole "
+                                      "attention heads of the target and the drafter; its worker needs tensor x "
+                                      "pipeline x data parallel GPUs, the last two from extra_args.")
     max_model_len: int | None = Field(None, ge=16, description="The server's context length in tokens (vLLM "
                                       "--max-model-len); null: what the work needs, traces.max_total_tokens for "
                                       "traces, the longest trace plus one for extraction.")

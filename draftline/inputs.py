@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftline.aux_ids import AuxLayerIds
-from draftline.config import PipelineConfig
+from draftline.config import PipelineConfig, ServerSettings
+from draftline.engines.preflight import tensor_parallel_problem
 from draftline.errors import ConfigError
 
 
@@ -40,8 +41,20 @@ def _target(config: PipelineConfig) -> str:
         raise ConfigError(f"target.path {root} has no weights (*.safetensors); point it at a full checkpoint")
     layers = num_layers(cfg)
     ids = AuxLayerIds.for_target(config.extract.aux_layer_ids, layers).as_list()
+    for field_name, settings in engine_servers(config):
+        why = tensor_parallel_problem(cfg, settings.tensor_parallel_size, f"{field_name}.tensor_parallel_size")
+        if why:
+            raise ConfigError(why)
     arch = (cfg.get("architectures") or ["?"])[0]
     return f"target.path {root}: {arch}, {layers} layers, aux layers {ids} (vLLM convention)"
+
+
+def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
+    """(field, ServerSettings) of every engine server the pipeline starts: traces and extraction through vLLM, each
+    evaluation."""
+    servers = [(f"{stage}.vllm", getattr(config, stage).vllm) for stage in ("traces", "extract")
+               if getattr(config, stage).backend == "vllm"]
+    return servers + [(f"eval.engines.{i}", e) for i, e in enumerate(config.eval.engines)]
 
 
 def _tokenizer(config: PipelineConfig) -> str:

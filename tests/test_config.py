@@ -208,6 +208,18 @@ def _validate(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT)
 
 
+def test_validate_refuses_a_tensor_parallel_size_that_cannot_split_the_targets_heads():
+    """The demo target has 4 attention heads and 2 key/value heads: 3 GPUs cannot take whole heads each. vLLM would
+    say so only after its server started; validate names the field and the sizes that split, in one line."""
+    res = _validate("configs/demo.yaml", "--set", "traces.vllm.tensor_parallel_size=3")
+    assert res.returncode == 2, res.stdout + res.stderr
+    problems = [line for line in res.stderr.splitlines() if "tensor_parallel_size" in line]
+    assert problems == ["draftline: traces.vllm.tensor_parallel_size 3 cannot split the target's 4 attention heads and "
+                        "2 key/value heads over 3 GPUs (vLLM and SGLang give each rank whole heads); use one of 1, 2, "
+                        "4"]
+    assert _validate("configs/demo.yaml", "--set", "traces.vllm.tensor_parallel_size=4").returncode == 0
+
+
 def test_validate_names_every_missing_or_malformed_input_before_any_run(tmp_path):
     """A config that parses but names a missing target, a malformed prompts file and an empty warm-start folder gets
     one sentence per input, naming the field, in seconds; nothing is loaded."""

@@ -80,8 +80,12 @@ def test_a_starter_config_for_each_demo_target_validates_here_on_cpu_and_elsewhe
     assert on_cpu.extract.aux_layer_ids == on_gpus.extract.aux_layer_ids == default_aux_layer_ids(8) == [2, 4, 5]
     assert on_cpu.train.device == "cpu" and on_cpu.train.processes == 1
     assert on_gpus.train.device == "cuda" and on_gpus.train.processes == 8
-    assert on_gpus.traces.vllm.tensor_parallel_size == on_gpus.extract.vllm.tensor_parallel_size == 8
-    assert [e.tensor_parallel_size for e in on_gpus.eval.engines] == [8, 8]
+    # The demo targets' 4 attention heads split over 4 GPUs at most: 2 copies of each server take the worker's 8.
+    assert on_gpus.traces.vllm.tensor_parallel_size == on_gpus.extract.vllm.tensor_parallel_size == 4
+    assert [e.tensor_parallel_size for e in on_gpus.eval.engines] == [4, 4]
+    vllm_args, sglang_args = (" ".join(e.extra_args) for e in on_gpus.eval.engines)
+    assert "--data-parallel-size 2" in vllm_args and "--dp-size 2" in sglang_args
+    assert "--data-parallel-size 2" in " ".join(on_gpus.extract.vllm.extra_args)
     assert [(e.engine, e.require_gpu) for e in on_cpu.eval.engines] == [("vllm", False), ("sglang", True)]
 
 
@@ -111,6 +115,7 @@ def test_a_starter_config_for_a_real_targets_shape_names_its_layers_and_parallel
     assert cfg.run == f"{shape}-eagle3" and cfg.target.path == str(model)
     assert cfg.traces.backend == cfg.extract.backend == "vllm" and cfg.traces.vllm == cfg.extract.vllm
     assert cfg.train.processes == 8 and {e.tensor_parallel_size for e in cfg.eval.engines} == {8}
+    assert not any("--data-parallel-size" in e.extra_args for e in [cfg.extract.vllm, *cfg.eval.engines])
     assert cfg.drafter.draft_vocab_size == 32000
     moe = shape == "kimi-k2.5"  # 384 routed experts: vLLM spreads them over the 8 GPUs
     assert ("--enable-expert-parallel" in cfg.extract.vllm.extra_args) == moe

@@ -307,6 +307,32 @@ def test_an_engine_missing_here_gives_a_plain_skipped_result_and_the_evaluation_
     assert stored.status == "skipped" and stored.target == "target" and stored.prompt_set == "p.jsonl"
 
 
+def test_a_tensor_parallel_size_that_cannot_split_the_drafters_heads_is_refused_before_any_server(tmp_path):
+    """vLLM runs the EAGLE-3 layer at the target's tensor-parallel size: a target of 4 heads splits over 2 GPUs, a
+    drafter trained with 3 heads does not, and the evaluation says so in one sentence before a server starts."""
+    from draftline.config import EvalConfig
+    from draftline.errors import ConfigError
+    from draftline.evaluate import evaluate_engine
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hello"}\n')
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TARGET_CFG))
+    drafter = _drafter(tmp_path, "vllm")
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "num_attention_heads": 3, "num_key_value_heads": 3}))
+    store = open_store(str(tmp_path / "store"))
+    cfg = EngineConfig(engine="vllm", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size 2 cannot split the drafter's 3 attention heads over "
+                                          r"2 GPUs .*; use one of 1, 3$"):
+        evaluate_engine(cfg, target, drafter, prompts, EvalConfig(prompts=str(prompts), engines=[cfg]), store,
+                        "nightly", log_dir=tmp_path / "logs")
+    stored = EvalResult.model_validate_json(store.get_bytes("nightly/eval/vllm/result.json"))
+    assert stored.status == "failed" and "the drafter's 3 attention heads" in stored.reason
+    assert not list((tmp_path / "logs").glob("*.log"))  # no server was started
+
+
 def test_report_says_why_speculation_was_slower_when_acceptance_is_fine():
     """In a saved H200 run (benchmarks/results/eval-h200-report-2026-11-30-d), SGLang accepted what the reference
     accepts and was still slower at every concurrency; vLLM was faster everywhere. The report must point at the

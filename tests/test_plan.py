@@ -267,6 +267,23 @@ def test_a_safetensors_index_gives_the_bytes_and_an_unread_quantization_is_refus
                       answer_tokens=100)["shape"]["weight_bytes"] == 5 * 10**11
 
 
+def test_a_gpu_count_that_cannot_split_the_targets_heads_is_refused_in_one_sentence(tmp_path, capsys):
+    """vLLM refuses a tensor-parallel size that does not divide the attention heads only once the server loads; the
+    plan says it first, naming the flag or the field and the sizes that split."""
+    assert main(["plan", "configs/llama-3.1-8b.yaml", "--gpus", "3", "--json", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not (tmp_path / "p.json").exists()
+    assert ("--gpus 3 cannot split the target's 32 attention heads and 8 key/value heads over 3 GPUs" in err
+            and err.endswith("use one of 1, 2, 4, 8, 16, 32"))
+    kimi = load_config(REPO / "configs/kimi-k2.5.yaml").model_dump(mode="json")
+    kimi["eval"]["engines"][0]["tensor_parallel_size"] = 6
+    with pytest.raises(ConfigError, match=r"^eval.engines.0.tensor_parallel_size 6 cannot split the target's 64 "
+                                          r"attention heads over 6 GPUs"):  # MLA: its query heads alone count
+        build_plan(PipelineConfig.model_validate(kimi), traces=10)
+    assert build_plan(load_config(REPO / "configs/llama-3.1-8b.yaml"), gpus=16, traces=10)  # 8 key/value heads, each
+    # kept on two of the 16 GPUs
+
+
 def test_a_target_larger_than_the_devices_is_refused_in_one_sentence(tmp_path, capsys):
     assert main(["plan", "configs/kimi-k2.5.yaml", "--hardware", "h100", "--json", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip()
