@@ -20,6 +20,7 @@ import torch
 
 from draftline.aux_ids import VLLM, AuxLayerIds
 from draftline.config import ExtractConfig, ServerSettings
+from draftline.engines.parallel import devices_needed
 from draftline.errors import ConfigError, EngineError
 from draftline.hidden_shards import (
     STAGE, HostShard, check_traces, load_shard_traces, trace_entries, finalize_hidden_states,
@@ -50,23 +51,6 @@ class CapturedTarget:
 
 
 # ---------------------------------------------------------------- preflight
-
-def _flag_value(args: list[str], *names: str) -> int:
-    for i, a in enumerate(args):
-        for n in names:
-            if a == n and i + 1 < len(args):
-                return int(args[i + 1])
-            if a.startswith(n + "="):
-                return int(a.split("=", 1)[1])
-    return 1
-
-
-def devices_needed(settings: ServerSettings) -> int:
-    """GPUs one server takes: tensor x pipeline x data parallel sizes (the last two from extra_args)."""
-    extra = list(settings.extra_args)
-    return (settings.tensor_parallel_size * _flag_value(extra, "--pipeline-parallel-size", "-pp")
-            * _flag_value(extra, "--data-parallel-size", "-dp"))
-
 
 def check_devices(settings: ServerSettings, field: str, visible: int | None = None) -> None:
     """Refuse parallel sizes that need more GPUs than this worker sees (on a machine without GPUs vLLM's CPU build

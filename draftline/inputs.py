@@ -6,7 +6,7 @@ from pathlib import Path
 
 from draftline.aux_ids import AuxLayerIds
 from draftline.config import PipelineConfig, ServerSettings
-from draftline.engines.preflight import tensor_parallel_problem
+from draftline.engines.parallel import attention_split, tensor_parallel_problem
 from draftline.errors import ConfigError
 
 
@@ -42,19 +42,37 @@ def _target(config: PipelineConfig) -> str:
     layers = num_layers(cfg)
     ids = AuxLayerIds.for_target(config.extract.aux_layer_ids, layers).as_list()
     for field_name, settings in engine_servers(config):
-        why = tensor_parallel_problem(cfg, settings.tensor_parallel_size, f"{field_name}.tensor_parallel_size")
-        if why:
-            raise ConfigError(why)
+        # The draft layer runs beside the target in the evaluations' servers, at the target's tensor parallelism.
+        models = [("the target", cfg)] + ([("the drafter", _drafter_heads(config, cfg))]
+                                          if field_name.startswith("eval.") else [])
+        for what, model in models:
+            why = tensor_parallel_problem(model, attention_split(settings), f"{field_name}.tensor_parallel_size", what)
+            if why:
+                raise ConfigError(why)
     arch = (cfg.get("architectures") or ["?"])[0]
     return f"target.path {root}: {arch}, {layers} layers, aux layers {ids} (vLLM convention)"
 
 
 def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
-    """(field, ServerSettings) of every engine server the pipeline starts: traces and extraction through vLLM, each
-    evaluation."""
-    servers = [(f"{stage}.vllm", getattr(config, stage).vllm) for stage in ("traces", "extract")
-               if getattr(config, stage).backend == "vllm"]
+    """(field, ServerSettings) of every engine server the pipeline starts: traces (unless an endpoint answers them)
+    and extraction through vLLM, each evaluation."""
+    servers = [("traces.vllm", config.traces.vllm)] if config.traces.backend == "vllm" and not config.traces.endpoint \
+        else []
+    servers += [("extract.vllm", config.extract.vllm)] if config.extract.backend == "vllm" else []
     return servers + [(f"eval.engines.{i}", e) for i, e in enumerate(config.eval.engines)]
+
+
+def _drafter_heads(config: PipelineConfig, target: dict) -> dict:
+    """The draft layer's heads as training sizes it (drafter.num_attention_heads and num_key_value_heads where set,
+    else the target's; key/value heads that do not divide the query heads become as many), or the target's for an MLA
+    layer. A warm start's own sizes are checked when its export is evaluated."""
+    text = target["text_config"] if isinstance(target.get("text_config"), dict) else target
+    d = config.drafter
+    if d.attention == "mla" or not (d.num_attention_heads or d.num_key_value_heads):
+        return text
+    heads = d.num_attention_heads or int(text.get("num_attention_heads") or 0)
+    kv = d.num_key_value_heads or int(text.get("num_key_value_heads") or heads)
+    return {"num_attention_heads": heads, "num_key_value_heads": heads if kv > heads or heads % kv else kv}
 
 
 def _tokenizer(config: PipelineConfig) -> str:

@@ -137,13 +137,14 @@ def _prompt_lengths(config: PipelineConfig, prompts: list[dict]) -> tuple[float,
 
 # ---------------------------------------------------------------- the plan
 
-def server_gpus(settings: ServerSettings, gpus: int | None) -> tuple[int, int]:
-    """(devices of one server, the devices one copy of the weights is split over)."""
-    from draftline.extract_vllm import _flag_value, devices_needed
+def server_gpus(settings: ServerSettings, gpus: int | None, gpus_split: int | None = None) -> tuple[int, int]:
+    """(devices of one server, the devices one copy of the weights is split over); --gpus N: all N, each copy on
+    `gpus_split` of them."""
+    from draftline.engines.parallel import devices_needed, flag_value
 
     if gpus is not None:
-        return gpus, gpus
-    return devices_needed(settings), settings.tensor_parallel_size * _flag_value(
+        return gpus, gpus_split or gpus
+    return devices_needed(settings), settings.tensor_parallel_size * flag_value(
         list(settings.extra_args), "--pipeline-parallel-size", "-pp")
 
 
@@ -199,17 +200,23 @@ def plan_hardware(config: PipelineConfig, hardware: str | None = None, calibrate
     return key
 
 
-def _check_tensor_parallel(config: PipelineConfig, target_cfg: dict, gpus: int | None) -> None:
-    """Every engine server's tensor-parallel size (--gpus for all of them) splits the target's heads."""
-    from draftline.engines.preflight import tensor_parallel_problem
+def _tensor_parallel(config: PipelineConfig, target_cfg: dict, gpus: int | None, notes: list[str]) -> int | None:
+    """The GPUs each copy of the target is split over with --gpus N (the most of N that split its heads, as config init
+    writes); without it, every engine server's tensor-parallel size must split the heads."""
+    from draftline.engines.parallel import attention_split, tensor_parallel_problem, tensor_parallel_split
     from draftline.inputs import engine_servers
 
-    asked = [("--gpus", gpus)] if gpus is not None else [
-        (f"{where}.tensor_parallel_size", settings.tensor_parallel_size) for where, settings in engine_servers(config)]
-    for where, tp in asked:
-        why = tensor_parallel_problem(target_cfg, tp, where)
+    if gpus is not None:
+        tp, dp = tensor_parallel_split(target_cfg, gpus)
+        if dp > 1:
+            notes.append(f"--gpus {gpus}: each engine server splits the target over {tp} GPUs (the most that split its "
+                         f"heads) and runs {dp} copies (--data-parallel-size {dp})")
+        return tp
+    for where, settings in engine_servers(config):
+        why = tensor_parallel_problem(target_cfg, attention_split(settings), f"{where}.tensor_parallel_size")
         if why:
             raise ConfigError(why)
+    return None
 
 
 def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | None = None,
@@ -223,7 +230,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
     hw = HARDWARE[hw_key]
     model = model_for(hw_key, rates, machine)
     target_cfg, shape, notes = (*target, []) if target is not None else target_for_plan(config)
-    _check_tensor_parallel(config, target_cfg, gpus)
+    gpus_split = _tensor_parallel(config, target_cfg, gpus, notes)
     work = workload(config, traces, prompt_tokens, answer_tokens)
     ctx = work.trace_tokens
     on_gpu = hw.hbm_tb_per_s is not None
@@ -231,7 +238,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
 
     # traces
     t_cfg = config.traces
-    t_dev, t_split = server_gpus(t_cfg.vllm, gpus) if t_cfg.backend == "vllm" else (1, 1)
+    t_dev, t_split = server_gpus(t_cfg.vllm, gpus, gpus_split) if t_cfg.backend == "vllm" else (1, 1)
     t_dev, t_split = (t_dev, t_split) if on_gpu else (0, 1)
     trace_stage = {"stage": "traces", "tokens": work.tokens, "generated_tokens": work.traces * work.answer_tokens,
                    "gpus": t_dev, "bytes": trace_bytes(work.tokens, work.traces * work.answer_tokens, work.traces,
@@ -257,7 +264,7 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
     e_cfg = config.extract
     bpt = bytes_per_token(shape.hidden, e_cfg.storage)
     if e_cfg.backend == "vllm":
-        e_dev, e_split = server_gpus(e_cfg.vllm, gpus)
+        e_dev, e_split = server_gpus(e_cfg.vllm, gpus, gpus_split)
         e_dev = e_dev if on_gpu else 0
         compute = max(1, e_dev) / model.prefill_s(shape, ctx)
         # After the traces server the engine's caches are filled (one machine, or a team deployment's kept cache

@@ -151,7 +151,7 @@ def stage_gpus(config: PipelineConfig, stage: str) -> int:
     """GPUs the worker of a stage needs, as the config asks: a vLLM server's tensor x pipeline x data parallel sizes
     for traces and extraction through vLLM, one per training process, one where the target loads on one device
     (the transformers paths, the reference decoder)."""
-    from draftline.extract_vllm import devices_needed
+    from draftline.engines.parallel import devices_needed
 
     if stage == "traces":
         served = config.traces.backend == "vllm" and not config.traces.endpoint
@@ -175,7 +175,7 @@ def stage_gpus(config: PipelineConfig, stage: str) -> int:
 
 def engine_gpus(engine: EngineConfig) -> int:
     """GPUs one engine's evaluation needs: its servers' tensor x pipeline x data parallel sizes."""
-    from draftline.extract_vllm import devices_needed
+    from draftline.engines.parallel import devices_needed
 
     return devices_needed(engine)
 

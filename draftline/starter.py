@@ -82,13 +82,10 @@ def starter_config(target: str | Path, gpus: int = 1, engines: tuple[str, ...] =
     # Extraction asks one token past the longest trace: traces end one below the context.
     max_total = context - 1
     device = "cuda" if on_gpu else "cpu"
-    from draftline.engines.preflight import tensor_parallel_problem
+    from draftline.engines.parallel import tensor_parallel_split
     from draftline.target import read_target_config
 
-    # The most GPUs of the worker that split the target's heads go to tensor parallelism, copies of it take the rest.
-    tp = max(n for n in range(1, max(gpus, 1) + 1) if max(gpus, 1) % n == 0
-             and tensor_parallel_problem(read_target_config(target), n, "tp") is None)
-    dp = max(gpus, 1) // tp
+    tp, dp = tensor_parallel_split(read_target_config(target), max(gpus, 1))
     # vLLM's flags for every server: expert parallel spreads a MoE target's experts over its GPUs; remote code where
     # the checkpoint brings its own; on CPU, eager mode (torch.compile's warm-up costs minutes per server start).
     vllm_args = (["--enable-expert-parallel"] if shape.experts and gpus > 1 else []) \

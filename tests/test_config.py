@@ -34,7 +34,8 @@ def test_demo_config_is_valid_and_fills_defaults():
 
 
 def test_the_kimi_example_runs_every_target_stage_in_an_engine_on_8_gpus():
-    from draftline.extract_vllm import check_devices, devices_needed
+    from draftline.engines.parallel import devices_needed
+    from draftline.extract_vllm import check_devices
 
     cfg = load_config(ROOT / "configs" / "kimi-k2.5.yaml")
     assert cfg.traces.backend == cfg.extract.backend == "vllm"
@@ -218,6 +219,14 @@ def test_validate_refuses_a_tensor_parallel_size_that_cannot_split_the_targets_h
                         "2 key/value heads over 3 GPUs (vLLM and SGLang give each rank whole heads); use one of 1, 2, "
                         "4"]
     assert _validate("configs/demo.yaml", "--set", "traces.vllm.tensor_parallel_size=4").returncode == 0
+    # The draft layer serves at the evaluation's tensor parallelism: 2 heads of its own do not split over 4 GPUs.
+    res = _validate("configs/demo.yaml", "--set", "eval.engines.0.tensor_parallel_size=4",
+                    "--set", "drafter.num_attention_heads=2")
+    assert res.returncode == 2 and ("eval.engines.0.tensor_parallel_size 4 cannot split the drafter's 2 attention "
+                                    "heads over 4 GPUs") in res.stderr
+    # A running server answers the traces (traces.endpoint): no traces server is started, its settings are not checked.
+    assert _validate("configs/demo.yaml", "--set", "traces.vllm.tensor_parallel_size=3",
+                     "--set", "traces.endpoint=http://127.0.0.1:8000").returncode == 0
 
 
 def test_validate_names_every_missing_or_malformed_input_before_any_run(tmp_path):

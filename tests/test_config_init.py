@@ -14,6 +14,7 @@ from draftline.cli import apply_settings, load_with_overrides, main
 from draftline.config import PipelineConfig
 from draftline.config_loading import load_config, parse_config
 from draftline.errors import ConfigError
+from draftline.stages import engine_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -86,6 +87,7 @@ def test_a_starter_config_for_each_demo_target_validates_here_on_cpu_and_elsewhe
     vllm_args, sglang_args = (" ".join(e.extra_args) for e in on_gpus.eval.engines)
     assert "--data-parallel-size 2" in vllm_args and "--dp-size 2" in sglang_args
     assert "--data-parallel-size 2" in " ".join(on_gpus.extract.vllm.extra_args)
+    assert [engine_gpus(e) for e in on_gpus.eval.engines] == [8, 8]  # what each evaluation asks of its pool
     assert [(e.engine, e.require_gpu) for e in on_cpu.eval.engines] == [("vllm", False), ("sglang", True)]
 
 

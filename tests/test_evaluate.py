@@ -324,8 +324,8 @@ def test_a_tensor_parallel_size_that_cannot_split_the_drafters_heads_is_refused_
     (drafter / "config.json").write_text(json.dumps({**config, "num_attention_heads": 3, "num_key_value_heads": 3}))
     store = open_store(str(tmp_path / "store"))
     cfg = EngineConfig(engine="vllm", tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match=r"^tensor_parallel_size 2 cannot split the drafter's 3 attention heads over "
-                                          r"2 GPUs .*; use one of 1, 3$"):
+    with pytest.raises(ConfigError, match=r"^the vllm evaluation's tensor_parallel_size 2 cannot split the drafter's 3 "
+                                          r"attention heads over 2 GPUs .*; use one of 1, 3$"):
         evaluate_engine(cfg, target, drafter, prompts, EvalConfig(prompts=str(prompts), engines=[cfg]), store,
                         "nightly", log_dir=tmp_path / "logs")
     stored = EvalResult.model_validate_json(store.get_bytes("nightly/eval/vllm/result.json"))

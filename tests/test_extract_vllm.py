@@ -39,7 +39,8 @@ from draftline.config import ExtractConfig, ServerSettings
 from draftline.drafter.data import read_shard_tensors
 from draftline.errors import ConfigError
 from draftline.extract import extract_hidden_states
-from draftline.extract_vllm import check_architecture, check_devices, devices_needed
+from draftline.engines.parallel import devices_needed
+from draftline.extract_vllm import check_architecture, check_devices
 from draftline.store import copy_tree, open_store
 from draftline.target import final_norm_of, load_target
 from tests.test_extract import write_traces

