@@ -6,7 +6,7 @@ from pathlib import Path
 
 from draftline.aux_ids import AuxLayerIds
 from draftline.config import PipelineConfig, ServerSettings
-from draftline.engines.parallel import attention_split, tensor_parallel_problem
+from draftline.engines.parallel import server_heads_problem
 from draftline.errors import ConfigError
 
 
@@ -46,7 +46,7 @@ def _target(config: PipelineConfig) -> str:
         models = [("the target", cfg)] + ([("the drafter", _drafter_heads(config, cfg))]
                                           if field_name.startswith("eval.") else [])
         for what, model in models:
-            why = tensor_parallel_problem(model, attention_split(settings), f"{field_name}.tensor_parallel_size", what)
+            why = server_heads_problem(model, settings, f"{field_name}.tensor_parallel_size", what)
             if why:
                 raise ConfigError(why)
     arch = (cfg.get("architectures") or ["?"])[0]
@@ -63,14 +63,16 @@ def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
 
 
 def _drafter_heads(config: PipelineConfig, target: dict) -> dict:
-    """The draft layer's heads as training sizes it (drafter.num_attention_heads and num_key_value_heads where set,
-    else the target's; key/value heads that do not divide the query heads become as many), or the target's for an MLA
-    layer. A warm start's own sizes are checked when its export is evaluated."""
+    """The draft layer's heads as training sizes it: drafter.num_attention_heads and num_key_value_heads where set,
+    else the target's; key/value heads that do not divide the query heads become as many; an MLA layer's query heads
+    alone. A warm start's own sizes are checked when its export is evaluated."""
     text = target["text_config"] if isinstance(target.get("text_config"), dict) else target
     d = config.drafter
-    if d.attention == "mla" or not (d.num_attention_heads or d.num_key_value_heads):
+    if not (d.num_attention_heads or d.num_key_value_heads):
         return text
     heads = d.num_attention_heads or int(text.get("num_attention_heads") or 0)
+    if d.attention == "mla":  # one latent: only the query heads split
+        return {"num_attention_heads": heads, "kv_lora_rank": text.get("kv_lora_rank") or 1}
     kv = d.num_key_value_heads or int(text.get("num_key_value_heads") or heads)
     return {"num_attention_heads": heads, "num_key_value_heads": heads if kv > heads or heads % kv else kv}
 

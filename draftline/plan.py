@@ -203,7 +203,7 @@ def plan_hardware(config: PipelineConfig, hardware: str | None = None, calibrate
 def _tensor_parallel(config: PipelineConfig, target_cfg: dict, gpus: int | None, notes: list[str]) -> int | None:
     """The GPUs each copy of the target is split over with --gpus N (the most of N that split its heads, as config init
     writes); without it, every engine server's tensor-parallel size must split the heads."""
-    from draftline.engines.parallel import attention_split, tensor_parallel_problem, tensor_parallel_split
+    from draftline.engines.parallel import server_heads_problem, tensor_parallel_split
     from draftline.inputs import engine_servers
 
     if gpus is not None:
@@ -213,7 +213,7 @@ def _tensor_parallel(config: PipelineConfig, target_cfg: dict, gpus: int | None,
                          f"heads) and runs {dp} copies (--data-parallel-size {dp})")
         return tp
     for where, settings in engine_servers(config):
-        why = tensor_parallel_problem(target_cfg, attention_split(settings), f"{where}.tensor_parallel_size")
+        why = server_heads_problem(target_cfg, settings, f"{where}.tensor_parallel_size")
         if why:
             raise ConfigError(why)
     return None

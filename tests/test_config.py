@@ -224,6 +224,19 @@ def test_validate_refuses_a_tensor_parallel_size_that_cannot_split_the_targets_h
                     "--set", "drafter.num_attention_heads=2")
     assert res.returncode == 2 and ("eval.engines.0.tensor_parallel_size 4 cannot split the drafter's 2 attention "
                                     "heads over 4 GPUs") in res.stderr
+    # SGLang's data-parallel attention splits the heads over tp / dp: 8 / 2 splits 4 heads, 6 / 2 does not.
+    dp_attention = ["--set", 'eval.engines.1.extra_args=["--enable-dp-attention", "--dp-size", "2"]']
+    tp = "eval.engines.1.tensor_parallel_size"
+    assert _validate("configs/demo.yaml", *dp_attention, "--set", f"{tp}=8").returncode == 0
+    res = _validate("configs/demo.yaml", *dp_attention, "--set", f"{tp}=6")
+    assert res.returncode == 2 and (f"{tp} 6 with --enable-dp-attention and data parallel size 2 (tp / dp) cannot "
+                                    "split the target's 4 attention heads and 2 key/value heads over 3 GPUs"
+                                    ) in res.stderr
+    # An MLA draft layer of 2 heads of its own (one latent: the query heads alone count) beside demo-kimi at tp 4.
+    res = _validate("configs/demo-kimi.yaml", "--set", "drafter.num_attention_heads=2",
+                    "--set", "eval.engines.0.tensor_parallel_size=4")
+    assert res.returncode == 2 and ("eval.engines.0.tensor_parallel_size 4 cannot split the drafter's 2 attention "
+                                    "heads over 4 GPUs") in res.stderr
     # A running server answers the traces (traces.endpoint): no traces server is started, its settings are not checked.
     assert _validate("configs/demo.yaml", "--set", "traces.vllm.tensor_parallel_size=3",
                      "--set", "traces.endpoint=http://127.0.0.1:8000").returncode == 0

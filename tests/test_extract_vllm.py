@@ -210,6 +210,11 @@ def test_parallel_sizes_beyond_the_visible_gpus_are_refused_naming_the_field():
         check_devices(settings, "extract.vllm", visible=4)
     check_devices(settings, "extract.vllm", visible=8)
     check_devices(settings, "extract.vllm", visible=0)  # vLLM's CPU build runs its ranks as processes
+    # SGLang's spellings: copies of the server (--dp-size, --dp) take GPUs of their own; with --enable-dp-attention the
+    # data-parallel attention runs inside the tensor-parallel GPUs (DeepSeek's --tp 8 --dp 8 on 8 GPUs).
+    for args, gpus in ((["--dp-size", "2"], 8), (["--dp", "2", "--pp-size", "2"], 16),
+                       (["--dp-size", "4", "--enable-dp-attention"], 4)):
+        assert devices_needed(ServerSettings(tensor_parallel_size=4, extra_args=args)) == gpus, args
 
 
 @pytest.mark.vllm

@@ -17,7 +17,7 @@ from draftline.aux_ids import (AuxLayerIdsError, config_aux_layer_ids, default_a
                                same_layers, to_convention)
 from draftline.config import EngineConfig, ServerSettings
 from draftline.engines.registry import engine_version, serves_schedule, sglang_supports_eagle3, vllm_supports_eagle3
-from draftline.engines.parallel import attention_split, tensor_parallel_problem
+from draftline.engines.parallel import server_heads_problem
 from draftline.errors import ConfigError, EngineError
 
 # The lowest GPU compute capability each engine's EAGLE-3 path supports (vLLM: Volta+; SGLang's kernels: Ampere+).
@@ -293,8 +293,7 @@ def check_tensor_parallel(cfg: ServerSettings, target_dir: Path, drafter_dir: Pa
     """The server's tensor-parallel size splits the target's heads, and the drafter's (it runs at the target's)."""
     for what, folder in (("the target", target_dir), ("the drafter", drafter_dir)):
         if folder is not None and (folder / "config.json").is_file():
-            why = tensor_parallel_problem(json.loads((folder / "config.json").read_text()), attention_split(cfg),
-                                          field, what)
+            why = server_heads_problem(json.loads((folder / "config.json").read_text()), cfg, field, what)
             if why:
                 raise ConfigError(why)
 
