@@ -45,7 +45,7 @@ def tensor_parallel_problem(model_config: dict, tp: int, field: str, what: str =
 
     if splits(tp):
         return None
-    fits = [n for n in range(1, 2 * max(heads, 8) + 1) if splits(n) and n <= 64][:8]
+    fits = [n for n in range(1, 65) if splits(n)][:8]
     layout = f"{heads} attention heads" + (f" and {kv} key/value heads" if kv != heads else "")
     return (f"{label or f'{field} {tp}'} cannot split {what}'s {layout} over {tp} GPUs (vLLM and SGLang give each "
             f"rank whole heads); use one of {', '.join(map(str, fits))}")
