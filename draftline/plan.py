@@ -246,8 +246,10 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
     traces_on_vllm = t_cfg.backend == "vllm" and not t_cfg.endpoint
     if traces_on_vllm:
         conc = min(t_cfg.batch_size, work.traces)
-        g = max(1, t_dev)
-        step = model.decode_step_s(shape, conc, g, _eager(t_cfg.vllm), ctx)
+        g, split = max(1, t_dev), max(1, t_split)
+        # Data-parallel copies share the requests in flight; each copy's step reads its own weights over its split.
+        per_copy = max(1.0, conc / max(1, g // split))
+        step = model.decode_step_s(shape, per_copy, split, _eager(t_cfg.vllm), ctx)
         generation = work.traces * work.answer_tokens / conc * step
         prefill = work.traces * work.prompt_tokens * model.prefill_s(shape, work.prompt_tokens) / g
         start = _start(model, shape, t_cfg.vllm, first=True)

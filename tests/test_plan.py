@@ -292,6 +292,21 @@ def test_a_tensor_parallel_size_that_cannot_split_the_targets_heads_is_refused_i
     assert weights[1] == pytest.approx(weights[0] / 2)
 
 
+def test_data_parallel_copies_share_the_requests_and_each_decodes_over_its_own_split():
+    """--gpus 8 on a 4-head target is 2 copies of 4 GPUs: each copy steps through half the requests in flight with
+    its own weights, as one 4-GPU server with half the batch does, and the stage takes half that server's time."""
+    cfg = load_config(REPO / "configs/demo.yaml")
+    eight = build_plan(cfg, gpus=8, traces=1000, hardware="h200")
+    one_copy = cfg.model_dump(mode="json")
+    one_copy["traces"]["vllm"]["tensor_parallel_size"] = 4
+    one_copy["traces"]["batch_size"] = cfg.traces.batch_size // 2
+    four = build_plan(PipelineConfig.model_validate(one_copy), traces=1000, hardware="h200")
+    both, one = (next(s for s in p["stages"] if s["stage"] == "traces") for p in (eight, four))
+    assert (both["gpus"], one["gpus"]) == (8, 4)
+    assert both["step_ms"] == pytest.approx(one["step_ms"], rel=1e-9)
+    assert both["work_s"] == pytest.approx(one["work_s"] / 2, rel=1e-9)
+
+
 def test_a_target_larger_than_the_devices_is_refused_in_one_sentence(tmp_path, capsys):
     assert main(["plan", "configs/kimi-k2.5.yaml", "--hardware", "h100", "--json", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip()
