@@ -41,10 +41,11 @@ def _target(config: PipelineConfig) -> str:
         raise ConfigError(f"target.path {root} has no weights (*.safetensors); point it at a full checkpoint")
     layers = num_layers(cfg)
     ids = AuxLayerIds.for_target(config.extract.aux_layer_ids, layers).as_list()
+    drafter = _drafter_heads(config, cfg, ids)
     for field_name, settings in engine_servers(config):
         # The draft layer runs beside the target in the evaluations' servers, at the target's tensor parallelism.
-        models = [("the target", cfg)] + ([("the drafter", _drafter_heads(config, cfg))]
-                                          if field_name.startswith("eval.") else [])
+        models = [("the target", cfg)] + ([("the drafter", drafter)]
+                                          if field_name.startswith("eval.") and drafter else [])
         for what, model in models:
             why = server_heads_problem(model, settings, f"{field_name}.tensor_parallel_size", what)
             if why:
@@ -62,19 +63,21 @@ def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
     return servers + [(f"eval.engines.{i}", e) for i, e in enumerate(config.eval.engines)]
 
 
-def _drafter_heads(config: PipelineConfig, target: dict) -> dict:
-    """The draft layer's heads as training sizes it: drafter.num_attention_heads and num_key_value_heads where set,
-    else the target's; key/value heads that do not divide the query heads become as many; an MLA layer's query heads
-    alone. A warm start's own sizes are checked when its export is evaluated."""
-    text = target["text_config"] if isinstance(target.get("text_config"), dict) else target
-    d = config.drafter
-    if not (d.num_attention_heads or d.num_key_value_heads):
-        return text
-    heads = d.num_attention_heads or int(text.get("num_attention_heads") or 0)
-    if d.attention == "mla":  # one latent: only the query heads split
-        return {"num_attention_heads": heads, "kv_lora_rank": text.get("kv_lora_rank") or 1}
-    kv = d.num_key_value_heads or int(text.get("num_key_value_heads") or heads)
-    return {"num_attention_heads": heads, "num_key_value_heads": heads if kv > heads or heads % kv else kv}
+def _drafter_heads(config: PipelineConfig, target: dict, aux_ids: list[int]) -> dict | None:
+    """The heads of the draft layer training will build (its sizing refusals, such as heads that do not divide the
+    hidden size or MLA on a target without a latent, raised now rather than after traces and extraction); None for a
+    warm start that is not on this machine, whose sizes are checked when its export is evaluated."""
+    from draftline.drafter.target_sizing import config_for_target
+    from draftline.drafter.warm_start import warm_start_config
+
+    start = config.train.warm_start
+    if start and not Path(start, "config.json").is_file():
+        return None
+    layer = warm_start_config(start, target, config.drafter, aux_ids) if start else \
+        config_for_target(target, config.drafter, aux_ids)
+    if layer.attention == "mla":  # one latent: only the query heads split
+        return {"num_attention_heads": layer.num_attention_heads, "kv_lora_rank": layer.kv_lora_rank}
+    return {"num_attention_heads": layer.num_attention_heads, "num_key_value_heads": layer.num_key_value_heads}
 
 
 def _tokenizer(config: PipelineConfig) -> str:

@@ -242,6 +242,34 @@ def test_validate_refuses_a_tensor_parallel_size_that_cannot_split_the_targets_h
                      "--set", "traces.endpoint=http://127.0.0.1:8000").returncode == 0
 
 
+def _target_problems(config_file: str, **changes) -> list[str]:
+    """What validate's target check says of `config_file` with `changes` ({"drafter.attention": "mla", ...})."""
+    from draftline.inputs import check_inputs
+
+    data = yaml.safe_load((ROOT / config_file).read_text())
+    data["target"]["path"] = str(ROOT / data["target"]["path"])
+    for dotted, value in changes.items():
+        section, key = dotted.split(".")
+        data[section][key] = value
+    return check_inputs(parse_config(data, PipelineConfig, config_file), needs=("target.path",)).problems
+
+
+def test_validate_refuses_a_draft_layer_training_could_not_build(tmp_path):
+    """Training sizes the draft layer from the target after traces and extraction have run; a size it cannot build is
+    named by validate instead, in one sentence."""
+    assert _target_problems("configs/demo.yaml", **{"drafter.num_attention_heads": 3}) == [
+        "drafter.num_attention_heads 3 does not divide the target's hidden_size 256; set drafter.num_attention_heads "
+        "to a divisor of 256"]
+    [mla] = _target_problems("configs/demo.yaml", **{"drafter.attention": "mla", "export.formats": ["vllm"]})
+    assert mla.startswith("drafter.attention is mla but the target config has no q_lora_rank")
+    start = tmp_path / "public-head"
+    start.mkdir()
+    (start / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 256}))
+    [llama_head] = _target_problems("configs/demo-kimi.yaml", **{"train.warm_start": str(start)})
+    assert llama_head.startswith(f"train.warm_start={start} is a Llama-layer head but drafter.attention is mla")
+    assert _target_problems("configs/demo.yaml", **{"drafter.num_attention_heads": 2}) == []
+
+
 def test_validate_names_every_missing_or_malformed_input_before_any_run(tmp_path):
     """A config that parses but names a missing target, a malformed prompts file and an empty warm-start folder gets
     one sentence per input, naming the field, in seconds; nothing is loaded."""

@@ -37,10 +37,10 @@ def config_for_target(target_config, drafter_cfg=None, aux_layer_ids: list[int] 
     if kv_heads > heads or heads % kv_heads:
         kv_heads = heads
     if hidden % heads:
-        raise ConfigError(
-            f"target hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
-            "set drafter.num_attention_heads to a divisor"
-        )
+        named = "drafter.num_attention_heads" if getattr(drafter_cfg, "num_attention_heads", None) else \
+            "the target's num_attention_heads"
+        raise ConfigError(f"{named} {heads} does not divide the target's hidden_size {hidden}; set "
+                          f"drafter.num_attention_heads to a divisor of {hidden}")
     intermediate = getattr(drafter_cfg, "intermediate_size", None) or _get(target_config, "intermediate_size", default=4 * hidden)
     draft_vocab = getattr(drafter_cfg, "draft_vocab_size", None) or vocab
     ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers)
