@@ -124,6 +124,9 @@ def starter_config(target: str | Path, gpus: int = 1, engines: tuple[str, ...] =
         ("  temperature: 0.0", ""),
         (f"  max_new_tokens: {min(2048, context // 2)}", ""),
         (f"  max_total_tokens: {max_total}", "prompt + answer: one below the servers' context"),
+        # On GPUs a server decodes hundreds of sequences a step for little more than one: the shipped GPU configs' 256.
+        (f"  batch_size: {256 if on_gpu else 16}", "requests in flight against the server; `draftline plan FILE` "
+                                                   "times the stage at it"),
         ("  vllm: &server", "the one server of traces and extraction" + (", on all of a worker's GPUs" if on_gpu
                                                                            else "")),
         (f"    tensor_parallel_size: {tp}", (f"the most GPUs that split its heads; --data-parallel-size {dp}: tp x "

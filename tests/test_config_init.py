@@ -119,6 +119,8 @@ def test_a_starter_config_for_a_real_targets_shape_names_its_layers_and_parallel
     assert cfg.train.processes == 8 and {e.tensor_parallel_size for e in cfg.eval.engines} == {8}
     assert not any("--data-parallel-size" in e.extra_args for e in [cfg.extract.vllm, *cfg.eval.engines])
     assert cfg.drafter.draft_vocab_size == 32000
+    # As many requests in flight as the shipped GPU configs keep: at the default 16, Kimi's traces would plan 3x longer.
+    assert cfg.traces.batch_size == load_config(ROOT / "configs" / f"{shape}.yaml").traces.batch_size == 256
     moe = shape == "kimi-k2.5"  # 384 routed experts: vLLM spreads them over the 8 GPUs
     assert ("--enable-expert-parallel" in cfg.extract.vllm.extra_args) == moe
     assert ("--enable-expert-parallel" in cfg.eval.engines[0].extra_args) == moe
