@@ -32,7 +32,9 @@ def _check(report: InputReport, what: str, check) -> None:
         report.ok.append(said or what)
 
 
-def _target(config: PipelineConfig) -> str:
+def _target(config: PipelineConfig, warm_start: bool = True) -> str:
+    """The target checkpoint, its aux layers, the heads of every engine server and of the draft layer training will
+    build (from the warm start when `warm_start` and it is on this machine)."""
     from draftline.target import _weight_files, num_layers, read_target_config
 
     root = Path(config.target.path)
@@ -41,7 +43,7 @@ def _target(config: PipelineConfig) -> str:
         raise ConfigError(f"target.path {root} has no weights (*.safetensors); point it at a full checkpoint")
     layers = num_layers(cfg)
     ids = AuxLayerIds.for_target(config.extract.aux_layer_ids, layers).as_list()
-    drafter = _drafter_heads(config, cfg, ids)
+    drafter = _drafter_heads(config, cfg, ids, warm_start)
     for field_name, settings in engine_servers(config):
         # The draft layer runs beside the target in the evaluations' servers, at the target's tensor parallelism.
         models = [("the target", cfg)] + ([("the drafter", drafter)]
@@ -63,18 +65,24 @@ def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
     return servers + [(f"eval.engines.{i}", e) for i, e in enumerate(config.eval.engines)]
 
 
-def _drafter_heads(config: PipelineConfig, target: dict, aux_ids: list[int]) -> dict | None:
+def _drafter_heads(config: PipelineConfig, target: dict, aux_ids: list[int], warm_start: bool) -> dict | None:
     """The heads of the draft layer training will build (its sizing refusals, such as heads that do not divide the
     hidden size or MLA on a target without a latent, raised now rather than after traces and extraction); None for a
-    warm start that is not on this machine, whose sizes are checked when its export is evaluated."""
+    warm start out of scope or not on this machine, whose sizes are checked when its export is evaluated."""
     from draftline.drafter.target_sizing import config_for_target
     from draftline.drafter.warm_start import warm_start_config
 
     start = config.train.warm_start
-    if start and not Path(start, "config.json").is_file():
+    if start and not (warm_start and Path(start, "config.json").is_file()):
         return None
-    layer = warm_start_config(start, target, config.drafter, aux_ids) if start else \
-        config_for_target(target, config.drafter, aux_ids)
+    try:
+        layer = warm_start_config(start, target, config.drafter, aux_ids) if start else \
+            config_for_target(target, config.drafter, aux_ids)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:  # a size of the wrong type in a config.json: one line, not a traceback
+        source = f"train.warm_start {start}" if start else f"target.path {config.target.path}"
+        raise ConfigError(f"{source}: a size in its config.json cannot be read ({exc}); correct that file") from None
     if layer.attention == "mla":  # one latent: only the query heads split
         return {"num_attention_heads": layer.num_attention_heads, "kv_lora_rank": layer.kv_lora_rank}
     return {"num_attention_heads": layer.num_attention_heads, "num_key_value_heads": layer.num_key_value_heads}
@@ -229,7 +237,7 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
     as a problem."""
     wanted = (lambda name: True) if needs is None else (lambda name: name in needs)
     report = InputReport()
-    paths = [("target.path", config.target.path, lambda: _target(config)),
+    paths = [("target.path", config.target.path, lambda: _target(config, wanted("train.warm_start"))),
              ("traces.prompts", config.traces.prompts, lambda: _prompts(config, "traces.prompts",
                                                                         config.traces.prompts)),
              ("eval.prompts", config.eval.prompts, lambda: _prompts(config, "eval.prompts", config.eval.prompts))]

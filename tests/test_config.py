@@ -248,26 +248,52 @@ def _target_problems(config_file: str, **changes) -> list[str]:
 
     data = yaml.safe_load((ROOT / config_file).read_text())
     data["target"]["path"] = str(ROOT / data["target"]["path"])
-    for dotted, value in changes.items():
+    for dotted, value in changes.items():  # a target.path given here is absolute
         section, key = dotted.split(".")
         data[section][key] = value
-    return check_inputs(parse_config(data, PipelineConfig, config_file), needs=("target.path",)).problems
+    return check_inputs(parse_config(data, PipelineConfig, config_file),
+                        needs=("target.path", "train.warm_start")).problems
 
 
 def test_validate_refuses_a_draft_layer_training_could_not_build(tmp_path):
     """Training sizes the draft layer from the target after traces and extraction have run; a size it cannot build is
     named by validate instead, in one sentence."""
-    assert _target_problems("configs/demo.yaml", **{"drafter.num_attention_heads": 3}) == [
-        "drafter.num_attention_heads 3 does not divide the target's hidden_size 256; set drafter.num_attention_heads "
-        "to a divisor of 256"]
+    # The demo target without its head_dim: heads that do not divide the hidden size have no head size to take.
+    target = tmp_path / "no-head-dim"
+    target.mkdir()
+    for f in (ROOT / "assets/demo-llama").iterdir():
+        (target / f.name).symlink_to(f)
+    (target / "config.json").unlink()
+    config = json.loads((ROOT / "assets/demo-llama/config.json").read_text())
+    (target / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "head_dim"}))
+    assert _target_problems("configs/demo.yaml", **{"target.path": str(target), "drafter.num_attention_heads": 3}) == [
+        "drafter.num_attention_heads 3 does not divide the target's hidden_size 256 and the target names no head_dim; "
+        "set drafter.num_attention_heads to a divisor of 256"]
+    assert _target_problems("configs/demo.yaml", **{"drafter.num_attention_heads": 3}) == []  # its head_dim: 64
     [mla] = _target_problems("configs/demo.yaml", **{"drafter.attention": "mla", "export.formats": ["vllm"]})
     assert mla.startswith("drafter.attention is mla but the target config has no q_lora_rank")
+
     start = tmp_path / "public-head"
     start.mkdir()
     (start / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 256}))
     [llama_head] = _target_problems("configs/demo-kimi.yaml", **{"train.warm_start": str(start)})
     assert llama_head.startswith(f"train.warm_start={start} is a Llama-layer head but drafter.attention is mla")
-    assert _target_problems("configs/demo.yaml", **{"drafter.num_attention_heads": 2}) == []
+    # The warm start's own heads are named as its (setting drafter.num_attention_heads would contradict it), and a
+    # size its config.json leaves null is the target's rather than a traceback.
+    (start / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 256,
+                                                   "num_attention_heads": 3, "rms_norm_eps": None}))
+    assert _target_problems("configs/demo.yaml", **{"target.path": str(target), "train.warm_start": str(start)}) == [
+        f"the warm start {start}'s num_attention_heads 3 does not divide the target's hidden_size 256 and the target "
+        "names no head_dim; start from a drafter made for this target, or train from scratch"]
+    assert _target_problems("configs/demo.yaml", **{"train.warm_start": str(start)}) == []
+    bad = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 256, "intermediate_size": "wide"}
+    (start / "config.json").write_text(json.dumps(bad))
+    [unreadable] = _target_problems("configs/demo.yaml", **{"train.warm_start": str(start)})
+    assert unreadable == (f"train.warm_start={start}: its config.json's intermediate_size 'wide' is not a positive "
+                          "whole number; correct that file or train from scratch")
+    (start / "config.json").write_text(json.dumps({**bad, "intermediate_size": 512, "head_dim": "sixty-four"}))
+    [unreadable] = _target_problems("configs/demo.yaml", **{"train.warm_start": str(start)})
+    assert unreadable.startswith(f"train.warm_start {start}: a size in its config.json cannot be read")
 
 
 def test_validate_names_every_missing_or_malformed_input_before_any_run(tmp_path):

@@ -255,3 +255,23 @@ def test_bad_drafters_are_one_sentence_naming_the_file_and_the_fix(exports, tmp_
         read_drafter(edit(copy("eagle1"), speculators_model_type="eagle"), DEMO_LLAMA)
     with pytest.raises(ConfigError, match="no-such: no such folder"):
         read_drafter(tmp_path / "no-such", DEMO_LLAMA)
+
+
+def test_heads_that_do_not_divide_the_hidden_size_take_the_targets_head_dim_and_round_trip(tmp_path):
+    """A target whose heads times head_dim is not its hidden size (6 heads of 64 beside 320) gets a head of those
+    heads and that head_dim: it drafts, and its export reads back with the same head_dim."""
+    from draftline.drafter.eagle_format import load_eagle_dir
+    from draftline.drafter.target_sizing import config_for_target
+
+    target = {"hidden_size": 320, "vocab_size": 512, "num_hidden_layers": 8, "num_attention_heads": 6,
+              "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 640}
+    head = drafter_for_target(target, aux_layer_ids=[2, 4, 5])
+    assert (head.config.num_attention_heads, head.config.num_key_value_heads, head.config.head_dim) == (6, 2, 64)
+    logits, hidden_out, _ = head(torch.randint(0, 512, (1, 5)), torch.randn(1, 5, 320), torch.arange(5)[None])
+    assert logits.shape == (1, 5, 512) and hidden_out.shape == (1, 5, 320)
+    back = load_eagle_dir(save_eagle_dir(head, tmp_path / "head"))
+    assert back.config.head_dim == 64
+    with pytest.raises(ConfigError, match="^the target's num_attention_heads 6 does not divide the target's "
+                                          "hidden_size 320 and the target names no head_dim; set "
+                                          "drafter.num_attention_heads to a divisor of 320$"):
+        config_for_target({k: v for k, v in target.items() if k != "head_dim"})

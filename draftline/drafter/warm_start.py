@@ -39,16 +39,23 @@ def warm_start_config(source: str, target_cfg: dict, drafter_cfg: DrafterConfig,
             raise ConfigError(f"warm start {source} has {name}={theirs[name]} but this drafter needs {target_value} "
                               "(the target's); start from a drafter made for the same target, or train from scratch")
     for name in WARM_START_SHAPE:
+        if theirs.get(name) is not None and not (isinstance(theirs[name], int) and theirs[name] > 0):
+            raise ConfigError(f"train.warm_start={source}: its config.json's {name} {theirs[name]!r} is not a positive "
+                              "whole number; correct that file or train from scratch")
         ours = getattr(drafter_cfg, name)
         if ours is not None and theirs.get(name) is not None and ours != theirs[name]:
             raise ConfigError(f"drafter.{name}={ours} but the warm start {source} has {theirs[name]}; remove "
                               f"drafter.{name} to take the warm start's, or train from scratch")
     shaped = drafter_cfg.model_copy(update={n: getattr(drafter_cfg, n) or theirs.get(n) for n in WARM_START_SHAPE})
-    cfg = config_for_target(target_cfg, shaped, aux_ids)
+    heads_from = None if drafter_cfg.num_attention_heads or theirs.get("num_attention_heads") is None else \
+        f"the warm start {source}'s num_attention_heads"
+    cfg = config_for_target(target_cfg, shaped, aux_ids, heads_from)
+    # A size the source's config.json leaves out or sets to null is the target's.
     return replace(cfg, head_dim=int(theirs.get("head_dim") or cfg.head_dim),
-                   rms_norm_eps=float(theirs.get("rms_norm_eps", cfg.rms_norm_eps)),
-                   rope_theta=target_rope_theta({"rope_theta": cfg.rope_theta, **theirs}),  # the target's if unnamed
-                   max_position_embeddings=int(theirs.get("max_position_embeddings", cfg.max_position_embeddings)))
+                   rms_norm_eps=float(theirs.get("rms_norm_eps") or cfg.rms_norm_eps),
+                   rope_theta=target_rope_theta({"rope_theta": cfg.rope_theta,
+                                                 **{k: v for k, v in theirs.items() if v is not None}}),
+                   max_position_embeddings=int(theirs.get("max_position_embeddings") or cfg.max_position_embeddings))
 
 
 def warm_start(model: Eagle3Drafter, source: str, embed: torch.Tensor, remap: bool, target_cfg: dict) -> dict:
