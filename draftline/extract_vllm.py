@@ -198,8 +198,9 @@ def _max_model_len(settings: ServerSettings, longest: int, target_dir: str) -> i
     text = text.get("text_config", text)
     limit = int(text.get("max_position_embeddings") or needed)
     if needed > limit:
-        raise ConfigError(f"the longest trace has {longest} tokens, more than the target's max_position_embeddings "
-                          f"{limit}; lower traces.max_total_tokens")
+        raise ConfigError(f"the longest trace has {longest} tokens and extraction asks one more, past the target's "
+                          f"max_position_embeddings {limit}; make the traces again with traces.max_total_tokens "
+                          f"{limit - 1} or less")
     return needed
 
 

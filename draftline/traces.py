@@ -349,12 +349,14 @@ def generate_trace_shard(cfg: TracesConfig, target_dir: str | Path, prompts: lis
 
 
 def _length_limit(cfg: TracesConfig, target_dir: str) -> int:
-    """Longest trace: max_total_tokens, or less when the target's context is shorter (vLLM refuses a longer one)."""
+    """Longest trace: max_total_tokens, or one below the target's context where that is shorter: extraction through
+    vLLM sends a whole trace and asks one token more, which the context must hold."""
     from draftline.target import read_target_config
 
     tc = read_target_config(target_dir)
     tc = tc.get("text_config", tc)
-    return min(cfg.max_total_tokens, int(tc.get("max_position_embeddings") or cfg.max_total_tokens))
+    context = tc.get("max_position_embeddings")
+    return min(cfg.max_total_tokens, int(context) - 1) if context else cfg.max_total_tokens
 
 
 def _answer(cfg: TracesConfig, target_dir: str, prompts: list[dict], mine: list[dict], answerer: _Answerer

@@ -134,6 +134,23 @@ def test_length_filters_are_counted(tmp_path, target_dirs, tiny_prompts):
     assert all(len(t["input_ids"]) <= 14 and sum(t["loss_mask"]) >= 4 for t in traces)
 
 
+def test_a_trace_cut_at_the_targets_context_leaves_extraction_its_one_token_more(tmp_path, target_dirs):
+    """A dataset answer longer than the demo target's 2,048-token context, at the default max_total_tokens 4,096: the
+    trace ends one token below the context, which a vLLM extraction's server then holds with the token it asks for."""
+    from draftline.config import ServerSettings
+    from draftline.extract_vllm import _max_model_len
+
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "messages": [
+        {"role": "user", "content": "Tell me a long story."},
+        {"role": "assistant", "content": "once upon a time " * 1500}]}) + "\n")
+    store = open_store(str(tmp_path / "store"))
+    generate_traces(TracesConfig(prompts=str(prompts), responses="dataset"), target_dirs["llama"], store, "long")
+    [trace] = iter_traces(store, "long")
+    assert len(trace["input_ids"]) == 2047
+    assert _max_model_len(ServerSettings(), len(trace["input_ids"]), target_dirs["llama"]) == 2048
+
+
 @pytest.mark.parametrize("line, expected", [
     ('{"id": "a", "prompt": "x"', "line 3: not valid JSON"),
     ('{"prompt": ""}', 'line 3, prompt: must be a non-empty string'),
