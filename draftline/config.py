@@ -345,7 +345,8 @@ class EngineConfig(ServerSettings):
     repeats: int = Field(2, ge=1, description="Measured runs of those requests per concurrency point, on one server: "
                          "the report gives their median and min-max; with 1 it says there is no spread.")
     max_model_len: int = Field(2048, ge=16, description="Context length of the baseline and EAGLE-3 servers in "
-                               "tokens (vLLM --max-model-len, SGLang --context-length).")
+                               "tokens (vLLM --max-model-len, SGLang --context-length), at most the target's: "
+                               "validate refuses more, as both engines would at start.")
     # e.g. SGLang's --disable-overlap-schedule (benchmarks/RESULTS.md: the baseline always slower; EAGLE-3 faster with
     # a 1B target, slower with a 6.88B one) or --cuda-graph-backend-prefill breakable (SGLang 0.5.14 keeps an EAGLE-3
     # target's prefill CUDA graph only on that backend).

@@ -1,6 +1,7 @@
 """What a pipeline config names on disk (target, prompts, warm start, store), checked in seconds without loading a model."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,53 @@ def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
         else []
     servers += [("extract.vllm", config.extract.vllm)] if config.extract.backend == "vllm" else []
     return servers + [(f"eval.engines.{i}", e) for i, e in enumerate(config.eval.engines)]
+
+
+# The variables with which vLLM and SGLang serve a context longer than the checkpoint's own.
+_LONGER_CONTEXT_ENV = {"vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"}
+# Their flags that change the target's config.json as the server loads it.
+_CONFIG_OVERRIDES = ("--hf-overrides", "--json-model-override-args")
+
+
+def _context_problem(target: dict, field_name: str, settings: ServerSettings) -> str | None:
+    """A server's max_model_len beyond the target's context, which vLLM and SGLang refuse at start: an evaluation's
+    only after traces, extraction and training. Bounded generously (RoPE factors, model_max_length) so that a context
+    the engine derives larger is never refused here."""
+    asked, limit = settings.max_model_len, target.get("max_position_embeddings")
+    if not asked or not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    engine = getattr(settings, "engine", "vllm")
+    env = _LONGER_CONTEXT_ENV[engine]
+    if any(str(v).strip().lower() in ("1", "true") for v in (settings.env.get(env), os.environ.get(env))):
+        return None
+    if any(a.split("=", 1)[0] in _CONFIG_OVERRIDES for a in settings.extra_args):
+        return None  # the server reads another config.json than the one here (a longer RoPE, say)
+    ropes = [target.get("rope_scaling"), target.get("rope_parameters")]
+    # transformers may key RoPE parameters by layer type ({"full_attention": {...}, "sliding_attention": {...}}).
+    ropes += [v for r in ropes if isinstance(r, dict) for v in r.values() if isinstance(v, dict)]
+    factors = [r.get("factor") for r in ropes if isinstance(r, dict)]
+    factor = max([f for f in factors if isinstance(f, (int, float)) and f > 1] or [1])
+    model_max = target.get("model_max_length")
+    bound = max(int(limit * factor), model_max if isinstance(model_max, int) else 0)
+    if asked <= bound:
+        return None
+    source = "max_position_embeddings" if bound == limit else "max_position_embeddings, RoPE factor and model_max_length"
+    return (f"{field_name}.max_model_len {asked} is longer than the target's context ({bound} tokens, from its "
+            f"{source}), which {engine} refuses to serve; set it to {bound} or less "
+            f"(or {env}=1 in {field_name}.env if the target is known to read further)")
+
+
+def _contexts(config: PipelineConfig, fields: list[str]) -> str:
+    """The context length of each of these engine servers (traces.vllm, extract.vllm, eval.engines.N) against the
+    target's."""
+    from draftline.target import read_target_config
+
+    target = read_target_config(Path(config.target.path))
+    for field_name, settings in engine_servers(config):
+        why = _context_problem(target, field_name, settings) if field_name in fields else None
+        if why:
+            raise ConfigError(why)
+    return f"{', '.join(f + '.max_model_len' for f in fields)}: within the target's context"
 
 
 def _drafter_heads(config: PipelineConfig, target: dict, aux_ids: list[int], warm_start: bool) -> dict | None:
@@ -222,11 +270,13 @@ def _store(root: str) -> str:
 # What each stage reads of the config's inputs on its own worker (a deployed stage checks these before its work):
 # the stages that turn prompts into tokens need the target's tokenizer, the others its config and weights only.
 STAGE_INPUTS = {
-    "traces": ("target.path", "target.tokenizer", "traces.prompts", "traces.chat_template", "store.root"),
-    "extraction": ("target.path", "store.root"),
+    "traces": ("target.path", "target.tokenizer", "traces.prompts", "traces.chat_template", "store.root",
+               "traces.vllm"),
+    "extraction": ("target.path", "store.root", "extract.vllm"),
     "training": ("target.path", "train.warm_start", "store.root"),
     "reference": ("target.path", "target.tokenizer", "eval.prompts", "traces.chat_template", "store.root"),
-    "evaluation": ("target.path", "target.tokenizer", "eval.prompts", "traces.chat_template", "store.root"),
+    "evaluation": ("target.path", "target.tokenizer", "eval.prompts", "traces.chat_template", "store.root",
+                   "eval.engines.max_model_len"),
 }
 
 
@@ -261,6 +311,11 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
         if wanted("traces.chat_template") and not report.problems and (not config.traces.chat_template
                                                                        or Path(config.traces.chat_template).is_file()):
             _check(report, "traces.chat_template", lambda: _chat_template(config))
+    # Each stage checks its own servers' contexts (the evaluations' key is apart from eval.engines' CPU kernel check).
+    servers = [f for f, _ in engine_servers(config)
+               if wanted("eval.engines.max_model_len" if f.startswith("eval.engines.") else f)]
+    if servers and Path(config.target.path, "config.json").is_file():
+        _check(report, "engine contexts", lambda: _contexts(config, servers))
     if wanted("eval.engines") and here and Path(config.target.path, "config.json").is_file():
         _check(report, "eval.engines", lambda: _cpu_kernels(config))
     root = config.store.root

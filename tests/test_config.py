@@ -255,6 +255,40 @@ def _target_problems(config_file: str, **changes) -> list[str]:
                         needs=("target.path", "train.warm_start")).problems
 
 
+def _context_problems(target: str, length: int, env: dict | None = None) -> list[str]:
+    """What the evaluation stage's input check says of configs/demo.yaml on assets/`target` with its vLLM
+    evaluation's max_model_len at `length`."""
+    from draftline.inputs import STAGE_INPUTS, check_inputs
+
+    data = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    data["target"]["path"] = str(ROOT / "assets" / target)
+    data["eval"]["engines"][0].update(max_model_len=length, env={**data["eval"]["engines"][0]["env"], **(env or {})})
+    return check_inputs(parse_config(data, PipelineConfig, "configs/demo.yaml"),
+                        needs=STAGE_INPUTS["evaluation"]).problems
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("target", ["demo-llama", "demo-deepseek"])
+def test_validate_refuses_the_context_vllm_would_refuse_and_no_other(target):
+    """A server context longer than the target's stops vLLM at start, for an evaluation only after traces, extraction
+    and training; validate names it at once, and never refuses a length vLLM itself takes."""
+    from vllm.config import ModelConfig
+
+    limit = json.loads((ROOT / "assets" / target / "config.json").read_text())["max_position_embeddings"]
+    for length in (limit, limit + 1):
+        try:
+            ModelConfig(model=str(ROOT / "assets" / target), max_model_len=length)
+            served = True
+        except ValueError:
+            served = False
+        assert served == (length == limit)
+        assert _context_problems(target, length) == ([] if served else [
+            f"eval.engines.0.max_model_len {length} is longer than the target's context ({limit} tokens, from its "
+            f"max_position_embeddings), which vllm refuses to serve; set it to {limit} or less "
+            "(or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in eval.engines.0.env if the target is known to read further)"])
+    assert _context_problems(target, limit + 1, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}) == []
+
+
 def test_validate_refuses_a_draft_layer_training_could_not_build(tmp_path):
     """Training sizes the draft layer from the target after traces and extraction have run; a size it cannot build is
     named by validate instead, in one sentence."""

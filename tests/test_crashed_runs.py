@@ -44,7 +44,7 @@ def _config(store_root: Path, target_dir: Path) -> dict:
         "traces": {"prompts": "assets/prompts/train_prompts.jsonl"},
         "eval": {"prompts": "assets/prompts/eval_prompts.jsonl",
                  "engines": [{"engine": "sglang", "num_speculative_tokens": 3, "concurrency": [1],
-                              "require_gpu": True}]},
+                              "require_gpu": True, "max_model_len": 256}]},
         "drafter": {"draft_vocab_size": 128},
         "train": {"ttt_steps": 3, "tokens_per_batch": 512, "max_seq_len": 256, "warmup_steps": 2,
                   "learning_rate": 3e-3, "val_fraction": 0.25, "num_threads": 1, "device": "cpu",

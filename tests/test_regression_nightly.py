@@ -89,7 +89,8 @@ def demo_config(trained_demo, store_root: Path) -> PipelineConfig:
                               # No torch.compile warm-up: six server starts here, each minutes longer with it.
                               "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "extra_args": ["--enforce-eager"],
                               "ready_timeout_s": 600, "retries": 0},
-                             {"engine": "sglang", "num_speculative_tokens": K, "require_gpu": True}]},
+                             {"engine": "sglang", "num_speculative_tokens": K, "require_gpu": True,
+                              "max_model_len": 512}]},
         # Two cores shared with other jobs: tokens per second swing by more than any sane limit, so this test
         # judges acceptance and parity only (tests/test_regression.py covers the throughput limits).
         "regression": {"max_throughput_drop": 0.95, "max_speedup_drop": 0.95},
