@@ -1,6 +1,7 @@
 """What a pipeline config names on disk (target, prompts, warm start, store), checked in seconds without loading a model."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,9 @@ def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
     and extraction through vLLM, each evaluation."""
     servers = [("traces.vllm", config.traces.vllm)] if config.traces.backend == "vllm" and not config.traces.endpoint \
         else []
-    servers += [("extract.vllm", config.extract.vllm)] if config.extract.backend == "vllm" else []
+    # Online training (train.source: engine) starts extract.vllm's server inside the training stage.
+    online = config.train.source == "engine"
+    servers += [("extract.vllm", config.extract.vllm)] if config.extract.backend == "vllm" or online else []
     return servers + [(f"eval.engines.{i}", e) for i, e in enumerate(config.eval.engines)]
 
 
@@ -70,33 +73,71 @@ def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
 _LONGER_CONTEXT_ENV = {"vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"}
 # Their flags that change the target's config.json as the server loads it.
 _CONFIG_OVERRIDES = ("--hf-overrides", "--json-model-override-args")
+# Where each engine reads a checkpoint's context: vLLM takes the smallest of these (model_max_length overriding
+# them), SGLang the first present.
+_VLLM_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                      "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+_SGLANG_CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                        "max_position_embeddings")
+# RoPE types whose max_position_embeddings vLLM takes as already scaled.
+_VLLM_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _number(value) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return float(value) if ok else None
+
+
+def _ropes(text: dict) -> list[dict]:
+    """The RoPE parameter sets of a config (transformers may key them by layer type)."""
+    ropes = [r for r in (text.get("rope_scaling"), text.get("rope_parameters")) if isinstance(r, dict)]
+    return ropes + [v for r in ropes for v in r.values() if isinstance(v, dict)]
+
+
+def engine_context(target: dict, engine: str) -> tuple[int, str] | None:
+    """The longest context `engine` serves the target at without its override variable, and the keys it comes from;
+    None where the config names none (both engines then take any length)."""
+    text = target.get("text_config") if isinstance(target.get("text_config"), dict) else target
+    if engine == "vllm":
+        found = {k: _number(text.get(k)) for k in _VLLM_CONTEXT_KEYS if _number(text.get(k))}
+        if not found:
+            return None
+        key = "model_max_length" if "model_max_length" in found else min(found, key=found.get)
+        factor = 1.0
+        if "gemma3" not in str(text.get("model_type")):
+            for rope in _ropes(text):
+                kind = rope.get("rope_type", rope.get("type"))
+                if kind not in _VLLM_PRESCALED_ROPE and _number(rope.get("factor")):
+                    factor = _number(rope["factor"])
+    else:
+        key = next((k for k in _SGLANG_CONTEXT_KEYS if _number(text.get(k))), None)
+        if key is None:
+            return None
+        factor = 1.0
+        for rope in _ropes(text):
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind != "llama3" and "original_max_position_embeddings" not in rope and _number(rope.get("factor")):
+                factor = _number(rope["factor"])
+    limit = _number(text.get(key)) * factor
+    return int(limit), key + (f" x RoPE factor {factor:g}" if factor != 1 else "")
 
 
 def _context_problem(target: dict, field_name: str, settings: ServerSettings) -> str | None:
     """A server's max_model_len beyond the target's context, which vLLM and SGLang refuse at start: an evaluation's
-    only after traces, extraction and training. Bounded generously (RoPE factors, model_max_length) so that a context
-    the engine derives larger is never refused here."""
-    asked, limit = settings.max_model_len, target.get("max_position_embeddings")
-    if not asked or not isinstance(limit, int) or isinstance(limit, bool):
-        return None
+    only after traces, extraction and training."""
     engine = getattr(settings, "engine", "vllm")
+    context = engine_context(target, engine)
+    if not settings.max_model_len or context is None or settings.max_model_len <= context[0]:
+        return None
     env = _LONGER_CONTEXT_ENV[engine]
-    if any(str(v).strip().lower() in ("1", "true") for v in (settings.env.get(env), os.environ.get(env))):
+    # The server's env is laid over its worker's; the engines read these as booleans.
+    if str(settings.env.get(env, os.environ.get(env, ""))).strip().lower() in ("1", "true", "yes", "y", "on"):
         return None
     if any(a.split("=", 1)[0] in _CONFIG_OVERRIDES for a in settings.extra_args):
         return None  # the server reads another config.json than the one here (a longer RoPE, say)
-    ropes = [target.get("rope_scaling"), target.get("rope_parameters")]
-    # transformers may key RoPE parameters by layer type ({"full_attention": {...}, "sliding_attention": {...}}).
-    ropes += [v for r in ropes if isinstance(r, dict) for v in r.values() if isinstance(v, dict)]
-    factors = [r.get("factor") for r in ropes if isinstance(r, dict)]
-    factor = max([f for f in factors if isinstance(f, (int, float)) and f > 1] or [1])
-    model_max = target.get("model_max_length")
-    bound = max(int(limit * factor), model_max if isinstance(model_max, int) else 0)
-    if asked <= bound:
-        return None
-    source = "max_position_embeddings" if bound == limit else "max_position_embeddings, RoPE factor and model_max_length"
-    return (f"{field_name}.max_model_len {asked} is longer than the target's context ({bound} tokens, from its "
-            f"{source}), which {engine} refuses to serve; set it to {bound} or less "
+    limit, source = context
+    return (f"{field_name}.max_model_len {settings.max_model_len} is longer than the target's context ({limit} tokens, "
+            f"from its {source}), which {engine} refuses to serve; set it to {limit} or less "
             f"(or {env}=1 in {field_name}.env if the target is known to read further)")
 
 
@@ -110,7 +151,11 @@ def _contexts(config: PipelineConfig, fields: list[str]) -> str:
         why = _context_problem(target, field_name, settings) if field_name in fields else None
         if why:
             raise ConfigError(why)
-    return f"{', '.join(f + '.max_model_len' for f in fields)}: within the target's context"
+    named = ", ".join(f + ".max_model_len" for f in fields)
+    context = engine_context(target, "vllm")
+    if context is None:  # neither engine bounds the length then
+        return f"{named}: the target's config.json states no context length"
+    return f"{named}: within the target's context ({context[0]} tokens in vLLM)"
 
 
 def _drafter_heads(config: PipelineConfig, target: dict, aux_ids: list[int], warm_start: bool) -> dict | None:
@@ -273,7 +318,7 @@ STAGE_INPUTS = {
     "traces": ("target.path", "target.tokenizer", "traces.prompts", "traces.chat_template", "store.root",
                "traces.vllm"),
     "extraction": ("target.path", "store.root", "extract.vllm"),
-    "training": ("target.path", "train.warm_start", "store.root"),
+    "training": ("target.path", "train.warm_start", "store.root", "extract.vllm"),
     "reference": ("target.path", "target.tokenizer", "eval.prompts", "traces.chat_template", "store.root"),
     "evaluation": ("target.path", "target.tokenizer", "eval.prompts", "traces.chat_template", "store.root",
                    "eval.engines.max_model_len"),
@@ -296,6 +341,7 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
     if config.traces.chat_template:
         paths.append(("traces.chat_template", config.traces.chat_template,
                       lambda: _template_file(config.traces.chat_template)))
+    target_failed = False
     for name, path, check in paths:
         if not wanted(name):
             continue
@@ -305,7 +351,9 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
         if not here and not path.startswith("s3://") and not Path(path).exists():
             report.unchecked.append(f"{name} {path} is not on this machine (the stage's worker must have it)")
             continue
+        before = len(report.problems)
         _check(report, name, check)
+        target_failed |= name == "target.path" and len(report.problems) > before
     if wanted("target.tokenizer") and Path(config.target.path).is_dir():
         _check(report, "target.tokenizer", lambda: _tokenizer(config))
         if wanted("traces.chat_template") and not report.problems and (not config.traces.chat_template
@@ -314,7 +362,7 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
     # Each stage checks its own servers' contexts (the evaluations' key is apart from eval.engines' CPU kernel check).
     servers = [f for f, _ in engine_servers(config)
                if wanted("eval.engines.max_model_len" if f.startswith("eval.engines.") else f)]
-    if servers and Path(config.target.path, "config.json").is_file():
+    if servers and not target_failed and Path(config.target.path, "config.json").is_file():
         _check(report, "engine contexts", lambda: _contexts(config, servers))
     if wanted("eval.engines") and here and Path(config.target.path, "config.json").is_file():
         _check(report, "eval.engines", lambda: _cpu_kernels(config))

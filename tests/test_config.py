@@ -255,38 +255,87 @@ def _target_problems(config_file: str, **changes) -> list[str]:
                         needs=("target.path", "train.warm_start")).problems
 
 
-def _context_problems(target: str, length: int, env: dict | None = None) -> list[str]:
-    """What the evaluation stage's input check says of configs/demo.yaml on assets/`target` with its vLLM
-    evaluation's max_model_len at `length`."""
+def _context_problems(target: Path, length: int, env: dict | None = None) -> list[str]:
+    """What the evaluation stage's input check says of configs/demo.yaml on `target` with its vLLM evaluation's
+    max_model_len at `length`."""
     from draftline.inputs import STAGE_INPUTS, check_inputs
 
     data = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
-    data["target"]["path"] = str(ROOT / "assets" / target)
+    data["target"]["path"] = str(target)
     data["eval"]["engines"][0].update(max_model_len=length, env={**data["eval"]["engines"][0]["env"], **(env or {})})
+    data["eval"]["engines"][1].update(max_model_len=16)  # the SGLang server's own reading is tested apart
     return check_inputs(parse_config(data, PipelineConfig, "configs/demo.yaml"),
                         needs=STAGE_INPUTS["evaluation"]).problems
 
 
+def _demo_llama_with(tmp_path: Path, name: str, **changes) -> Path:
+    """assets/demo-llama with `changes` in its config.json (its other files linked)."""
+    target = tmp_path / name
+    target.mkdir()
+    for f in (ROOT / "assets/demo-llama").iterdir():
+        if f.name != "config.json":
+            (target / f.name).symlink_to(f)
+    config = json.loads((ROOT / "assets/demo-llama/config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **changes}))
+    return target
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("target", ["demo-llama", "demo-deepseek"])
-def test_validate_refuses_the_context_vllm_would_refuse_and_no_other(target):
+def test_validate_refuses_the_context_vllm_would_refuse_and_no_other(tmp_path):
     """A server context longer than the target's stops vLLM at start, for an evaluation only after traces, extraction
-    and training; validate names it at once, and never refuses a length vLLM itself takes."""
+    and training; validate names it at once, at the length where vLLM's own check starts refusing, for each way a
+    checkpoint states its context."""
     from vllm.config import ModelConfig
 
-    limit = json.loads((ROOT / "assets" / target / "config.json").read_text())["max_position_embeddings"]
-    for length in (limit, limit + 1):
-        try:
-            ModelConfig(model=str(ROOT / "assets" / target), max_model_len=length)
-            served = True
-        except ValueError:
-            served = False
-        assert served == (length == limit)
-        assert _context_problems(target, length) == ([] if served else [
-            f"eval.engines.0.max_model_len {length} is longer than the target's context ({limit} tokens, from its "
-            f"max_position_embeddings), which vllm refuses to serve; set it to {limit} or less "
-            "(or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in eval.engines.0.env if the target is known to read further)"])
-    assert _context_problems(target, limit + 1, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}) == []
+    from draftline.inputs import engine_context
+
+    targets = {
+        "plain": (ROOT / "assets/demo-llama", 2048),
+        "deepseek yarn": (ROOT / "assets/demo-deepseek", 2048),
+        "linear rope x2": (_demo_llama_with(tmp_path, "linear", rope_parameters={
+            "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), 4096),
+        "llama3 rope x8, prescaled": (_demo_llama_with(tmp_path, "llama3", rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256, "rope_theta": 10000.0}), 2048),
+        "model_max_length": (_demo_llama_with(tmp_path, "mml", model_max_length=1024), 1024),
+        "seq_length smaller": (_demo_llama_with(tmp_path, "seq", seq_length=1536), 1536),
+    }
+    for name, (target, limit) in targets.items():
+        config = json.loads((target / "config.json").read_text())
+        assert engine_context(config, "vllm")[0] == limit, name
+        for length in (limit, limit + 1):
+            try:
+                ModelConfig(model=str(target), max_model_len=length)
+                served = True
+            except ValueError:
+                served = False
+            assert served == (length == limit), (name, length)
+            problems = _context_problems(target, length)
+            assert problems == [] if served else (len(problems) == 1 and problems[0].startswith(
+                f"eval.engines.0.max_model_len {length} is longer than the target's context ({limit} tokens, from its ")
+                and problems[0].endswith(f"which vllm refuses to serve; set it to {limit} or less (or "
+                                         "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in eval.engines.0.env if the target is known "
+                                         "to read further)")), (name, problems)
+    assert _context_problems(ROOT / "assets/demo-llama", 2049, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}) == []
+    # A wrapper such as Kimi-K2.5 states its context in its text_config.
+    kimi = json.loads((ROOT / "assets/demo-kimi/config.json").read_text())
+    assert "max_position_embeddings" not in kimi and engine_context(kimi, "vllm") == (2048, "max_position_embeddings")
+
+
+def test_sglang_reads_the_first_context_key_it_knows_not_the_smallest():
+    """SGLang's reading of a checkpoint's context, from SGLang's model config source (not run against SGLang: it does
+    not run on these machines): the first of its keys present, a RoPE factor unless the type is llama3 or the
+    parameters name the original length."""
+    from draftline.inputs import engine_context
+
+    config = {"model_type": "llama", "max_position_embeddings": 2048, "seq_length": 8192}
+    assert engine_context(config, "sglang") == (8192, "seq_length")
+    assert engine_context(config, "vllm") == (2048, "max_position_embeddings")
+    linear = {"model_type": "llama", "max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 4}}
+    assert engine_context(linear, "sglang") == (8192, "max_position_embeddings x RoPE factor 4")
+    yarn = {**linear, "rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 512}}
+    assert engine_context(yarn, "sglang") == (2048, "max_position_embeddings")
+    assert engine_context({"model_type": "llama", "max_position_embeddings": float("inf")}, "sglang") is None
 
 
 def test_validate_refuses_a_draft_layer_training_could_not_build(tmp_path):

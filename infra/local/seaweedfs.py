@@ -122,6 +122,8 @@ class LocalS3:
         self.identities = list(identities or [])
         self.start_timeout = start_timeout
         # Below this share of its disk free, SeaweedFS marks every volume read-only and grows none: it stores nothing.
+        if not 0 <= min_free_percent < 100:
+            raise ValueError(f"min_free_percent {min_free_percent} must be a percentage from 0 to below 100")
         self.min_free_percent = min_free_percent
         self.process: subprocess.Popen | None = None
         self.log_path = self.data_dir / "weed.log"
@@ -189,12 +191,13 @@ class LocalS3:
 
     def _low_disk(self) -> str:
         """One sentence when the disk holding the data folder has less free than SeaweedFS needs to store; else ''."""
-        usage = shutil.disk_usage(self.data_dir)
+        folder = self.data_dir / "data"  # weed's -dir, which may be a mount of its own
+        usage = shutil.disk_usage(folder)
+        if not usage.total or 100 * usage.free / usage.total >= self.min_free_percent:
+            return ""  # a file system that reports no size (some FUSE ones) is left to weed
         free_percent = 100 * usage.free / usage.total
-        if free_percent >= self.min_free_percent:
-            return ""
         return (
-            f"The disk holding {self.data_dir} has {usage.free / 2**30:.1f} GiB free ({free_percent:.2f}%), "
+            f"The disk holding {folder} has {usage.free / 2**30:.1f} GiB free ({free_percent:.2f}%), "
             f"below the {self.min_free_percent:g}% SeaweedFS needs before it stores anything; "
             "free space on that disk or give the server a folder on another one."
         )
@@ -305,13 +308,13 @@ class LocalS3:
             except (BotoCoreError, ClientError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.3)
-        # A disk that filled up while weed started looks like a hang from here: name it first.
+        # A disk that filled up while weed started looks like a hang from here: name it first (no retry mends it).
         low = self._low_disk()
         raise StoreError(
             (f"{low} " if low else "")
             + f"SeaweedFS did not answer S3 on {self.endpoint_url} within {self.start_timeout:.0f} s (last: {last}); "
             f"its log ({self.log_path}) ends with:\n{self._log_tail()}",
-            transient=True,
+            transient=not low,
         )
 
     def stop(self) -> None:
@@ -360,26 +363,42 @@ def main(argv: list[str] | None = None) -> int:
     server = LocalS3(
         args.dir, access_key=args.access_key, secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"), s3_port=args.port
     )
+    # `kill` (SIGTERM) stops the server as cleanly as Ctrl-C does; the caller's handler is back on return.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _serve(server, args.bucket)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(server: LocalS3, buckets: list[str]) -> int:
+    """Start, create the buckets, print the variables and serve: 0 once stopped by Ctrl-C or SIGTERM, 1 on an error or
+    when weed exits on its own, 130 when stopped while starting."""
     try:
         server.start()
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    # `kill` (SIGTERM) stops the server as cleanly as Ctrl-C does (weed dies with this process while starting).
-    signal.signal(signal.SIGTERM, _interrupt)
+    except KeyboardInterrupt:
+        return 130
     try:
-        for bucket in args.bucket:
+        for bucket in buckets:
             server.create_bucket(bucket)
         for name, value in server.env().items():
             print(f"export {name}={value}")
         print(f"# SeaweedFS S3 is up (data in {server.data_dir}); Ctrl-C stops it.", file=sys.stderr, flush=True)
         while server.process is not None and server.process.poll() is None:
             time.sleep(1)
+        print(f"error: SeaweedFS exited on its own; its log ({server.log_path}) ends with:\n{server._log_tail()}",
+              file=sys.stderr)
+        return 1
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        pass
+        return 0
     finally:
         server.stop()
-    return 0
 
 
 if __name__ == "__main__":
