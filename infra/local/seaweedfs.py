@@ -374,14 +374,10 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(server: LocalS3, buckets: list[str]) -> int:
     """Start, create the buckets, print the variables and serve: 0 once stopped by Ctrl-C or SIGTERM, 1 on an error or
     when weed exits on its own, 130 when stopped while starting."""
+    started = False
     try:
         server.start()
-    except StoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    try:
+        started = True
         for bucket in buckets:
             server.create_bucket(bucket)
         for name, value in server.env().items():
@@ -396,7 +392,7 @@ def _serve(server: LocalS3, buckets: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 0
+        return 0 if started else 130
     finally:
         server.stop()
 
