@@ -122,7 +122,7 @@ def engine_context(target: dict, engine: str) -> tuple[int, str] | None:
     return int(limit), key + (f" x RoPE factor {factor:g}" if factor != 1 else "")
 
 
-def _context_problem(target: dict, field_name: str, settings: ServerSettings) -> str | None:
+def _context_problem(target: dict, field_name: str, settings: ServerSettings, here: bool = True) -> str | None:
     """A server's max_model_len beyond the target's context, which vLLM and SGLang refuse at start: an evaluation's
     only after traces, extraction and training."""
     engine = getattr(settings, "engine", "vllm")
@@ -130,8 +130,10 @@ def _context_problem(target: dict, field_name: str, settings: ServerSettings) ->
     if not settings.max_model_len or context is None or settings.max_model_len <= context[0]:
         return None
     env = _LONGER_CONTEXT_ENV[engine]
-    # The server's env is laid over its worker's; the engines read these as booleans.
-    if str(settings.env.get(env, os.environ.get(env, ""))).strip().lower() in ("1", "true", "yes", "y", "on"):
+    # The server's env is laid over its worker's, which is this process's only when the stage runs here; the engines
+    # read these as booleans.
+    worker = os.environ.get(env, "") if here else ""
+    if str(settings.env.get(env, worker)).strip().lower() in ("1", "true", "yes", "y", "on"):
         return None
     if any(a.split("=", 1)[0] in _CONFIG_OVERRIDES for a in settings.extra_args):
         return None  # the server reads another config.json than the one here (a longer RoPE, say)
@@ -141,14 +143,14 @@ def _context_problem(target: dict, field_name: str, settings: ServerSettings) ->
             f"(or {env}=1 in {field_name}.env if the target is known to read further)")
 
 
-def _contexts(config: PipelineConfig, fields: list[str]) -> str:
+def _contexts(config: PipelineConfig, fields: list[str], here: bool) -> str:
     """The context length of each of these engine servers (traces.vllm, extract.vllm, eval.engines.N) against the
     target's."""
     from draftline.target import read_target_config
 
     target = read_target_config(Path(config.target.path))
     for field_name, settings in engine_servers(config):
-        why = _context_problem(target, field_name, settings) if field_name in fields else None
+        why = _context_problem(target, field_name, settings, here) if field_name in fields else None
         if why:
             raise ConfigError(why)
     named = ", ".join(f + ".max_model_len" for f in fields)
@@ -363,7 +365,7 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
     servers = [f for f, _ in engine_servers(config)
                if wanted("eval.engines.max_model_len" if f.startswith("eval.engines.") else f)]
     if servers and not target_failed and Path(config.target.path, "config.json").is_file():
-        _check(report, "engine contexts", lambda: _contexts(config, servers))
+        _check(report, "engine contexts", lambda: _contexts(config, servers, here))
     if wanted("eval.engines") and here and Path(config.target.path, "config.json").is_file():
         _check(report, "eval.engines", lambda: _cpu_kernels(config))
     root = config.store.root

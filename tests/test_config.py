@@ -338,6 +338,24 @@ def test_sglang_reads_the_first_context_key_it_knows_not_the_smallest():
     assert engine_context({"model_type": "llama", "max_position_embeddings": float("inf")}, "sglang") is None
 
 
+def test_an_override_variable_counts_from_the_environment_the_server_will_inherit(monkeypatch):
+    """This process's VLLM_ALLOW_LONG_MAX_MODEL_LEN reaches a server only when the stage runs here; for stages on
+    other workers (validate --elsewhere, a deployed pipeline) only the server's own env says so."""
+    from draftline.inputs import check_inputs
+
+    data = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    data["target"]["path"] = str(ROOT / "assets/demo-llama")
+    data["eval"]["engines"][0]["max_model_len"] = 4096
+    config = parse_config(data, PipelineConfig, "configs/demo.yaml")
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert check_inputs(config, needs=("eval.engines.max_model_len",)).problems == []
+    elsewhere = check_inputs(config, here=False, needs=("eval.engines.max_model_len",)).problems
+    assert len(elsewhere) == 1 and elsewhere[0].startswith("eval.engines.0.max_model_len 4096 ")
+    data["eval"]["engines"][0]["env"]["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    config = parse_config(data, PipelineConfig, "configs/demo.yaml")
+    assert check_inputs(config, here=False, needs=("eval.engines.max_model_len",)).problems == []
+
+
 def test_validate_refuses_a_draft_layer_training_could_not_build(tmp_path):
     """Training sizes the draft layer from the target after traces and extraction have run; a size it cannot build is
     named by validate instead, in one sentence."""
