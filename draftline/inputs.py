@@ -103,21 +103,21 @@ def engine_context(target: dict, engine: str) -> tuple[int, str] | None:
         if not found:
             return None
         key = "model_max_length" if "model_max_length" in found else min(found, key=found.get)
-        factor = 1.0
-        if "gemma3" not in str(text.get("model_type")):
-            for rope in _ropes(text):
-                kind = rope.get("rope_type", rope.get("type"))
-                if kind not in _VLLM_PRESCALED_ROPE and _number(rope.get("factor")):
-                    factor = _number(rope["factor"])
+        gemma3 = "gemma3" in str(text.get("model_type"))
+
+        def scales(kind, rope: dict) -> bool:
+            return not gemma3 and kind not in _VLLM_PRESCALED_ROPE
     else:
         key = next((k for k in _SGLANG_CONTEXT_KEYS if _number(text.get(k))), None)
         if key is None:
             return None
-        factor = 1.0
-        for rope in _ropes(text):
-            kind = rope.get("rope_type", rope.get("type"))
-            if kind != "llama3" and "original_max_position_embeddings" not in rope and _number(rope.get("factor")):
-                factor = _number(rope["factor"])
+
+        def scales(kind, rope: dict) -> bool:
+            return kind != "llama3" and "original_max_position_embeddings" not in rope
+    factor = 1.0
+    for rope in _ropes(text):
+        if scales(rope.get("rope_type", rope.get("type")), rope) and _number(rope.get("factor")):
+            factor = _number(rope["factor"])
     limit = _number(text.get(key)) * factor
     return int(limit), key + (f" x RoPE factor {factor:g}" if factor != 1 else "")
 
@@ -143,17 +143,16 @@ def _context_problem(target: dict, field_name: str, settings: ServerSettings, he
             f"(or {env}=1 in {field_name}.env if the target is known to read further)")
 
 
-def _contexts(config: PipelineConfig, fields: list[str], here: bool) -> str:
-    """The context length of each of these engine servers (traces.vllm, extract.vllm, eval.engines.N) against the
-    target's."""
+def _contexts(config: PipelineConfig, servers: list[tuple[str, ServerSettings]], here: bool) -> str:
+    """The context length of each of these engine servers (from engine_servers) against the target's."""
     from draftline.target import read_target_config
 
     target = read_target_config(Path(config.target.path))
-    for field_name, settings in engine_servers(config):
-        why = _context_problem(target, field_name, settings, here) if field_name in fields else None
+    for field_name, settings in servers:
+        why = _context_problem(target, field_name, settings, here)
         if why:
             raise ConfigError(why)
-    named = ", ".join(f + ".max_model_len" for f in fields)
+    named = ", ".join(f + ".max_model_len" for f, _ in servers)
     context = engine_context(target, "vllm")
     if context is None:  # neither engine bounds the length then
         return f"{named}: the target's config.json states no context length"
@@ -362,7 +361,7 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
                                                                        or Path(config.traces.chat_template).is_file()):
             _check(report, "traces.chat_template", lambda: _chat_template(config))
     # Each stage checks its own servers' contexts (the evaluations' key is apart from eval.engines' CPU kernel check).
-    servers = [f for f, _ in engine_servers(config)
+    servers = [(f, settings) for f, settings in engine_servers(config)
                if wanted("eval.engines.max_model_len" if f.startswith("eval.engines.") else f)]
     if servers and not target_failed and Path(config.target.path, "config.json").is_file():
         _check(report, "engine contexts", lambda: _contexts(config, servers, here))

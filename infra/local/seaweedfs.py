@@ -193,9 +193,9 @@ class LocalS3:
         """One sentence when the disk holding the data folder has less free than SeaweedFS needs to store; else ''."""
         folder = self.data_dir / "data"  # weed's -dir, which may be a mount of its own
         usage = shutil.disk_usage(folder)
-        if not usage.total or 100 * usage.free / usage.total >= self.min_free_percent:
-            return ""  # a file system that reports no size (some FUSE ones) is left to weed
-        free_percent = 100 * usage.free / usage.total
+        free_percent = 100 * usage.free / usage.total if usage.total else 100.0  # no size reported: left to weed
+        if free_percent >= self.min_free_percent:
+            return ""
         return (
             f"The disk holding {folder} has {usage.free / 2**30:.1f} GiB free ({free_percent:.2f}%), "
             f"below the {self.min_free_percent:g}% SeaweedFS needs before it stores anything; "
@@ -229,7 +229,8 @@ class LocalS3:
             str(weed), "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-master.port.grpc={master_grpc}",
             f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=200",
-            f"-volume.minFreeSpace={self.min_free_percent:g}", "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=1024",
+            f"-volume.minFreeSpace={self.min_free_percent:g}", "-volume.preStopSeconds=0",
+            "-master.volumeSizeLimitMB=1024",
             "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
             "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config_path}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
