@@ -89,10 +89,12 @@ def phases(log_text: str, launched_at: float, ready_at: float) -> dict:
             "compile_from_cache": "Directly load the compiled graph" in log_text}
 
 
-def decode(server, served: str, prompts, concurrency: list[int], tokens: int, repeats: int) -> list[dict]:
+def decode(server, served: str, prompts, concurrency: list[int], tokens: int, repeats: int,
+           temperature: float = 0.0) -> list[dict]:
     from draftline.engines.client import OpenAIRequester, requests_for, run_load
 
-    requester = OpenAIRequester(model=served, max_tokens=tokens, temperature=0.0, extra_body={"ignore_eos": True})
+    requester = OpenAIRequester(model=served, max_tokens=tokens, temperature=temperature,
+                                extra_body={"ignore_eos": True})
     points = []
     for c in concurrency:
         load = prompts[:16] if c == 1 else requests_for(prompts, c)  # one in flight: 16 answers make the figure

@@ -291,10 +291,18 @@ def engine_starts() -> dict:
                 "new kind after others", False),
                ("extract-vllm-moe-h100-256 capture server (a fresh machine)",
                 _json("extract-vllm-moe-h100-256.json")["engine_start_s"], moe, "first", True)]
+    # engine_rates.py's servers on one fresh H100, in the order they started: vLLM makes dummy weights on the GPU,
+    # so no start reads weights from disk.
+    for name, which in (("engine-rates-kimi-bf16-h100", "first"),
+                        ("engine-rates-kimi-int4-h100", "new kind after others"),
+                        ("engine-rates-llama-8b-h100", "new kind after others")):
+        d = _json(f"{name}.json")
+        starts.append((f"{name} (CUDA graphs, dummy weights)", d["start_s"],
+                       target_shape(d["target_config"], d["shape"]), which, False, "dummy"))
     rows = []
-    for name, measured, shape, which, eager in starts:
+    for name, measured, shape, which, eager, *dummy in starts:
         predicted = (fixed[which] + (0.0 if eager else m.engine_graphs_extra_s)
-                     + shape.weight_bytes / m.weights_read_bytes_per_s)
+                     + (0.0 if dummy else shape.weight_bytes / m.weights_read_bytes_per_s))
         rows.append({"run": name, "start": which, "eager": eager, "predicted_s": round(predicted, 1),
                      "measured_s": round(measured, 1), "ratio": round(predicted / measured, 3)})
     return {"rows": rows, "max_abs_log_ratio": round(max(abs(math.log(r["ratio"])) for r in rows), 3),
