@@ -155,7 +155,7 @@ class TracesConfig(Strict):
     min_response_tokens: int = Field(1, ge=0, description="Traces whose answer has fewer tokens than this are "
                                      "dropped.")
     max_total_tokens: int = Field(4096, ge=8, description="Longest trace in tokens, prompt and answer (at most one "
-                                  "below the target's max_position_embeddings, which extraction needs); a prompt as "
+                                  "below the context vLLM serves the target at, which extraction needs); a prompt as "
                                   "long or longer is dropped.")
     drop_duplicates: bool = Field(True, description="Drop prompts whose text repeats an earlier one, and traces whose "
                                   "tokens repeat an earlier one of the same shard.")

@@ -30,6 +30,7 @@ from draftline.images import media_placeholder_id
 from draftline.layout import hidden_logs_prefix, this_start
 from draftline.shards import finished_shard
 from draftline.safetensors_io import map_safetensors
+from draftline.served_context import engine_context
 from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STATE_NAMES
 from draftline.target import final_norm_params, num_layers, read_target_config, target_fingerprint
 
@@ -194,13 +195,12 @@ def _max_model_len(settings: ServerSettings, longest: int, target_dir: str) -> i
             raise ConfigError(f"extract.vllm.max_model_len={settings.max_model_len} but the longest trace has {longest} "
                               f"tokens; raise it to at least {needed} or leave it unset")
         return settings.max_model_len
-    text = read_target_config(target_dir)
-    text = text.get("text_config", text)
-    limit = int(text.get("max_position_embeddings") or needed)
-    if needed > limit:
-        raise ConfigError(f"the longest trace has {longest} tokens and extraction asks one more, past the target's "
-                          f"max_position_embeddings {limit}; make the traces again with traces.max_total_tokens "
-                          f"{limit - 1} or less")
+    context = engine_context(read_target_config(target_dir), "vllm")
+    if context and needed > context[0]:
+        limit, source = context
+        raise ConfigError(f"the longest trace has {longest} tokens and extraction asks one more, past the {limit} "
+                          f"tokens vLLM serves the target at (its {source}); make the traces again with "
+                          f"traces.max_total_tokens {limit - 1} or less")
     return needed
 
 

@@ -287,7 +287,7 @@ def test_validate_refuses_the_context_vllm_would_refuse_and_no_other(tmp_path):
     checkpoint states its context."""
     from vllm.config import ModelConfig
 
-    from draftline.inputs import engine_context
+    from draftline.served_context import engine_context
 
     targets = {
         "plain": (ROOT / "assets/demo-llama", 2048),
@@ -326,7 +326,7 @@ def test_sglang_reads_the_first_context_key_it_knows_not_the_smallest():
     """SGLang's reading of a checkpoint's context, from SGLang's model config source (not run against SGLang: it does
     not run on these machines): the first of its keys present, a RoPE factor unless the type is llama3 or the
     parameters name the original length."""
-    from draftline.inputs import engine_context
+    from draftline.served_context import engine_context
 
     config = {"model_type": "llama", "max_position_embeddings": 2048, "seq_length": 8192}
     assert engine_context(config, "sglang") == (8192, "seq_length")

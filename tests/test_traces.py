@@ -151,6 +151,34 @@ def test_a_trace_cut_at_the_targets_context_leaves_extraction_its_one_token_more
     assert _max_model_len(ServerSettings(), len(trace["input_ids"]), target_dirs["llama"]) == 2048
 
 
+def test_traces_and_extraction_stop_at_the_context_vllm_reads_not_at_max_position_embeddings(tmp_path, target_dirs):
+    """A checkpoint whose config.json caps its context below max_position_embeddings (model_max_length, which vLLM
+    takes over its other keys): traces end one token below that cap, and a longer trace is refused before vLLM
+    starts, naming the key, where vLLM would refuse its --max-model-len only at start."""
+    from draftline.config import ServerSettings
+    from draftline.extract_vllm import _max_model_len
+
+    target = tmp_path / "capped"
+    target.mkdir()
+    for f in Path(target_dirs["llama"]).iterdir():
+        (target / f.name).symlink_to(f)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").unlink()
+    (target / "config.json").write_text(json.dumps({**config, "model_max_length": 1024}))
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "messages": [
+        {"role": "user", "content": "Tell me a long story."},
+        {"role": "assistant", "content": "once upon a time " * 1500}]}) + "\n")
+    store = open_store(str(tmp_path / "store"))
+    generate_traces(TracesConfig(prompts=str(prompts), responses="dataset"), str(target), store, "long")
+    [trace] = iter_traces(store, "long")
+    assert len(trace["input_ids"]) == 1023
+    assert _max_model_len(ServerSettings(), 1023, str(target)) == 1024
+    with pytest.raises(ConfigError, match=r"past the 1024 tokens vLLM serves the target at \(its model_max_length\); "
+                                          r"make the traces again with traces.max_total_tokens 1023 or less"):
+        _max_model_len(ServerSettings(), 2047, str(target))
+
+
 @pytest.mark.parametrize("line, expected", [
     ('{"id": "a", "prompt": "x"', "line 3: not valid JSON"),
     ('{"prompt": ""}', 'line 3, prompt: must be a non-empty string'),
