@@ -30,7 +30,7 @@ from draftline.images import media_placeholder_id
 from draftline.layout import hidden_logs_prefix, this_start
 from draftline.shards import finished_shard
 from draftline.safetensors_io import map_safetensors
-from draftline.served_context import engine_context
+from draftline.served_context import LONGER_CONTEXT_ENV, context_lifted, engine_context
 from draftline.state_storage import BF16, FP8_E4M3, SCALE_SUFFIX, STATE_NAMES
 from draftline.target import final_norm_params, num_layers, read_target_config, target_fingerprint
 
@@ -196,11 +196,12 @@ def _max_model_len(settings: ServerSettings, longest: int, target_dir: str) -> i
                               f"tokens; raise it to at least {needed} or leave it unset")
         return settings.max_model_len
     context = engine_context(read_target_config(target_dir), "vllm")
-    if context and needed > context[0]:
+    if context and needed > context[0] and not context_lifted(settings):
         limit, source = context
         raise ConfigError(f"the longest trace has {longest} tokens and extraction asks one more, past the {limit} "
                           f"tokens vLLM serves the target at (its {source}); make the traces again with "
-                          f"traces.max_total_tokens {limit - 1} or less")
+                          f"traces.max_total_tokens {limit - 1} or less (or set {LONGER_CONTEXT_ENV['vllm']}=1 in "
+                          "extract.vllm.env if the target is known to read further)")
     return needed
 
 

@@ -1,7 +1,6 @@
 """What a pipeline config names on disk (target, prompts, warm start, store), checked in seconds without loading a model."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,7 +8,7 @@ from draftline.aux_ids import AuxLayerIds
 from draftline.config import PipelineConfig, ServerSettings
 from draftline.engines.parallel import server_heads_problem
 from draftline.errors import ConfigError
-from draftline.served_context import engine_context
+from draftline.served_context import LONGER_CONTEXT_ENV, context_lifted, engine_context
 
 
 @dataclass
@@ -69,10 +68,6 @@ def engine_servers(config: PipelineConfig) -> list[tuple[str, ServerSettings]]:
     return servers + [(f"eval.engines.{i}", e) for i, e in enumerate(config.eval.engines)]
 
 
-# The variables with which vLLM and SGLang serve a context longer than the checkpoint's own.
-_LONGER_CONTEXT_ENV = {"vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"}
-# Their flags that change the target's config.json as the server loads it.
-_CONFIG_OVERRIDES = ("--hf-overrides", "--json-model-override-args")
 def _context_problem(target: dict, field_name: str, settings: ServerSettings, here: bool = True) -> str | None:
     """A server's max_model_len beyond the target's context, which vLLM and SGLang refuse at start: an evaluation's
     only after traces, extraction and training."""
@@ -80,14 +75,9 @@ def _context_problem(target: dict, field_name: str, settings: ServerSettings, he
     context = engine_context(target, engine)
     if not settings.max_model_len or context is None or settings.max_model_len <= context[0]:
         return None
-    env = _LONGER_CONTEXT_ENV[engine]
-    # The server's env is laid over its worker's, which is this process's only when the stage runs here; the engines
-    # read these as booleans.
-    worker = os.environ.get(env, "") if here else ""
-    if str(settings.env.get(env, worker)).strip().lower() in ("1", "true", "yes", "y", "on"):
+    if context_lifted(settings, engine, here):
         return None
-    if any(a.split("=", 1)[0] in _CONFIG_OVERRIDES for a in settings.extra_args):
-        return None  # the server reads another config.json than the one here (a longer RoPE, say)
+    env = LONGER_CONTEXT_ENV[engine]
     limit, source = context
     return (f"{field_name}.max_model_len {settings.max_model_len} is longer than the target's context ({limit} tokens, "
             f"from its {source}), which {engine} refuses to serve; set it to {limit} or less "

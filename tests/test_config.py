@@ -276,7 +276,8 @@ def _demo_llama_with(tmp_path: Path, name: str, **changes) -> Path:
         if f.name != "config.json":
             (target / f.name).symlink_to(f)
     config = json.loads((ROOT / "assets/demo-llama/config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, **changes}))
+    config = {k: v for k, v in {**config, **changes}.items() if v is not None}  # None: the key left out
+    (target / "config.json").write_text(json.dumps(config))
     return target
 
 
@@ -299,6 +300,10 @@ def test_validate_refuses_the_context_vllm_would_refuse_and_no_other(tmp_path):
             "original_max_position_embeddings": 256, "rope_theta": 10000.0}), 2048),
         "model_max_length": (_demo_llama_with(tmp_path, "mml", model_max_length=1024), 1024),
         "seq_length smaller": (_demo_llama_with(tmp_path, "seq", seq_length=1536), 1536),
+        # A key config.json leaves out has the default of transformers' config class, which both engines read.
+        "seq_length, no max_position_embeddings": (_demo_llama_with(
+            tmp_path, "seq-only", seq_length=8192, max_position_embeddings=None), 2048),
+        "no context key": (_demo_llama_with(tmp_path, "none", max_position_embeddings=None), 2048),
     }
     for name, (target, limit) in targets.items():
         config = json.loads((target / "config.json").read_text())
