@@ -351,7 +351,7 @@ def cpu_rows(rows: list) -> list:
     now = plan(max_steps=376, tokens_per_batch=2048, val_every=188)
     dec06, dec07 = log + "2026-12-06-make-demo-and-test.md", log + "2026-12-07-make-test.md"
     later = (("fe67999", False, (39.9, 29.7, 358.3), dec06), ("7696506", True, (31.1, 4.1, 159.1), dec06),
-             ("c93057a", True, (43.2, 6.1, 225.2), dec07))
+             ("c93057a", True, (43.2, 6.1, 225.2), dec07), ("28c8259", True, (55.5, 7.1, 223.2), dec07))
     for clone, quiet, times, source in later:
         for stage, measured in zip(("traces", "extraction", "training"), times):
             note = "" if quiet else "other runs shared the cores during its first minutes"
