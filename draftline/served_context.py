@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 
@@ -34,11 +35,7 @@ def _ropes(text: dict) -> list[dict]:
 def engine_context(target: dict, engine: str) -> tuple[int, str] | None:
     """The longest context `engine` serves the target at without its override variable, and the keys it comes from;
     None where neither the config nor its model type's defaults name one (both engines then take any length)."""
-    wrapped = isinstance(target.get("text_config"), dict)
-    text = target["text_config"] if wrapped else target
-    model_type = str(text.get("model_type") or target.get("model_type") or "")
-    # Both engines read transformers' config object, where a key config.json leaves out has its class's default.
-    text = {**_context_defaults(model_type, wrapped and not text.get("model_type")), **text}
+    text, model_type = _text_config_as_read(target)
     if engine == "vllm":
         found = {k: _number(text.get(k)) for k in _VLLM_CONTEXT_KEYS if _number(text.get(k))}
         if not found:
@@ -73,17 +70,32 @@ def context_lifted(settings, engine: str = "vllm", here: bool = True) -> bool:
     return any(a.split("=", 1)[0] in _CONFIG_OVERRIDES for a in settings.extra_args)
 
 
-@functools.lru_cache(maxsize=None)
-def _context_defaults(model_type: str, text_of_wrapper: bool) -> dict:
-    """The context and RoPE keys transformers' config class for `model_type` sets by default (of its text config when
-    config.json's text_config names no type); none for a type transformers does not know (remote code)."""
+def _text_config_as_read(target: dict) -> tuple[dict, str]:
+    """The text config's keys and model type as both engines read them: from transformers' config object, where a key
+    config.json leaves out has its class's default and an alias (gpt2's max_position_embeddings) reads as the key it
+    stands for. Where config.json states max_position_embeddings it speaks for itself: building the object imports
+    transformers, which takes seconds."""
+    wrapped = isinstance(target.get("text_config"), dict)
+    text = target["text_config"] if wrapped else target
+    model_type = str(text.get("model_type") or target.get("model_type") or "")
+    if _number(text.get("max_position_embeddings")):
+        return text, model_type
+    loaded = _loaded_text_config(json.dumps(target, sort_keys=True, default=str))
+    if not loaded and wrapped:  # a wrapper transformers does not know (remote code) around a text model it does
+        loaded = _loaded_text_config(json.dumps(text, sort_keys=True, default=str))
+    return {**text, **loaded}, str(loaded.get("model_type") or model_type)
+
+
+@functools.lru_cache(maxsize=16)
+def _loaded_text_config(config_json: str) -> dict:
+    """The context, RoPE and type keys of the text config transformers builds from this config.json; none for a type
+    it does not know or a config it rejects."""
     try:
         from transformers import CONFIG_MAPPING
 
-        config = CONFIG_MAPPING[model_type]()
-        config = config.get_text_config() if text_of_wrapper else config
-        values = config.to_dict()
-    except Exception:  # an unknown type, or a class that needs arguments: only config.json speaks then
+        raw = json.loads(config_json)
+        config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw).get_text_config()
+    except Exception:  # config.json alone speaks then
         return {}
-    keys = set(_VLLM_CONTEXT_KEYS) | set(_SGLANG_CONTEXT_KEYS) | {"rope_scaling", "rope_parameters"}
-    return {k: values[k] for k in keys if values.get(k) is not None}
+    keys = (*_VLLM_CONTEXT_KEYS, *_SGLANG_CONTEXT_KEYS, "rope_scaling", "rope_parameters", "model_type")
+    return {k: getattr(config, k) for k in keys if getattr(config, k, None) is not None}

@@ -20,7 +20,7 @@ from draftline.errors import ConfigError, EngineError
 from draftline.images import (engine_messages, image_parts, mask_media, media_token_ids, part_source, prompts_base,
                               target_takes_images)
 from draftline.layout import TRACES_STAGE, this_start, trace_stats_key, traces_logs_prefix, traces_prefix
-from draftline.served_context import context_lifted, engine_context
+from draftline.served_context import engine_context
 from draftline.shards import finished_shard, publish_shard, shard_records, spec_hash, write_stage_manifest
 
 log = logging.getLogger(__name__)
@@ -350,15 +350,12 @@ def generate_trace_shard(cfg: TracesConfig, target_dir: str | Path, prompts: lis
 
 
 def _length_limit(cfg: TracesConfig, target_dir: str) -> int:
-    """Longest trace: max_total_tokens, or one below the context vLLM serves the target at where that is shorter
-    (extraction through vLLM sends a whole trace and asks one token more, which the context must hold) and the traces
-    server is not told to serve past it."""
+    """Longest trace: max_total_tokens, or one below the context vLLM serves the target at where that is shorter:
+    extraction through vLLM sends a whole trace and asks one token more, which the context must hold."""
     from draftline.target import read_target_config
 
     context = engine_context(read_target_config(target_dir), "vllm")
-    if context is None or context_lifted(cfg.vllm):
-        return cfg.max_total_tokens
-    return min(cfg.max_total_tokens, context[0] - 1)
+    return min(cfg.max_total_tokens, context[0] - 1) if context else cfg.max_total_tokens
 
 
 def _answer(cfg: TracesConfig, target_dir: str, prompts: list[dict], mine: list[dict], answerer: _Answerer

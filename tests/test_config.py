@@ -304,6 +304,10 @@ def test_validate_refuses_the_context_vllm_would_refuse_and_no_other(tmp_path):
         "seq_length, no max_position_embeddings": (_demo_llama_with(
             tmp_path, "seq-only", seq_length=8192, max_position_embeddings=None), 2048),
         "no context key": (_demo_llama_with(tmp_path, "none", max_position_embeddings=None), 2048),
+        # gpt2's family names its context n_positions; max_position_embeddings in config.json stands for it.
+        "an alias of n_positions": (_demo_llama_with(
+            tmp_path, "bigcode", model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"], n_embd=64,
+            n_head=4, n_layer=2, multi_query=True, max_position_embeddings=8192), 8192),
     }
     for name, (target, limit) in targets.items():
         config = json.loads((target / "config.json").read_text())
