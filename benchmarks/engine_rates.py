@@ -35,8 +35,9 @@ LAYERS = {"kimi-bf16": 2, "kimi-int4": 4}  # the first dense, the rest MoE: what
 DECODING_TEMPERATURE = 1.0
 
 
-def target_config(shape: str) -> dict:
-    """The config.json of `shape`, with the demo tokenizer's vocabulary and special tokens."""
+def target_config(shape: str, layers: int | None = None) -> dict:
+    """The config.json of `shape` (Kimi's cut to `layers`, default LAYERS), with the demo tokenizer's vocabulary and
+    special tokens."""
     from draftline.demo.inflate import EIGHT_B_SHAPE
     from draftline.plan_data import PUBLISHED_SHAPES
 
@@ -48,7 +49,7 @@ def target_config(shape: str) -> dict:
     if shape == "kimi-bf16":
         del kimi["quantization_config"]
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **kimi, **tokens,
-              "num_hidden_layers": LAYERS[shape], "max_position_embeddings": 8192, "hidden_act": "silu",
+              "num_hidden_layers": layers or LAYERS[shape], "max_position_embeddings": 8192, "hidden_act": "silu",
               "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "sigmoid",
               "moe_router_dtype": "float32",
               "norm_topk_prob": True, "routed_scaling_factor": 2.827, "moe_layer_freq": 1, "attention_bias": False,
@@ -56,12 +57,12 @@ def target_config(shape: str) -> dict:
     return config
 
 
-def write_target(folder: Path, shape: str) -> Path:
+def write_target(folder: Path, shape: str, layers: int | None = None) -> Path:
     from moe_target import copy_demo_tokenizer  # benchmarks/moe_target.py
 
     target = folder / f"dummy-{shape}"
     target.mkdir(parents=True, exist_ok=True)
-    (target / "config.json").write_text(json.dumps(target_config(shape), indent=1))
+    (target / "config.json").write_text(json.dumps(target_config(shape, layers), indent=1))
     copy_demo_tokenizer(target)
     return target
 
@@ -87,7 +88,8 @@ def planned(result: dict) -> list[tuple[str, float, float]] | None:
         return None
     m, shape = model_for(hw), target_shape(result["target_config"], result["shape"])
     tokens, context = result["sequences"] * result["seq_len"], result["seq_len"]
-    rows = [("prefill", tokens * m.prefill_s(shape, context), tokens / result["prefill_tokens_per_s"])]
+    rows = ([("prefill", tokens * m.prefill_s(shape, context), tokens / result["prefill_tokens_per_s"])]
+            if result["sequences"] else [])
     for point in result["decoding"]:
         c, out = point["concurrency"], point["output_tokens"]
         planned_s = out / c * m.decode_step_s(shape, c, 1, False, 200)
@@ -104,12 +106,15 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", required=True, choices=["kimi-bf16", "kimi-int4", "llama-8b"])
-    p.add_argument("--sequences", type=int, default=128, help="random sequences per prefill pass")
+    p.add_argument("--layers", type=int, default=None, help="Kimi's layers to keep (default: 2 bf16, 4 INT4)")
+    p.add_argument("--sequences", type=int, default=128, help="random sequences per prefill pass (0: no prefill)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--in-flight", type=int, default=64, help="prefill requests at a time")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 32], help="decoding's requests in flight")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each decoding request generates")
     p.add_argument("--repeats", type=int, default=2, help="timed passes of each measure, after a warm-up")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[DECODING_TEMPERATURE],
+                   help="decoding's sampling temperatures, each measured in turn (0: greedy)")
     p.add_argument("--batched-tokens", type=int, default=32768, help="vLLM's --max-num-batched-tokens")
     p.add_argument("--gpu-memory-utilization", default="0.85", help="vLLM's share of the GPU's memory")
     p.add_argument("--logs", default=None, help="where the server's log goes (default: a temporary folder)")
@@ -118,7 +123,9 @@ def main(argv=None) -> int:
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="engine-rates-"))
-    target = write_target(work, args.shape)
+    if args.layers and args.shape == "llama-8b":
+        p.error("--layers: only the kimi shapes are cut to a layer count; leave it out for llama-8b")
+    target = write_target(work, args.shape, args.layers)
     config = json.loads((target / "config.json").read_text())
     extra = ["--load-format", "dummy", "--no-enable-prefix-caching", "--max-num-batched-tokens",
              str(args.batched_tokens), "--gpu-memory-utilization", args.gpu_memory_utilization]
@@ -138,16 +145,20 @@ def main(argv=None) -> int:
         result["start"] = phases(log, launched_at, ready_at)
         result["moe_kernel_log"] = sorted({line.split("] ", 1)[-1][:200] for line in log.splitlines()
                                            if "MoE" in line or "Marlin" in line or "quantiz" in line})[:12]
-        prefill(server.base_url, random_sequences(8, args.seq_len, vocab, seed=99), args.in_flight)  # warm-up
-        rates = [prefill(server.base_url, random_sequences(args.sequences, args.seq_len, vocab, seed=k + 1),
-                         args.in_flight) for k in range(args.repeats)]
-        result["prefill_tokens_per_s_runs"] = rates
-        result["prefill_tokens_per_s"] = sum(rates) / len(rates)
-        print(json.dumps({"prefill_tokens_per_s": rates}), flush=True)
+        if args.sequences:
+            prefill(server.base_url, random_sequences(8, args.seq_len, vocab, seed=99), args.in_flight)  # warm-up
+            rates = [prefill(server.base_url, random_sequences(args.sequences, args.seq_len, vocab, seed=k + 1),
+                             args.in_flight) for k in range(args.repeats)]
+            result["prefill_tokens_per_s_runs"] = rates
+            result["prefill_tokens_per_s"] = sum(rates) / len(rates)
+            print(json.dumps({"prefill_tokens_per_s": rates}), flush=True)
         prompts = load_prompts(ROOT / "assets" / "prompts" / "eval_prompts.jsonl", 64)
-        result["decoding_temperature"] = DECODING_TEMPERATURE
+        result["decoding_temperature"] = args.temperatures[0]
         result["decoding"] = decode(server, "target", prompts, args.concurrency, args.max_new_tokens, args.repeats,
-                                    DECODING_TEMPERATURE)
+                                    args.temperatures[0])
+        if len(args.temperatures) > 1:
+            result["decoding_at"] = {str(t): decode(server, "target", prompts, args.concurrency, args.max_new_tokens,
+                                                    args.repeats, t) for t in args.temperatures[1:]}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     rows = planned(result)
     if rows is None:
