@@ -35,9 +35,9 @@ LAYERS = {"kimi-bf16": 2, "kimi-int4": 4}  # the first dense, the rest MoE: what
 DECODING_TEMPERATURE = 1.0
 
 
-def target_config(shape: str, layers: int | None = None) -> dict:
-    """The config.json of `shape` (Kimi's cut to `layers`, default LAYERS), with the demo tokenizer's vocabulary and
-    special tokens."""
+def target_config(shape: str, layers: int | None = None, dense_layers: int | None = None) -> dict:
+    """The config.json of `shape` (Kimi's cut to `layers`, default LAYERS, the first `dense_layers` dense, default
+    Kimi's one), with the demo tokenizer's vocabulary and special tokens."""
     from draftline.demo.inflate import EIGHT_B_SHAPE
     from draftline.plan_data import PUBLISHED_SHAPES
 
@@ -48,6 +48,8 @@ def target_config(shape: str, layers: int | None = None) -> dict:
     kimi = dict(PUBLISHED_SHAPES["Kimi-K2.5"]["config"])  # its INT4 experts' quantization_config included
     if shape == "kimi-bf16":
         del kimi["quantization_config"]
+    if dense_layers is not None:
+        kimi["first_k_dense_replace"] = dense_layers
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **kimi, **tokens,
               "num_hidden_layers": layers or LAYERS[shape], "max_position_embeddings": 8192, "hidden_act": "silu",
               "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "sigmoid",
@@ -57,12 +59,12 @@ def target_config(shape: str, layers: int | None = None) -> dict:
     return config
 
 
-def write_target(folder: Path, shape: str, layers: int | None = None) -> Path:
+def write_target(folder: Path, shape: str, layers: int | None = None, dense_layers: int | None = None) -> Path:
     from moe_target import copy_demo_tokenizer  # benchmarks/moe_target.py
 
     target = folder / f"dummy-{shape}"
     target.mkdir(parents=True, exist_ok=True)
-    (target / "config.json").write_text(json.dumps(target_config(shape, layers), indent=1))
+    (target / "config.json").write_text(json.dumps(target_config(shape, layers, dense_layers), indent=1))
     copy_demo_tokenizer(target)
     return target
 
@@ -107,6 +109,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", required=True, choices=["kimi-bf16", "kimi-int4", "llama-8b"])
     p.add_argument("--layers", type=int, default=None, help="Kimi's layers to keep (default: 2 bf16, 4 INT4)")
+    p.add_argument("--dense-layers", type=int, default=None,
+                   help="Kimi's first layers with a dense MLP (default 1; all of them: MLA without experts)")
     p.add_argument("--sequences", type=int, default=128, help="random sequences per prefill pass (0: no prefill)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--in-flight", type=int, default=64, help="prefill requests at a time")
@@ -123,9 +127,9 @@ def main(argv=None) -> int:
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="engine-rates-"))
-    if args.layers and args.shape == "llama-8b":
-        p.error("--layers: only the kimi shapes are cut to a layer count; leave it out for llama-8b")
-    target = write_target(work, args.shape, args.layers)
+    if (args.layers or args.dense_layers is not None) and args.shape == "llama-8b":
+        p.error("--layers, --dense-layers: only the kimi shapes take them; leave them out for llama-8b")
+    target = write_target(work, args.shape, args.layers, args.dense_layers)
     config = json.loads((target / "config.json").read_text())
     extra = ["--load-format", "dummy", "--no-enable-prefix-caching", "--max-num-batched-tokens",
              str(args.batched_tokens), "--gpu-memory-utilization", args.gpu_memory_utilization]
@@ -145,6 +149,8 @@ def main(argv=None) -> int:
         result["start"] = phases(log, launched_at, ready_at)
         result["moe_kernel_log"] = sorted({line.split("] ", 1)[-1][:200] for line in log.splitlines()
                                            if "MoE" in line or "Marlin" in line or "quantiz" in line})[:12]
+        result["attention_log"] = sorted({line.split("] ", 1)[-1][:200] for line in log.splitlines()
+                                          if "ttention backend" in line or "cudagraph" in line.lower()})[:12]
         if args.sequences:
             prefill(server.base_url, random_sequences(8, args.seq_len, vocab, seed=99), args.in_flight)  # warm-up
             rates = [prefill(server.base_url, random_sequences(args.sequences, args.seq_len, vocab, seed=k + 1),
