@@ -191,7 +191,8 @@ def moe_rows(rows: list, m) -> None:
     """A random-weight Qwen3-MoE (7.7B, 8 of 64 experts a token) on the H100: decoding without speculation, eager and
     with CUDA graphs, and extraction through both backends, the plan's disk rate replaced by the one each run
     measured (as a team would pass its own with --rate). The MoE terms were fitted to the 256-sequence extraction
-    and to concurrency 1 of both decoding servers: those rows are calibration."""
+    and to concurrency 1 of both decoding servers (the step constant to CUDA graphs', the eager layer term to the
+    eager one's beyond it): those rows are calibration."""
     for name, eager in (("engine-start-moe-h100.json", True), ("engine-start-moe-graphs-h100.json", False)):
         d = _json(name)
         moe = target_shape(d["target_config"], "qwen3-moe")
@@ -199,9 +200,9 @@ def moe_rows(rows: list, m) -> None:
             c, tokens = point["concurrency"], point["output_tokens"]
             _row(rows, f"{name.removesuffix('.json')} c={c}", "decoding",
                  tokens / c * m.decode_step_s(moe, c, 1, eager, 200), tokens / point["tokens_per_s"],
-                 f"benchmarks/results/{name}", calibration=eager and c == 1,
-                 note=("--enforce-eager" if eager else "CUDA graphs") + "; the MoE's eager term is fitted to "
-                      "concurrency 1 of both")
+                 f"benchmarks/results/{name}", calibration=c == 1,
+                 note=("--enforce-eager" if eager else "CUDA graphs") + "; the MoE's step and eager terms are "
+                      "fitted to concurrency 1 of both")
     for name, fitted in (("extract-vllm-moe-h100-256.json", True), ("extract-vllm-moe-h100.json", False)):
         d = _json(name)
         moe, context, disk = target_shape(d["target_config"], "qwen3-moe"), d["seq_len"], d["disk_fsync_write_gb_per_s"]
@@ -224,7 +225,7 @@ def kimi_shaped_rows(rows: list) -> None:
     """Kimi-K2.5's own layers (MLA, 384 experts of width 2,048, 8 a token; routed experts in bf16 and in INT4) and the
     dense 8B reference, cut to what one GPU holds and run with vLLM's dummy weights (benchmarks/engine_rates.py):
     prefill alone and decoding without speculation, each against the plan of its machine. Fitted to nothing: the
-    expert fractions come from the Qwen3-MoE runs."""
+    expert fractions and the MoE step constant come from the Qwen3-MoE runs."""
     from benchmarks.engine_rates import planned
 
     for path in sorted(RESULTS.glob("engine-rates-*.json")):

@@ -15,8 +15,10 @@ The rules (each rate is a measurement in draftline.plan_data, on named hardware)
   sizes. On the H100 the bandwidth term scales with the memory bandwidth and the
   overhead terms, the host's and vLLM's work, are fitted to that machine's own baselines (one target).
 - A mixture of experts: its routed experts' FLOPs run at a measured fraction of the dense FLOP/s (vLLM's prefill
-  and the transformers backend's forward apart), and an --enforce-eager MoE layer adds a measured launch overhead;
-  both from one Qwen3-MoE (64 experts, 8 a token) on an H100. Expert parallelism is taken as free.
+  and the transformers backend's forward apart), a decoding step costs a measured constant beyond its reads (the
+  same whatever its layer count: 24 layers and 1 or 3 of Kimi's took alike), and an --enforce-eager MoE layer adds a
+  measured launch overhead; all from one Qwen3-MoE (64 experts, 8 a token) on an H100. Expert parallelism is taken
+  as free.
 - Training is matmul FLOPs per token of the TTT step over the measured training FLOP/s of a head of that width
   (interpolated between the measured widths in log scale, the nearest outside them), times the processes; plus
   validation passes (forward only) and, on GPUs, the measured compile warm-up.
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from draftline.errors import ConfigError
 from draftline.plan_data import HARDWARE, Hardware, rate
@@ -77,6 +79,7 @@ class Model:
     expert_flops_fraction: float = 1.0  # routed experts' FLOP/s over the dense rate, vLLM's prefill
     transformers_expert_fraction: float = 1.0  # the same in the transformers backend's forward
     decode_eager_moe_layer_s: float = 0.0  # --enforce-eager's launch overhead of an MoE layer beyond a dense one's
+    decode_moe_step_s: float = 0.0  # a step of a target with routed experts, beyond what its reads and requests cost
 
     def prefill_s(self, shape: TargetShape, context: float, transformers: bool = False) -> float:
         """Seconds of one token's whole-sequence forward on one device: the routed experts' FLOPs at their fraction
@@ -103,6 +106,8 @@ class Model:
         t = self.decode_fixed_s + concurrency * max(self.decode_request_s, flops)
         if self.decode_bytes_per_s:
             t += shape.decode_step_bytes(concurrency) / (gpus * self.decode_bytes_per_s)
+        if shape.moe_layers:
+            t += self.decode_moe_step_s
         eager_s = shape.layers * self.decode_eager_layer_s + shape.moe_layers * self.decode_eager_moe_layer_s
         return t + (eager_s if eager else 0.0)
 
@@ -201,6 +206,10 @@ def _moe_terms(model: Model) -> None:
     eager, graphs = rate("decode_moe_eager_c1_tokens_per_s_h100"), rate("decode_moe_graphs_c1_tokens_per_s_h100")
     launches = 1 / eager.value - 1 / graphs.value - moe.layers * model.decode_eager_layer_s
     model.decode_eager_moe_layer_s = launches / moe.moe_layers
+    # One request in flight with CUDA graphs, against the H100's dense terms: the step beyond its reads and request.
+    h100 = replace(model, sources={}, decode_moe_step_s=0.0)
+    _h100_decoding(h100)
+    model.decode_moe_step_s = 1 / graphs.value - h100.decode_step_s(moe, 1, 1, False, 0)
     model.sources["mixture of experts"] = f"{v.source}, {eager.source}, {graphs.source}"
 
 

@@ -365,6 +365,11 @@ def test_a_mixture_of_experts_is_planned_at_the_speeds_measured_for_one():
     written = t.setup["disk_gb_per_s"] * 1e9 / (bytes_per_token(moe.hidden, t.setup["storage"]) + 9)
     assert pipelined_s(t.setup["tokens"], t.setup["tokens_per_shard"], 1 / m.prefill_s(moe, 2048, transformers=True),
                        written) == pytest.approx(t.setup["tokens"] / t.value, rel=1e-9)
+    # One request in flight with CUDA graphs: the measured step, of which the MoE's constant is what its reads leave.
+    assert 1 / m.decode_step_s(moe, 1, 1, False, 0) == pytest.approx(
+        rate("decode_moe_graphs_c1_tokens_per_s_h100").value, rel=1e-9)
+    assert m.decode_moe_step_s > 0 and m.decode_step_s(moe, 1, 1, False, 0) - m.decode_moe_step_s == pytest.approx(
+        m.decode_fixed_s + m.decode_request_s + moe.decode_step_bytes(1) / m.decode_bytes_per_s)
     eager_extra = m.decode_step_s(moe, 1, 1, True, 0) - m.decode_step_s(moe, 1, 1, False, 0)
     assert eager_extra == pytest.approx(1 / rate("decode_moe_eager_c1_tokens_per_s_h100").value
                                         - 1 / rate("decode_moe_graphs_c1_tokens_per_s_h100").value, rel=1e-9)
