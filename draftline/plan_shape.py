@@ -45,6 +45,7 @@ class TargetShape:
     mla_kv_width: int | None  # MLA's latent cache per token and layer (kv_lora_rank + rope dim), None for GQA
     kv_width: int  # per layer: values a token keeps in the KV cache (keys and values, or MLA's latent)
     moe_layers: int  # layers that route to experts
+    expert_byte_share: float | None = None  # the routed experts' share of weight_bytes; None: their parameters' share
 
     @property
     def embedding_params(self) -> int:
@@ -91,6 +92,8 @@ class TargetShape:
         return self.weight_bytes - expert_bytes + expert_bytes * self.expert_fraction_read(concurrency)
 
     def _expert_byte_share(self) -> float:
+        if self.expert_byte_share is not None:
+            return self.expert_byte_share
         return self.expert_params / self.total_params if self.total_params else 0.0
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
@@ -161,21 +164,25 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None,
                         active_expert_params=active_experts, score_width=layers * score, experts=experts,
                         experts_per_token=per_token, weight_bytes=0, weight_bytes_source="", mla_kv_width=mla_kv,
                         kv_width=kv_width, moe_layers=moe_layers)
-    if weight_bytes is None:
+    try:
         per = read_quantization(config)
-        if per:
-            embeddings = shape.total_params - shape.layer_params
-            dense_layer_params = (layers - moe_layers) * 3 * h * inter  # dense_mlp's rest: shared experts, routers
-            weight_bytes = int(embeddings * 2 + shape.attention_params * per["attention"]
-                               + dense_layer_params * per["dense"]
-                               + (shape.dense_mlp_params - dense_layer_params) * per["shared"]
-                               + expert_params * per["experts"])
-            weight_bytes_source = f"parameters: {per['source']}"
-        else:
-            weight_bytes = int(shape.total_params * 2)
-            weight_bytes_source = "parameters x 2 bytes (bf16)"
+    except ConfigError:
+        if weight_bytes is None:
+            raise
+        per = None  # the checkpoint's bytes, split by parameters
+    # Bytes by kind: quantized experts beside bf16 attention make the experts' share of the bytes smaller than
+    # their share of the parameters, and a decoding step reads all of the rest.
+    sizes = per or {"attention": 2, "dense": 2, "shared": 2, "experts": 2}
+    dense_layer_params = (layers - moe_layers) * 3 * h * inter  # dense_mlp's rest: shared experts, routers
+    counted = ((shape.total_params - shape.layer_params) * 2 + shape.attention_params * sizes["attention"]
+               + dense_layer_params * sizes["dense"] + (shape.dense_mlp_params - dense_layer_params) * sizes["shared"]
+               + expert_params * sizes["experts"])
+    if weight_bytes is None:
+        weight_bytes = int(counted)
+        weight_bytes_source = f"parameters: {per['source']}" if per else "parameters x 2 bytes (bf16)"
     return TargetShape(**{**shape.__dict__, "weight_bytes": int(weight_bytes),
-                          "weight_bytes_source": weight_bytes_source or "the checkpoint's files"})
+                          "weight_bytes_source": weight_bytes_source or "the checkpoint's files",
+                          "expert_byte_share": expert_params * sizes["experts"] / counted if counted else 0.0})
 
 
 # A module of each kind under the names quantization ignore lists match (DeepSeek's layout; Qwen's shared expert).

@@ -215,6 +215,24 @@ def test_a_config_only_target_is_planned_with_the_bytes_its_quantization_stores(
         build_plan(_config_only(tmp_path, "v3-bf16", v3), traces=100)
 
 
+def test_a_decoding_step_of_int4_experts_reads_the_bf16_rest_in_full():
+    """Kimi-K2.5's routed experts are INT4, its attention, dense layer and shared experts bf16: a decoding step reads
+    all of those at two bytes a weight and the experts its tokens pick at theirs, whether the bytes are counted from the
+    quantization_config or given by the checkpoint's index."""
+    kimi = PUBLISHED_SHAPES["Kimi-K2.5"]["config"]
+    counted = target_shape(kimi, "k")
+    expert_bytes = counted.expert_params * (4 / 8 + 2 / 32)  # a bf16 scale per 32 weights
+    rest = (counted.total_params - counted.expert_params) * 2
+    assert counted.weight_bytes == pytest.approx(rest + expert_bytes, rel=1e-9)
+    for shape in (counted, target_shape(kimi, "k", counted.weight_bytes, "an index's total_size")):
+        assert shape.decode_step_bytes(1) == pytest.approx(rest + expert_bytes * shape.expert_fraction_read(1),
+                                                           rel=1e-9)
+    # Without a quantization_config every weight is bf16: the experts' share of the bytes is their parameters'.
+    bf16 = target_shape({k: v for k, v in kimi.items() if k != "quantization_config"}, "k")
+    assert bf16.decode_step_bytes(1) == pytest.approx(
+        bf16.weight_bytes * (1 - bf16.expert_params / bf16.total_params * (1 - bf16.expert_fraction_read(1))))
+
+
 def test_the_shipped_configs_plan_before_their_checkpoints_are_on_the_machine(tmp_path, capsys):
     """configs/llama-3.1-8b.yaml names /models/Meta-Llama-3.1-8B-Instruct, absent here: its published shape plans it,
     at the published checkpoint's bytes; DeepSeek-V3 and its renamed releases plan by their folders' names."""
