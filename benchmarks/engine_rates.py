@@ -51,7 +51,8 @@ def target_config(shape: str, layers: int | None = None, dense_layers: int | Non
     if dense_layers is not None:
         kimi["first_k_dense_replace"] = dense_layers
     config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **kimi, **tokens,
-              "num_hidden_layers": layers or LAYERS[shape], "max_position_embeddings": 8192, "hidden_act": "silu",
+              "num_hidden_layers": LAYERS[shape] if layers is None else layers, "max_position_embeddings": 8192,
+              "hidden_act": "silu",
               "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "sigmoid",
               "moe_router_dtype": "float32",
               "norm_topk_prob": True, "routed_scaling_factor": 2.827, "moe_layer_freq": 1, "attention_bias": False,
@@ -118,17 +119,20 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each decoding request generates")
     p.add_argument("--repeats", type=int, default=2, help="timed passes of each measure, after a warm-up")
     p.add_argument("--temperatures", type=float, nargs="+", default=[DECODING_TEMPERATURE],
-                   help="decoding's sampling temperatures, each measured in turn (0: greedy)")
+                   help="decoding's sampling temperatures, each measured in turn (0: greedy; the first is set "
+                        "against the plan)")
     p.add_argument("--batched-tokens", type=int, default=32768, help="vLLM's --max-num-batched-tokens")
     p.add_argument("--gpu-memory-utilization", default="0.85", help="vLLM's share of the GPU's memory")
     p.add_argument("--logs", default=None, help="where the server's log goes (default: a temporary folder)")
     p.add_argument("--out", required=True, help="the result file (JSON)")
     args = p.parse_args(argv)
 
+    if (args.layers is not None or args.dense_layers is not None) and args.shape == "llama-8b":
+        p.error("--layers, --dense-layers: only the kimi shapes take them; leave them out for llama-8b")
+    if (args.layers is not None and args.layers < 1) or (args.dense_layers or 0) < 0:
+        p.error("--layers must be 1 or more and --dense-layers 0 or more")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="engine-rates-"))
-    if (args.layers or args.dense_layers is not None) and args.shape == "llama-8b":
-        p.error("--layers, --dense-layers: only the kimi shapes take them; leave them out for llama-8b")
     target = write_target(work, args.shape, args.layers, args.dense_layers)
     config = json.loads((target / "config.json").read_text())
     extra = ["--load-format", "dummy", "--no-enable-prefix-caching", "--max-num-batched-tokens",

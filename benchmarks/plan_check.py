@@ -352,10 +352,12 @@ def cpu_rows(rows: list) -> list:
     now = plan(max_steps=376, tokens_per_batch=2048, val_every=188)
     dec06, dec07 = log + "2026-12-06-make-demo-and-test.md", log + "2026-12-07-make-test.md"
     later = (("fe67999", False, (39.9, 29.7, 358.3), dec06), ("7696506", True, (31.1, 4.1, 159.1), dec06),
-             ("c93057a", True, (43.2, 6.1, 225.2), dec07), ("28c8259", True, (55.5, 7.1, 223.2), dec07))
+             ("c93057a", True, (43.2, 6.1, 225.2), dec07), ("28c8259", True, (55.5, 7.1, 223.2), dec07),
+             ("48bdc00", False, (55.2, 5.1, 300.4), dec07))
     for clone, quiet, times, source in later:
         for stage, measured in zip(("traces", "extraction", "training"), times):
-            note = "" if quiet else "other runs shared the cores during its first minutes"
+            note = "" if quiet else ("other runs shared the cores during its first minutes" if clone == "fe67999" else
+                                     "the planner's tests and plan_check.py shared the cores from its traces stage on")
             note += "; training and export" if stage == "training" else ""
             _row(rows, f"make demo {clone} (AMD EPYC)", stage, _stage(now, stage)["wall_s"], measured, source,
                  same_machine=quiet, note=note.removeprefix("; "))

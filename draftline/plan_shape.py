@@ -7,6 +7,7 @@ gradient); attention scores and their weighted sum cost 2 x (query-key width + v
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,10 +167,10 @@ def target_shape(config: dict, name: str, weight_bytes: int | None = None,
                         kv_width=kv_width, moe_layers=moe_layers)
     try:
         per = read_quantization(config)
-    except ConfigError:
+    except (ConfigError, ValueError, TypeError, LookupError, AttributeError, re.error):
         if weight_bytes is None:
             raise
-        per = None  # the checkpoint's bytes, split by parameters
+        per = None  # the checkpoint's bytes are known: a quantization_config it cannot read splits them by parameters
     # Bytes by kind: quantized experts beside bf16 attention make the experts' share of the bytes smaller than
     # their share of the parameters, and a decoding step reads all of the rest.
     sizes = per or {"attention": 2, "dense": 2, "shared": 2, "experts": 2}
@@ -196,8 +197,6 @@ def read_quantization(config: dict) -> dict | None:
     """Bytes per weight of attention, dense MLPs, shared and routed experts from the config's quantization_config
     (in its text_config or at its top), None when it has none: compressed-tensors with one weight scheme (the modules
     its ignore list names stay bf16) and fp8 with block scales. Anything else is refused in one sentence."""
-    import re
-
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     q = text.get("quantization_config") or config.get("quantization_config")
     if not q:

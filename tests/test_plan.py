@@ -224,13 +224,21 @@ def test_a_decoding_step_of_int4_experts_reads_the_bf16_rest_in_full():
     expert_bytes = counted.expert_params * (4 / 8 + 2 / 32)  # a bf16 scale per 32 weights
     rest = (counted.total_params - counted.expert_params) * 2
     assert counted.weight_bytes == pytest.approx(rest + expert_bytes, rel=1e-9)
-    for shape in (counted, target_shape(kimi, "k", counted.weight_bytes, "an index's total_size")):
-        assert shape.decode_step_bytes(1) == pytest.approx(rest + expert_bytes * shape.expert_fraction_read(1),
-                                                           rel=1e-9)
-    # Without a quantization_config every weight is bf16: the experts' share of the bytes is their parameters'.
+    assert counted.decode_step_bytes(1) == pytest.approx(rest + expert_bytes * counted.expert_fraction_read(1),
+                                                         rel=1e-9)
+    # A checkpoint's index gives 10% more bytes: each kind takes its counted share of them.
+    indexed = target_shape(kimi, "k", int(counted.weight_bytes * 1.1), "an index's total_size")
+    assert indexed.decode_step_bytes(1) == pytest.approx(1.1 * counted.decode_step_bytes(1), rel=1e-6)
+
+    def by_parameters(shape):  # every weight at the same bytes: the experts' share of the bytes is their parameters'
+        return shape.weight_bytes * (1 - shape.expert_params / shape.total_params * (1 - shape.expert_fraction_read(1)))
     bf16 = target_shape({k: v for k, v in kimi.items() if k != "quantization_config"}, "k")
-    assert bf16.decode_step_bytes(1) == pytest.approx(
-        bf16.weight_bytes * (1 - bf16.expert_params / bf16.total_params * (1 - bf16.expert_fraction_read(1))))
+    assert bf16.decode_step_bytes(1) == pytest.approx(by_parameters(bf16))
+    # A quantization the planner cannot read, beside an index's bytes, plans with the parameters' split.
+    for unread in ({"quant_method": "awq", "bits": 4, "group_size": 128},
+                   {"quant_method": "fp8", "weight_block_size": [128]}):
+        shape = target_shape({**kimi, "quantization_config": unread}, "k", 600 * 10**9, "an index's total_size")
+        assert shape.decode_step_bytes(1) == pytest.approx(by_parameters(shape))
 
 
 def test_the_shipped_configs_plan_before_their_checkpoints_are_on_the_machine(tmp_path, capsys):
