@@ -530,6 +530,9 @@ def main() -> int:
     same = [r for r in checked if r["same_machine"]]
     # What a plan made where the stages run can promise: the GPU rows, and the CPU runs planned with --calibrate.
     planned_here = [r for r in rows[:first_cpu] + rows[first_probed:] if not r["calibration"]]
+    if not (args.demo_traces / "stats.json").is_file():
+        print(f"no finished make demo's traces at {args.demo_traces}: the traces' bytes rows are left out of "
+              f"{args.out} (run make demo, or pass --demo-traces)")
     bytes_ = byte_rows(args.demo_traces if args.demo_traces.is_dir() else None)
     byte_ratios = [r["ratio"] for r in bytes_ if r.get("predicted_bytes")]
     result = {
