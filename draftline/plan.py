@@ -329,9 +329,9 @@ def build_plan(config: PipelineConfig, traces: int | None = None, gpus: int | No
                      "against an H200's dense rate; "
                      f"this target picks {shape.experts_per_token} of {shape.experts}; a decoding step costs "
                      f"{model.decode_moe_step_s * 1e3:.2f} ms beyond its reads, measured one request at a time (a "
-                     "24-layer MoE and Kimi-K2.5's own layers cut to 2 and 4 took alike; at 32 their steps needed "
-                     "none). On those Kimi layers (8 of 384, bf16 and INT4 experts, an H100) the plan held within "
-                     "1.2x in prefill and decoding")
+                     "24-layer MoE and Kimi-K2.5's own layers with 1 and 3 took alike, its MLA alone none; at 32 "
+                     "their steps needed none). On those Kimi layers (8 of 384, bf16 and INT4 experts, an H100) the "
+                     "plan held within 1.3x in prefill and decoding")
     if on_gpu and traces_on_vllm and e_cfg.backend == "vllm":
         notes.append(f"the traces server's start is a machine's first ({model.engine_first_start_s:.0f} s besides the "
                      "weights: FlashInfer's kernels built); the capture server's after it finds the caches it filled "

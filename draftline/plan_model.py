@@ -17,9 +17,9 @@ The rules (each rate is a measurement in draftline.plan_data, on named hardware)
 - A mixture of experts: its routed experts' FLOPs run at a measured fraction of the dense FLOP/s (vLLM's prefill
   and the transformers backend's forward apart), a decoding step costs a constant beyond its reads, and an
   --enforce-eager MoE layer adds a measured launch overhead; all from one Qwen3-MoE (64 experts, 8 a token) on an
-  H100. The constant is fitted one request in flight (24 MoE layers and Kimi's 1 and 3 took alike; at 32 in flight
-  their steps came at or under the plan without it) and added at every concurrency. Expert parallelism is taken as
-  free.
+  H100. The constant is fitted one request in flight (24 MoE layers and Kimi's 1 and 3 took alike, Kimi's MLA
+  without experts none; at 32 in flight their steps came at or under the plan without it) and added at every
+  concurrency. Expert parallelism is taken as free.
 - Training is matmul FLOPs per token of the TTT step over the measured training FLOP/s of a head of that width
   (interpolated between the measured widths in log scale, the nearest outside them), times the processes; plus
   validation passes (forward only) and, on GPUs, the measured compile warm-up.
