@@ -46,7 +46,7 @@ class TargetShape:
     mla_kv_width: int | None  # MLA's latent cache per token and layer (kv_lora_rank + rope dim), None for GQA
     kv_width: int  # per layer: values a token keeps in the KV cache (keys and values, or MLA's latent)
     moe_layers: int  # layers that route to experts
-    expert_byte_share: float | None = None  # the routed experts' share of weight_bytes; None: their parameters' share
+    expert_byte_share: float = 0.0  # the routed experts' share of weight_bytes (target_shape counts it by kind)
 
     @property
     def embedding_params(self) -> int:
@@ -89,13 +89,8 @@ class TargetShape:
     def decode_step_bytes(self, concurrency: float) -> float:
         """Weight bytes one decode step reads at `concurrency` sequences: everything but the routed experts, and
         the experts those tokens pick."""
-        expert_bytes = self.weight_bytes * self._expert_byte_share()
+        expert_bytes = self.weight_bytes * self.expert_byte_share
         return self.weight_bytes - expert_bytes + expert_bytes * self.expert_fraction_read(concurrency)
-
-    def _expert_byte_share(self) -> float:
-        if self.expert_byte_share is not None:
-            return self.expert_byte_share
-        return self.expert_params / self.total_params if self.total_params else 0.0
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV cache bytes one token takes on a device (all layers)."""
