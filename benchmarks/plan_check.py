@@ -407,18 +407,19 @@ def cpu_rows(rows: list) -> list:
 
 
 def probed_rows(rows: list) -> list:
-    """The demo's stages run right after a plan calibrated on the same machine (benchmarks/plan_calibrated.py), idle
-    and with every core busy, and fresh clones' `make demo` planned with --calibrate on their quiet machine; the row's
-    predicted time is the calibrated plan's."""
-    path = RESULTS / "plan-calibrated-cpu.json"
-    data = json.loads(path.read_text())
-    for c in data["conditions"]:
-        for r in c["rows"]:  # a condition whose stages failed has none
-            _row(rows, f"demo stages, {c['condition']}, plan --calibrate", r["stage"], r["predicted_s_calibrated"],
-                 r["measured_s"], "benchmarks/results/plan-calibrated-cpu.json", probed=True,
-                 same_machine=c["busy_processes"] == 0,
-                 note=f"calibrated: the engine's rates x {c['calibration']['engine_speed']:.2f}, torch's x "
-                      f"{c['calibration']['torch_speed']:.2f}; uncalibrated {r['ratio_uncalibrated']:.2f}")
+    """The demo's stages run right after a plan calibrated on the same machine (benchmarks/plan_calibrated.py, a file
+    a run), idle and with cores busy, and fresh clones' `make demo` planned with --calibrate on their quiet machine;
+    the row's predicted time is the calibrated plan's."""
+    for path in sorted(RESULTS.glob("plan-calibrated-cpu*.json")):
+        data = json.loads(path.read_text())
+        machine = data["hardware"].split(",")[0].replace("(R)", "").replace(" Processor", "")
+        for c in data["conditions"]:
+            for r in c["rows"]:  # a condition whose stages failed has none
+                _row(rows, f"demo stages {data['date']} ({machine}), {c['condition']}, plan --calibrate", r["stage"],
+                     r["predicted_s_calibrated"], r["measured_s"], f"benchmarks/results/{path.name}", probed=True,
+                     same_machine=c["busy_processes"] == 0,
+                     note=f"calibrated: the engine's rates x {c['calibration']['engine_speed']:.2f}, torch's x "
+                          f"{c['calibration']['torch_speed']:.2f}; uncalibrated {r['ratio_uncalibrated']:.2f}")
     for path in sorted(RESULTS.glob("make-demo-calibrated-cpu*.json")):
         demo = json.loads(path.read_text())
         w = demo["workload"]
