@@ -28,6 +28,8 @@ sys.path.insert(0, str(REPO))
 from draftline.engines.cpu_preload import cpu_preload  # noqa: E402
 from draftline.engines.launch import free_port  # noqa: E402
 
+from tests.conftest import worker_cpus  # noqa: E402  (sets nothing outside an xdist worker)
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 from plan_calibrated import machine_name  # noqa: E402  (benchmarks/plan_calibrated.py)
 
@@ -104,8 +106,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/vllm-cpu-binding.json")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
-    half = len(cpus) // 2
-    split = (",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:2 * half])))
+    split = tuple(",".join(map(str, worker_cpus(f"gw{i}", 2, cpus))) for i in range(2))  # as make test's workers
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-cpu-binding"
     logs.mkdir(parents=True, exist_ok=True)
     runs = []

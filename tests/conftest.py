@@ -17,10 +17,11 @@ if _worker:
 def worker_cpus(worker: str, workers: int, allowed: list[int]) -> list[int]:
     """This xdist worker's share of the allowed CPUs: contiguous slices, one per worker, none empty; all of them for a
     worker not named gwN."""
-    if not worker.removeprefix("gw").isdigit():
+    number, slices = worker.removeprefix("gw"), min(workers, len(allowed))
+    if not number.isdigit():
         return allowed
-    index = int(worker.removeprefix("gw")) % min(workers, len(allowed))
-    share = len(allowed) // min(workers, len(allowed))
+    share = len(allowed) // slices
+    index = int(number) % slices
     return allowed[index * share:(index + 1) * share]
 
 
