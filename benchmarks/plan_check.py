@@ -358,7 +358,8 @@ def cpu_rows(rows: list) -> list:
               "16ec304": "plan_check.py and the planner's tests shared the cores for about 3 minutes"}
     later = (("fe67999", "AMD EPYC", (39.9, 29.7, 358.3), dec06), ("7696506", "AMD EPYC", (31.1, 4.1, 159.1), dec06),
              ("c93057a", "AMD EPYC", (43.2, 6.1, 225.2), dec07), ("28c8259", "AMD EPYC", (55.5, 7.1, 223.2), dec07),
-             ("48bdc00", "Xeon (AMX)", (55.2, 5.1, 300.4), dec07), ("16ec304", "Xeon (AMX)", (71.9, 7.4, 344.6), dec07))
+             ("48bdc00", "Xeon (AMX)", (55.2, 5.1, 300.4), dec07), ("16ec304", "Xeon (AMX)", (71.9, 7.4, 344.6), dec07),
+             ("38f60ea", "Xeon (AMX)", (40.2, 4.1, 180.2), log + "2026-12-07-make-demo-xeon.md"))
     for clone, machine, times, source in later:
         for stage, measured in zip(("traces", "extraction", "training"), times):
             note = shared.get(clone, "") + ("; training and export" if stage == "training" else "")
@@ -452,7 +453,9 @@ def byte_rows(demo_traces: Path | None) -> list:
         plan = build_plan(load_config(ROOT / "configs" / "demo.yaml"), hardware="cpu")
         text_bytes = _text_bytes(plan)
         predicted = trace_bytes(stats["total_tokens"], stats["response_tokens"], stats["count"], 4096, text_bytes)
-        label = "runs/demo/traces of a make demo (configs/demo.yaml)"
+        where = demo_traces.resolve()
+        where = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
+        label = f"{where}: traces of configs/demo.yaml"
         rows.append({"run": label, "what": "traces (JSON lines)",
                      "predicted_bytes": int(predicted), "measured_bytes": measured,
                      "ratio": round(predicted / measured, 5), "source": label})

