@@ -140,7 +140,7 @@ def capture_server_spec(cfg: ServerSettings, target_dir: Path, layer_ids: list[i
                 + (["--enable-scale-out"] if token_in else []) + list(cfg.extra_args))
 
     return ServerSpec(name="vllm-capture", command=argv, first_request=_first_completion(served_name),
-                      env=_cpu_kv_env(), checkpoint_bytes=checkpoint_size(target_dir))
+                      env=cpu_kv_env(cfg), checkpoint_bytes=checkpoint_size(target_dir))
 
 
 def generation_server_spec(cfg: ServerSettings, target_dir: Path, max_model_len: int,
@@ -149,13 +149,15 @@ def generation_server_spec(cfg: ServerSettings, target_dir: Path, max_model_len:
     return ServerSpec(name="vllm-traces",
                       command=lambda port: server_argv(cfg, target_dir, served_name, port, max_model_len)
                       + list(cfg.extra_args),
-                      first_request=_first_completion(served_name), env=_cpu_kv_env(),
+                      first_request=_first_completion(served_name), env=cpu_kv_env(cfg),
                       checkpoint_bytes=checkpoint_size(target_dir))
 
 
-def _cpu_kv_env() -> dict[str, str]:
-    # On CPU vLLM reserves this many GiB of KV cache; 1 keeps the demo small. GPU builds ignore it.
-    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+def cpu_kv_env(settings: ServerSettings) -> dict[str, str]:
+    """The KV cache vLLM reserves on a CPU, in GiB: the settings' env, else this environment's, else 1 (small enough
+    for the demo). It goes in the server's own env, which launch lays over both. GPU builds ignore it."""
+    key = "VLLM_CPU_KVCACHE_SPACE"
+    return {key: settings.env.get(key, os.environ.get(key, "1"))}
 
 
 def _first_completion(served_name: str):
@@ -177,7 +179,7 @@ class VllmAdapter(EngineAdapter):
     def server_spec(self, cfg: EngineConfig, target_dir: Path, drafter_dir: Path | None, served_name: str,
                     template: ChatTemplate | None = None, schedule: Schedule | None = None) -> ServerSpec:
         mode = "baseline" if drafter_dir is None else "schedule" if schedule is not None else "eagle3"
-        env = _cpu_kv_env()
+        env = cpu_kv_env(cfg)
         if cfg.preload_cpu_libraries and not cfg.python and "PYTHONPATH" not in cfg.env and on_cpu():
             env.update(preload_env(None, cfg.env))  # what vLLM's CPU backend warns it runs slowly without
         # vLLM takes a request's own template only from a server started to trust it: the file goes on the command.
