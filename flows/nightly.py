@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftline.cli import load_with_overrides
     from draftline.errors import DraftlineError
+    from draftline.inputs import STAGE_INPUTS, check_inputs
+    from draftline.regression.inputs import engine_exports
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("config", help="pipeline config (YAML), e.g. configs/demo.yaml")
@@ -118,6 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         config = load_with_overrides(args.config, args.store, None)
     except DraftlineError as exc:
         print(f"draftline: {exc}", file=sys.stderr)
+        return 2
+    # Every engine runs from this process: what the evaluations read, and the drafter, checked before any starts.
+    problems = check_inputs(config, needs=STAGE_INPUTS["reference"] + STAGE_INPUTS["evaluation"]).problems
+    try:
+        engine_exports(args.drafter, [e.engine for e in config.eval.engines])
+    except DraftlineError as exc:
+        problems.append(str(exc))
+    if problems:
+        for line in problems:
+            print(f"draftline: {line}", file=sys.stderr)
         return 2
     try:
         result = nightly_regression(config, args.drafter, args.history_prefix, args.accept_new_baseline)

@@ -52,13 +52,12 @@ def _fingerprint(source, fmt: str, keys: list[str]) -> str:
     return digest.hexdigest()
 
 
-def production_drafter(uri: str, formats: list[str], store, run: str) -> ProductionDrafter:
-    """Find the exports under `uri` (`<format>/config.json`) and fingerprint them; exports outside the pipeline's
-    `store` are copied to `<run>/export/` there, so the evaluation reads them like its own and the night keeps them."""
-    from draftline.store import copy_tree, open_store
+def engine_exports(uri: str, formats: list[str], keys: list[str] | None = None) -> list[str]:
+    """The engine formats exported under `uri` (`<format>/config.json`); refused when none is, or when one of
+    `formats` (the engines to evaluate) is missing. `keys`: the listing of `uri`, when already read."""
+    from draftline.store import open_store
 
-    source = open_store(uri)
-    keys = source.list("")
+    keys = open_store(uri).list("") if keys is None else keys
     present = sorted({k.split("/", 1)[0] for k in keys if k.count("/") == 1 and k.endswith("/config.json")})
     if not present:
         raise ConfigError(f"drafter {uri} holds no engine export (a folder such as vllm/ with config.json); pass the "
@@ -67,6 +66,17 @@ def production_drafter(uri: str, formats: list[str], store, run: str) -> Product
     if missing:
         raise ConfigError(f"drafter {uri} has no {', '.join(missing)} export but eval.engines lists "
                           f"{', '.join(missing)}; export that format (export.formats) or remove the engine")
+    return present
+
+
+def production_drafter(uri: str, formats: list[str], store, run: str) -> ProductionDrafter:
+    """Find the exports under `uri` (`<format>/config.json`) and fingerprint them; exports outside the pipeline's
+    `store` are copied to `<run>/export/` there, so the evaluation reads them like its own and the night keeps them."""
+    from draftline.store import copy_tree, open_store
+
+    source = open_store(uri)
+    keys = source.list("")
+    present = engine_exports(uri, formats, keys)
     inside = _prefix_within(store, uri)
     exports = {}
     for fmt in present:
