@@ -262,14 +262,26 @@ def test_in_cluster_workers_serve_each_gpu_pool_and_may_create_jobs_where_the_te
     can_create_jobs = any("batch" in r["apiGroups"] and "jobs" in r["resources"] and "create" in r["verbs"]
                           for r in role["rules"])
     assert can_create_jobs
-    served = {}
+    served, process_workers = {}, {}
     for deployment in by_kind["Deployment"]:
         pod = deployment["spec"]["template"]["spec"]
         args = pod["containers"][0]["args"]
+        pool = args[args.index("--pool") + 1]
+        if args[args.index("--type") + 1] == "process":
+            process_workers[pool] = pod["containers"][0]
+            continue
         assert args[args.index("--type") + 1] == "kubernetes"
-        served[args[args.index("--pool") + 1]] = deployment["metadata"]["namespace"]
+        served[pool] = deployment["metadata"]["namespace"]
         assert pod["serviceAccountName"] == binding["subjects"][0]["name"]
     assert set(served) == set(POOLS)
+    # The pool of the flows that compose and wait (no image of their own): a process worker in the draftline image
+    # runs them in its pod, and they reach the run's store.
+    composing = {d["work_pool"]["name"] for d in _deployments() if "image" not in d["work_pool"]["job_variables"]}
+    assert set(process_workers) == composing == {"cpu"}
+    cpu = process_workers["cpu"]
+    assert cpu["image"] == "draftline/worker-cpu:latest"
+    assert "-t draftline/worker-cpu:latest" in (REPO / "infra/images/worker-cpu.Dockerfile").read_text()
+    assert {"secretRef": {"name": "draftline-s3"}} in cpu["envFrom"]
     for pool in POOLS:
         job_namespace = _template(pool)["variables"]["properties"]["namespace"]["default"]
         assert served[pool] == job_namespace == role["metadata"]["namespace"]
@@ -281,8 +293,6 @@ def _worker_deployments() -> list[dict]:
 
 
 def test_in_cluster_workers_take_the_auth_string_from_a_secret_and_start_through_the_auth_check(monkeypatch):
-    from prefect_kubernetes.settings import KubernetesSettings
-
     for deployment in _worker_deployments():
         pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
@@ -290,21 +300,32 @@ def test_in_cluster_workers_take_the_auth_string_from_a_secret_and_start_through
         assert env["PREFECT_API_AUTH_STRING"]["valueFrom"] == {
             "secretKeyRef": {"name": "draftline-prefect-auth", "key": "PREFECT_API_AUTH_STRING"}}
         assert "value" not in env["PREFECT_API_AUTH_STRING"]
-        # The worker hands the Jobs it creates the same Secret, as a reference (prefect-kubernetes' settings).
-        for name in ("PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_NAME",
-                     "PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_KEY"):
-            monkeypatch.setenv(name, env[name]["value"])
-        settings = KubernetesSettings().worker
-        assert (settings.api_auth_string_secret_name, settings.api_auth_string_secret_key) == (
-            "draftline-prefect-auth", "PREFECT_API_AUTH_STRING")
-        # It starts through infra/prefect_worker.py, mounted from a ConfigMap made of that file.
         args = container["args"]
+        if args[args.index("--type") + 1] == "process":  # the cpu pool's worker creates no Jobs
+            assert not any(name.startswith("PREFECT_INTEGRATIONS_KUBERNETES") for name in env)
+        else:
+            _jobs_get_the_auth_secret(env, monkeypatch)
+        # It starts through infra/prefect_worker.py, mounted from a ConfigMap made of that file.
         mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["worker-start"]
         assert args[:2] == ["python", f"{mount}/prefect_worker.py"]
         assert {v["name"]: v for v in pod["volumes"]}["worker-start"]["configMap"]["name"] == "draftline-worker-start"
     header = (REPO / "infra/k8s/workers.yaml").read_text()
     assert "create configmap draftline-worker-start --from-file=infra/prefect_worker.py" in header
     assert "create secret generic draftline-prefect-auth" in header
+    # The namespace exists before anything is created in it.
+    assert header.index("kubectl create namespace draftline") < header.index("kubectl -n draftline create")
+
+
+def _jobs_get_the_auth_secret(env: dict, monkeypatch) -> None:
+    """The Kubernetes worker hands the Jobs it creates the auth Secret as a reference (prefect-kubernetes' settings)."""
+    from prefect_kubernetes.settings import KubernetesSettings
+
+    for name in ("PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_NAME",
+                 "PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_KEY"):
+        monkeypatch.setenv(name, env[name]["value"])
+    settings = KubernetesSettings().worker
+    assert (settings.api_auth_string_secret_name, settings.api_auth_string_secret_key) == (
+        "draftline-prefect-auth", "PREFECT_API_AUTH_STRING")
 
 
 def test_a_jobs_auth_string_is_a_secret_reference_not_a_value_in_its_manifest(k8s_config_cls):

@@ -204,6 +204,18 @@ def test_apply_pools_creates_and_updates_a_kubernetes_gpu_pool_from_its_template
     assert pool.type == "kubernetes"
     assert pool.base_job_template == json.loads((REPO / "infra/k8s/gpu-sglang.json").read_text())
 
+    # The cpu pool, which `prefect deploy` needs: this stack's worker made it; the script keeps it as it is.
+    applied = subprocess.run([str(REPO / "infra/k8s/apply-pools.sh"), "cpu"], cwd=REPO,
+                             env={**stack.env, **stack.user_env}, capture_output=True, text=True, timeout=180)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+
+    async def read_cpu():
+        async with get_client() as client:
+            return await client.read_work_pool("cpu")
+
+    with _client_settings(stack):
+        assert asyncio.run(read_cpu()).type == "process"
+
 
 SMALL_RUN = "infra-e2e"
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create or update the GPU work pools (gpu-vllm, gpu-sglang, gpu-train) on the Prefect server at $PREFECT_API_URL from the
-# base job templates next to this script, after checking that no job variable would be silently dropped.
+# base job templates next to this script, after checking that no job variable would be silently dropped; and create
+# the cpu pool, where a process worker in the draftline image (workers.yaml) runs the flows that compose and wait.
 #   PREFECT_API_URL=https://prefect.example/api PREFECT_API_AUTH_STRING=user:password infra/k8s/apply-pools.sh [POOL...]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -18,8 +19,13 @@ fi
 # A variable that the template does not use would vanish without a word: refuse to apply such templates.
 "$PY" "$repo/infra/pool_templates.py" check
 pools=("$@")
-[ ${#pools[@]} -gt 0 ] || pools=(gpu-vllm gpu-sglang gpu-train)
+[ ${#pools[@]} -gt 0 ] || pools=(cpu gpu-vllm gpu-sglang gpu-train)
 for pool in "${pools[@]}"; do
+  if [ "$pool" = cpu ]; then
+    # Prefect's own process template: nothing to update once the pool exists. `prefect deploy` needs it to exist.
+    "$PY" -m prefect work-pool inspect cpu > /dev/null 2>&1 || "$PY" -m prefect work-pool create cpu --type process
+    continue
+  fi
   template="$here/$pool.json"
   if [ ! -f "$template" ]; then
     echo "apply-pools.sh: no template $template for pool '$pool'; choose from: $(cd "$here" && ls *.json | sed 's/\.json$//' | tr '\n' ' ')" >&2
