@@ -138,6 +138,7 @@ def test_server_that_hangs_silently_in_load_is_killed_by_the_watchdog(tmp_path):
         launch(_spec("hang", tmp_path), _cfg(no_progress_timeout_s=2), tmp_path / "logs")
     assert time.monotonic() - start < 15
     assert "printed nothing for 2 s while loading" in str(info.value)
+    assert "no_progress_timeout_s in this server's section, traces.vllm, extract.vllm" in str(info.value)
     assert "loading weights" in info.value.log_tail
     _assert_all_gone(tmp_path)
 

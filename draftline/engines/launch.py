@@ -357,7 +357,8 @@ def _wait_ready(server: EngineServer, cfg: ServerSettings) -> None:
             elif now - last_progress > cfg.no_progress_timeout_s:
                 raise EngineError(
                     f"{spec.name} printed nothing for {cfg.no_progress_timeout_s:.0f} s while loading and was killed "
-                    "(raise engine.no_progress_timeout_s if this load is legitimately silent)",
+                    "(raise no_progress_timeout_s in this server's section, traces.vllm, extract.vllm or its "
+                    "eval.engines entry, if this load is legitimately silent)",
                     log_tail(server.log_path),
                 )
             if now - start > limit:
