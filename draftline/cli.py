@@ -106,7 +106,7 @@ def _add_plan(sub) -> None:
                    help="replace one of the plan's constants (listed under constants in its JSON) with your own "
                         "measurement, e.g. prefill_flops_per_s=2e14; repeatable")
     p.add_argument("--calibrate", action="store_true", help="CPU plans: time a short training probe on this machine "
-                   "now (a few seconds) and scale the CPU rates to its speed and present load")
+                   "now (about 12 seconds) and scale the CPU rates to its speed and present load")
     p.add_argument("--json", metavar="FILE", help="where the plan's JSON goes (default: plan-<run>.json here)")
     _add_set(p)
 
