@@ -186,35 +186,34 @@ def test_up_starts_a_postgres_backed_prefect_server_with_ui_s3_with_credentials_
     assert "Prefect UI" in again.stdout and env["AWS_SECRET_ACCESS_KEY"] not in again.stdout + again.stderr
 
 
-def test_apply_pools_creates_and_updates_a_kubernetes_gpu_pool_from_its_template(stack):
-    from prefect.client.orchestration import get_client
+def _apply_pools(stack, pool: str) -> None:
+    applied = subprocess.run([str(REPO / "infra/k8s/apply-pools.sh"), pool], cwd=REPO,
+                             env={**stack.env, **stack.user_env}, capture_output=True, text=True, timeout=180)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
 
-    # gpu-sglang only: gpu-vllm is this stack's process pool, served by its vllm-cpu worker.
-    for _ in range(2):  # the second run updates in place (--overwrite)
-        applied = subprocess.run([str(REPO / "infra/k8s/apply-pools.sh"), "gpu-sglang"], cwd=REPO,
-                                 env={**stack.env, **stack.user_env}, capture_output=True, text=True, timeout=180)
-        assert applied.returncode == 0, applied.stdout + applied.stderr
+
+def _read_pool(stack, name: str):
+    from prefect.client.orchestration import get_client
 
     async def read():
         async with get_client() as client:
-            return await client.read_work_pool("gpu-sglang")
+            return await client.read_work_pool(name)
 
     with _client_settings(stack):
-        pool = asyncio.run(read())
+        return asyncio.run(read())
+
+
+def test_apply_pools_creates_and_updates_a_kubernetes_gpu_pool_from_its_template(stack):
+    # gpu-sglang only: gpu-vllm is this stack's process pool, served by its vllm-cpu worker.
+    for _ in range(2):  # the second run updates in place (--overwrite)
+        _apply_pools(stack, "gpu-sglang")
+    pool = _read_pool(stack, "gpu-sglang")
     assert pool.type == "kubernetes"
     assert pool.base_job_template == json.loads((REPO / "infra/k8s/gpu-sglang.json").read_text())
 
     # The cpu pool, which `prefect deploy` needs: this stack's worker made it; the script keeps it as it is.
-    applied = subprocess.run([str(REPO / "infra/k8s/apply-pools.sh"), "cpu"], cwd=REPO,
-                             env={**stack.env, **stack.user_env}, capture_output=True, text=True, timeout=180)
-    assert applied.returncode == 0, applied.stdout + applied.stderr
-
-    async def read_cpu():
-        async with get_client() as client:
-            return await client.read_work_pool("cpu")
-
-    with _client_settings(stack):
-        assert asyncio.run(read_cpu()).type == "process"
+    _apply_pools(stack, "cpu")
+    assert _read_pool(stack, "cpu").type == "process"
 
 
 SMALL_RUN = "infra-e2e"
