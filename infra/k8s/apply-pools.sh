@@ -23,7 +23,16 @@ pools=("$@")
 for pool in "${pools[@]}"; do
   if [ "$pool" = cpu ]; then
     # Prefect's own process template: nothing to update once the pool exists. `prefect deploy` needs it to exist.
-    "$PY" -m prefect work-pool inspect cpu > /dev/null 2>&1 || "$PY" -m prefect work-pool create cpu --type process
+    if found=$("$PY" -m prefect work-pool inspect cpu --output json 2> /dev/null); then
+      type=$(printf '%s' "$found" | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["type"])')
+      if [ "$type" != process ]; then
+        echo "apply-pools.sh: work pool 'cpu' is of type '$type', but workers.yaml serves it with a process worker;" \
+          "delete it (prefect work-pool delete cpu) and run this again" >&2
+        exit 2
+      fi
+    else
+      "$PY" -m prefect work-pool create cpu --type process
+    fi
     continue
   fi
   template="$here/$pool.json"
