@@ -242,7 +242,7 @@ def main() -> None:
                  "eval": {"max_prompts": args.eval_prompts}}
     if base.train.device == "cpu":
         # On a small CPU an eager engine (torch.compile's warm-up costs minutes a start); torch keeps the config's
-        # threads, as a user's run does (one pinned thread trained 1.5x slower beside the idle engine). A GPU config
+        # threads, as a user's run does (one pinned thread trained 1.5x slower beside the engine). A GPU config
         # keeps its own engine flags.
         overrides["extract"] = {"vllm": {"extra_args": ["--enforce-eager"], "retries": 0}}
     root = Path(args.store).resolve()
