@@ -292,13 +292,14 @@ def engine_starts() -> dict:
                 "new kind after others", False),
                ("extract-vllm-moe-h100-256 capture server (a fresh machine)",
                 _json("extract-vllm-moe-h100-256.json")["engine_start_s"], moe, "first", True)]
-    # engine_rates.py's servers on two fresh H100s, each machine's in the order they started: vLLM makes dummy
+    # engine_rates.py's servers on three fresh H100s, each machine's in the order they started: vLLM makes dummy
     # weights on the GPU, so no start reads weights from disk.
     for name, which in (("engine-rates-kimi-bf16-h100", "first"),
                         ("engine-rates-kimi-int4-h100", "new kind after others"),
                         ("engine-rates-llama-8b-h100", "new kind after others"),
                         ("engine-rates-kimi-int4-l2-h100", "first"),
-                        ("engine-rates-kimi-mla-l4-h100", "new kind after others")):
+                        ("engine-rates-kimi-mla-l4-h100", "new kind after others"),
+                        ("engine-rates-kimi-int4-l7-h100", "first")):
         d = _json(f"{name}.json")
         starts.append((f"{name} (CUDA graphs, dummy weights)", d["start_s"],
                        target_shape(d["target_config"], d["shape"]), which, False, "dummy"))
