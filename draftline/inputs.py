@@ -178,9 +178,9 @@ def _template_file(path: str) -> str:
     return f"traces.chat_template {path}: a file"
 
 
-def _chat_template(config: PipelineConfig, prompt_fields: tuple[str, ...] = ("traces.prompts", "eval.prompts")) -> str:
+def _chat_template(config: PipelineConfig, wanted) -> str:
     """The template renders and opens the answer, and renders the first prompt of each record read of the prompt sets
-    in `prompt_fields` (those the checked stages read)."""
+    `wanted` names (those the checked stages read)."""
     from draftline import turns as turn_lib
     from draftline.chat_template import ChatTemplate
     from draftline.conversations import BadRecord, read_prompt_set
@@ -202,7 +202,7 @@ def _chat_template(config: PipelineConfig, prompt_fields: tuple[str, ...] = ("tr
     template.check(tok)
     refused = []
     for field_name, path in (("traces.prompts", config.traces.prompts), ("eval.prompts", config.eval.prompts)):
-        if field_name not in prompt_fields or path.startswith("s3://") or not Path(path).exists():
+        if not wanted(field_name) or path.startswith("s3://") or not Path(path).exists():
             continue
         reading = {**_reading(config, field_name), "on_bad_record": "skip"}  # _prompts reports what is unreadable
         prompts = read_prompt_set(path, field_name, limit=VALIDATE_RECORDS, **reading)
@@ -301,8 +301,7 @@ def check_inputs(config: PipelineConfig, *, here: bool = True, reach_store: bool
         _check(report, "target.tokenizer", lambda: _tokenizer(config))
         if wanted("traces.chat_template") and not report.problems and (not config.traces.chat_template
                                                                        or Path(config.traces.chat_template).is_file()):
-            read = tuple(name for name in ("traces.prompts", "eval.prompts") if wanted(name))
-            _check(report, "traces.chat_template", lambda: _chat_template(config, read))
+            _check(report, "traces.chat_template", lambda: _chat_template(config, wanted))
     # Each stage checks its own servers' contexts (the evaluations' key is apart from eval.engines' CPU kernel check).
     servers = [(f, settings) for f, settings in engine_servers(config)
                if wanted("eval.engines.max_model_len" if f.startswith("eval.engines.") else f)]
